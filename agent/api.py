@@ -1,0 +1,293 @@
+"""Public HTTP API: OpenAI-compatible endpoints, cluster views and health.
+
+Any agent answers; requests that need the orchestrator are passed to it. Errors use the
+OpenAI error shape: {"error": {"message", "type", "param", "code"}}.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+import uuid
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+
+from agent.core.capacity import score
+from agent.core.chat_request import ChatRequest, InvalidRequestError, parse_request
+from agent.core.errors import ClusterError
+from agent.dataplane import StageError
+from agent.orchestrator import Completion
+from agent.service_keys import CLIENT, CONFIG, MEMBERSHIP, NODE_ID, ORCHESTRATOR, WORKER
+from shards.errors import ShardsError
+from shards.sampling import SamplingParams
+
+log = logging.getLogger(__name__)
+PROXY_TIMEOUT = aiohttp.ClientTimeout(total=None, connect=5.0, sock_read=300.0)
+HOP_HEADERS = {"host", "content-length", "transfer-encoding", "connection"}
+
+routes = web.RouteTableDef()
+
+
+def error_response(status: int, message: str, *, type_: str | None = None, param: str | None = None,
+                   code: str | None = None, headers: dict[str, str] | None = None) -> web.Response:
+    kind = type_ or {400: "invalid_request_error", 401: "authentication_error", 404: "invalid_request_error",
+                     503: "service_unavailable"}.get(status, "server_error")
+    return web.json_response({"error": {"message": message, "type": kind, "param": param, "code": code}},
+                             status=status, headers=headers)
+
+
+@web.middleware
+async def openai_errors(request: web.Request, handler: Any) -> web.StreamResponse:
+    """Turn every failure of a public endpoint into the OpenAI error shape."""
+    try:
+        return await handler(request)
+    except InvalidRequestError as error:
+        return error_response(error.status, str(error), param=error.param, code=error.code)
+    except ClusterError as error:
+        return error_response(503, str(error), code="cluster_unavailable", headers={"Retry-After": "5"})
+    except StageError as error:
+        status = 400 if error.node is None and error.code == "bad_request" else 503
+        return error_response(status, f"{error} (retry in a moment)" if status == 503 else str(error),
+                              code=error.code, headers={"Retry-After": "2"} if status == 503 else None)
+    except web.HTTPException as error:
+        if error.status >= 400 and error.content_type != "application/json":
+            return error_response(error.status, error.reason or "error", code=str(error.status))
+        raise
+
+
+# --- health and cluster views -------------------------------------------------------------------
+@routes.get("/health")
+async def health(request: web.Request) -> web.Response:
+    membership = request.app[MEMBERSHIP]
+    return web.json_response({
+        "status": "ok",
+        "node_id": request.app[NODE_ID],
+        "role": membership.role,
+        "orchestrator": membership.election.orchestrator if membership.election else None,
+    })
+
+
+@routes.get("/cluster/nodes")
+async def cluster_nodes(request: web.Request) -> web.Response:
+    membership = request.app[MEMBERSHIP]
+    nodes = [{
+        "id": request.app[NODE_ID], "url": membership.self_url(), "alive": True, "self": True,
+        "role": membership.role, "score": score(membership.capacity), "capacity": membership.capacity.to_dict(),
+        "latency_ms": 0.0, "worker": request.app[WORKER].status(),
+    }]
+    extras = membership.peer_extras()
+    for url, entry in sorted(membership.table.entries.items()):
+        advert = entry.advert
+        nodes.append({
+            "id": advert.node_id if advert else None, "url": url, "alive": entry.alive, "self": False,
+            "source": entry.source, "role": advert.role if advert else None,
+            "score": score(advert.capacity) if advert else None,
+            "capacity": advert.capacity.to_dict() if advert else None, "latency_ms": entry.latency_ms,
+            "failures": entry.failures, "worker": extras.get(advert.node_id, {}).get("worker") if advert else None,
+        })
+    election = membership.election
+    return web.json_response({
+        "node_id": request.app[NODE_ID],
+        "cluster": request.app[CONFIG].cluster_name,
+        "orchestrator": election.orchestrator if election else None,
+        "epoch": election.epoch if election else 0,
+        "nodes": nodes,
+    })
+
+
+@routes.post("/cluster/join")
+async def cluster_join(request: web.Request) -> web.Response:
+    """Add a static peer at run time (what `ncm join URL` calls)."""
+    body = await _read_json(request)
+    url = body.get("url") if isinstance(body, dict) else None
+    if not isinstance(url, str) or not url.startswith(("http://", "https://")) or len(url) > 255:
+        raise InvalidRequestError("'url' must be an http(s):// URL of another agent", "url")
+    request.app[MEMBERSHIP].discovered(url, "static")
+    return web.json_response({"message": f"contacting {url} now"})
+
+
+async def _ask_orchestrator(request: web.Request) -> web.StreamResponse | None:
+    """Proxy the request to the orchestrator when this node is not it (None: handle here)."""
+    membership = request.app[MEMBERSHIP]
+    election = membership.election
+    if election is None:
+        raise ClusterError("no orchestrator has been elected yet; the cluster is starting")
+    if election.orchestrator == request.app[NODE_ID]:
+        return None
+    try:
+        target = membership.address_of(election.orchestrator)
+    except KeyError:
+        raise ClusterError(f"the orchestrator {election.orchestrator} is not reachable from this node") from None
+    headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP_HEADERS}
+    body = await request.read()
+    session = request.app[CLIENT].session
+    try:
+        async with session.request(request.method, target + request.rel_url.path_qs, data=body or None,
+                                   headers=headers, timeout=PROXY_TIMEOUT) as upstream:
+            response = web.StreamResponse(status=upstream.status, headers={
+                k: v for k, v in upstream.headers.items() if k.lower() not in HOP_HEADERS | {"content-encoding"}})
+            await response.prepare(request)
+            async for chunk in upstream.content.iter_any():
+                await response.write(chunk)
+            await response.write_eof()
+            return response
+    except (aiohttp.ClientError, TimeoutError) as error:
+        raise ClusterError(f"the orchestrator did not answer: {type(error).__name__}") from None
+
+
+@routes.get("/cluster/status")
+async def cluster_status(request: web.Request) -> web.StreamResponse:
+    proxied = await _ask_orchestrator(request)
+    if proxied is not None:
+        return proxied
+    orchestrator = request.app[ORCHESTRATOR]
+    membership = request.app[MEMBERSHIP]
+    return web.json_response({
+        **orchestrator.status(),
+        "orchestrator": request.app[NODE_ID],
+        "nodes_alive": sorted(membership.alive_nodes()),
+    })
+
+
+@routes.get("/cluster/plan")
+async def cluster_plan(request: web.Request) -> web.StreamResponse:
+    proxied = await _ask_orchestrator(request)
+    if proxied is not None:
+        return proxied
+    orchestrator = request.app[ORCHESTRATOR]
+    plan, order = orchestrator.plan, orchestrator.order
+    if plan is None or order is None:
+        raise ClusterError(f"no plan is deployed ({orchestrator.state}: {orchestrator.message})")
+    layers = [{"layer": layer, "holders": list(holders), "coverage": len(holders)}
+              for layer, holders in enumerate(plan.redundancy_map)]
+    return web.json_response({
+        "model": order.model, "plan_version": order.plan_version, "epoch": order.epoch,
+        "plan": plan.to_dict(), "route": order.route.to_list(), "layers": layers,
+        "uncovered_layers": plan.uncovered_layers(),
+    })
+
+
+# --- OpenAI surface ------------------------------------------------------------------------------
+@routes.get("/v1/models")
+async def list_models(request: web.Request) -> web.Response:
+    model = request.app[CONFIG].model
+    return web.json_response({"object": "list", "data": [
+        {"id": model, "object": "model", "created": 0, "owned_by": "ncm"}]})
+
+
+async def _read_json(request: web.Request) -> Any:
+    try:
+        return await request.json()
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        raise InvalidRequestError("the request body is not valid JSON") from None
+
+
+def _sampling(chat: ChatRequest, prompt_tokens: int, max_context: int) -> SamplingParams:
+    room = max_context - prompt_tokens
+    if room < 1:
+        raise InvalidRequestError(
+            f"the prompt has {prompt_tokens} tokens but the context holds {max_context}; shorten it",
+            "messages" if chat.messages else "prompt", "context_length_exceeded")
+    max_tokens = min(chat.max_tokens or room, room)
+    try:
+        return SamplingParams(temperature=chat.temperature, top_p=chat.top_p, seed=chat.seed,
+                              max_tokens=max_tokens, stop=chat.stop)
+    except ShardsError as error:
+        raise InvalidRequestError(str(error)) from None
+
+
+async def _completion(request: web.Request, *, chat: bool) -> web.StreamResponse:
+    body = await _read_json(request)
+    parsed = parse_request(body, chat=chat)
+    served = request.app[CONFIG].model
+    if parsed.model is not None and parsed.model != served:
+        raise InvalidRequestError(f"model {parsed.model!r} does not exist; this cluster serves: {served}",
+                                  "model", "model_not_found", status=404)
+    proxied = await _ask_orchestrator(request)
+    if proxied is not None:
+        return proxied
+    orchestrator = request.app[ORCHESTRATOR]
+    order, tokenizer = orchestrator.require_serving()
+    if chat:
+        assert parsed.messages is not None
+        try:
+            prompt_ids = tokenizer.encode_chat([{"role": r, "content": c} for r, c in parsed.messages])
+        except ShardsError as error:
+            raise InvalidRequestError(f"cannot apply the chat template: {error}", "messages") from None
+    else:
+        assert parsed.prompt is not None
+        prompt_ids = tokenizer.encode(parsed.prompt)
+    params = _sampling(parsed, len(prompt_ids), request.app[CONFIG].max_context)
+    model = order.model
+    created = int(time.time())
+    ident = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
+    events = orchestrator.complete(prompt_ids, params)
+
+    if not parsed.stream:
+        pieces, last = [], Completion("")
+        async for event in events:
+            pieces.append(event.text)
+            last = event
+        text_out = "".join(pieces)
+        usage = {"prompt_tokens": last.prompt_tokens, "completion_tokens": last.completion_tokens,
+                 "total_tokens": last.prompt_tokens + last.completion_tokens}
+        choice: dict[str, Any] = {"index": 0, "finish_reason": last.finish_reason, "logprobs": None}
+        if chat:
+            choice["message"] = {"role": "assistant", "content": text_out}
+        else:
+            choice["text"] = text_out
+        return web.json_response({"id": ident, "object": "chat.completion" if chat else "text_completion",
+                                  "created": created, "model": model, "choices": [choice], "usage": usage})
+
+    # Streaming: the first step runs before the headers go out, so early failures are still 4xx/5xx.
+    first = await anext(events)
+    response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+    await response.prepare(request)
+    kind = "chat.completion.chunk" if chat else "text_completion"
+
+    async def send(text: str | None, finish: str | None, *, role: bool = False) -> None:
+        if chat:
+            delta: dict[str, Any] = {"role": "assistant", "content": ""} if role else ({"content": text} if text else {})
+            choice = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}
+        else:
+            choice = {"index": 0, "text": text or "", "finish_reason": finish, "logprobs": None}
+        chunk = {"id": ident, "object": kind, "created": created, "model": model, "choices": [choice]}
+        await response.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
+
+    try:
+        if chat:
+            await send(None, None, role=True)
+        last = first
+        await send(first.text, first.finish_reason)
+        if first.finish_reason is None:
+            async for event in events:
+                last = event
+                await send(event.text, event.finish_reason)
+        if parsed.include_usage:
+            usage = {"prompt_tokens": last.prompt_tokens, "completion_tokens": last.completion_tokens,
+                     "total_tokens": last.prompt_tokens + last.completion_tokens}
+            chunk = {"id": ident, "object": kind, "created": created, "model": model, "choices": [], "usage": usage}
+            await response.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
+        await response.write(b"data: [DONE]\n\n")
+    except (StageError, ClusterError) as error:
+        # Headers are gone: report the failure inside the stream, in the OpenAI error shape.
+        payload = {"error": {"message": str(error), "type": "service_unavailable", "param": None,
+                             "code": getattr(error, "code", "cluster_unavailable")}}
+        await response.write(b"data: " + json.dumps(payload).encode() + b"\n\n")
+    finally:
+        await events.aclose()
+    await response.write_eof()
+    return response
+
+
+@routes.post("/v1/chat/completions")
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    return await _completion(request, chat=True)
+
+
+@routes.post("/v1/completions")
+async def completions(request: web.Request) -> web.StreamResponse:
+    return await _completion(request, chat=False)

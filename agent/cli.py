@@ -1,0 +1,47 @@
+"""The `ncm` command line."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from agent import __version__, commands, demo, firstboot, plan_command
+from agent.core.errors import NcmError
+from shards import cli as shards_cli
+from shards.errors import ShardsError
+
+EXIT_USAGE = 2
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="ncm", description="Run language models across the devices you have at home.")
+    parser.add_argument("--version", action="version", version=f"ncm {__version__}")
+    parser.add_argument("-v", "--verbose", action="store_true", help="log debug messages")
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
+    commands.add_parsers(subparsers)
+    demo.add_parser(subparsers)
+    shards_cli.register(subparsers)
+    plan_command.add_parser(subparsers)
+    firstboot.register(subparsers)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    if not hasattr(args, "func"):
+        parser.print_help(sys.stderr)
+        return EXIT_USAGE
+    try:
+        return args.func(args)
+    except (NcmError, ShardsError) as error:
+        print(f"ncm {args.command}: error: {error}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

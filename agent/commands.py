@@ -1,0 +1,136 @@
+"""`ncm serve`, `ncm join` and `ncm status`."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import sys
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+from agent.config import ConfigError, load_config, read_config_file
+from agent.core.errors import NcmError
+
+log = logging.getLogger(__name__)
+DEFAULT_AGENT_URL = "http://127.0.0.1:8080"
+HTTP_TIMEOUT_S = 10.0
+
+
+def add_parsers(subparsers: argparse._SubParsersAction) -> None:
+    serve = subparsers.add_parser("serve", help="run the agent of this device", description="Run the ncm agent in the foreground.")
+    serve.add_argument("--config", type=Path, help="TOML config file (default: /etc/ncm/agent.toml when it exists)")
+    serve.add_argument("--port", type=int, help="API port (default 8080)")
+    serve.add_argument("--host", help="API bind address (default 0.0.0.0)")
+    serve.add_argument("--peer", action="append", dest="peers", metavar="URL", help="a peer agent's URL, for networks without mDNS (repeatable)")
+    serve.add_argument("--state-dir", type=Path, help="where the node id and models live")
+    serve.add_argument("--model", help="model the cluster serves")
+    serve.add_argument("--cluster-name", help="name of the cluster to join")
+    serve.add_argument("--no-mdns", dest="mdns", action="store_const", const=False, help="do not use mDNS")
+    serve.add_argument("--orchestrator", action="store_const", const=True, help="claim the orchestrator role")
+    serve.set_defaults(func=run_serve)
+
+    join = subparsers.add_parser("join", help="add a peer to a running agent (when mDNS is blocked)")
+    join.add_argument("url", help="URL of any agent of the cluster, e.g. http://192.168.1.20:8080")
+    join.add_argument("--agent", default=DEFAULT_AGENT_URL, help="the local agent (default %(default)s)")
+    join.add_argument("--config", type=Path, help="also save the peer in this config file")
+    join.add_argument("--token", help="API token of the local agent, if it needs one")
+    join.set_defaults(func=run_join)
+
+    status = subparsers.add_parser("status", help="show the cluster as an agent sees it")
+    status.add_argument("--remote", default=DEFAULT_AGENT_URL, help="agent to ask (default %(default)s)")
+    status.add_argument("--token", help="API token, if the agent needs one")
+    status.add_argument("--json", action="store_true")
+    status.set_defaults(func=run_status)
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    from agent.service import serve
+
+    overrides = {name: getattr(args, name) for name in ("port", "host", "state_dir", "model", "cluster_name", "mdns", "orchestrator")}
+    overrides["peers"] = tuple(args.peers) if args.peers else None
+    config = load_config(args.config, overrides=overrides)
+    asyncio.run(serve(config))
+    return 0
+
+
+def http_json(method: str, url: str, payload: Any = None, *, token: str | None = None) -> Any:
+    """A small blocking JSON call for the command line; errors become NcmError with the reason."""
+    data = None if payload is None else json.dumps(payload).encode()
+    request = urllib.request.Request(url, data=data, method=method, headers={"Content-Type": "application/json"})
+    if token:
+        request.add_header("Authorization", f"Bearer {token}")
+    try:
+        with urllib.request.urlopen(request, timeout=HTTP_TIMEOUT_S) as response:
+            return json.loads(response.read() or b"null")
+    except urllib.error.HTTPError as error:
+        try:
+            message = json.loads(error.read())["error"]["message"]
+        except (ValueError, KeyError, TypeError):
+            message = error.reason
+        raise NcmError(f"{url}: HTTP {error.code}: {message}") from None
+    except (urllib.error.URLError, TimeoutError, OSError) as error:
+        reason = getattr(error, "reason", error)
+        raise NcmError(f"cannot reach {url}: {reason}") from None
+
+
+def format_toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value)
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(format_toml_value(v) for v in value) + "]"
+    return json.dumps(str(value))  # a JSON string is a valid TOML basic string
+
+
+def save_peer(config_path: Path, url: str) -> None:
+    values = read_config_file(config_path) if config_path.exists() else {}
+    peers = list(values.get("peers", []))
+    if url not in peers:
+        peers.append(url)
+    values["peers"] = peers
+    text = "".join(f"{key} = {format_toml_value(value)}\n" for key, value in values.items())
+    config_path.parent.mkdir(parents=True, exist_ok=True)
+    temporary = config_path.with_suffix(".tmp")
+    temporary.write_text(text, encoding="utf-8")
+    temporary.replace(config_path)
+
+
+def run_join(args: argparse.Namespace) -> int:
+    url = args.url.rstrip("/")
+    if not url.startswith(("http://", "https://")):
+        raise ConfigError(f"{args.url!r} is not an http(s):// URL")
+    health = http_json("GET", url + "/health")
+    answer = http_json("POST", args.agent.rstrip("/") + "/cluster/join", {"url": url}, token=args.token)
+    print(f"joined: the agent at {args.agent} now contacts {url} (node {health.get('node_id')}); {answer.get('message', '')}")
+    if args.config:
+        save_peer(args.config, url)
+        print(f"saved the peer in {args.config}")
+    return 0
+
+
+def run_status(args: argparse.Namespace) -> int:
+    base = args.remote.rstrip("/")
+    nodes = http_json("GET", base + "/cluster/nodes", token=args.token)
+    try:
+        status = http_json("GET", base + "/cluster/status", token=args.token)
+    except NcmError as error:
+        status = {"state": "unknown", "message": str(error)}
+    if args.json:
+        json.dump({"status": status, "nodes": nodes}, sys.stdout, indent=2)
+        print()
+        return 0
+    print(f"cluster {nodes['cluster']!r}: {status.get('state')} — {status.get('message', '')}")
+    print(f"orchestrator: {nodes['orchestrator']} (epoch {nodes['epoch']})  model: {status.get('model')}")
+    print(f"{'node':<34} {'url':<26} {'alive':<6} {'role':<13} {'score':>8}  layers")
+    for node in nodes["nodes"]:
+        worker = node.get("worker") or {}
+        layers = ", ".join(f"{a}-{b}" for a, b in (f["layers"] for f in worker.get("fragments", []))) or "-"
+        score = f"{node['score']:.2f}" if node.get("score") is not None else "-"
+        print(f"{(node['id'] or '?') + (' *' if node.get('self') else ''):<34} {node['url']:<26} "
+              f"{'yes' if node['alive'] else 'no':<6} {node.get('role') or '-':<13} {score:>8}  {layers}")
+    return 0

@@ -1,0 +1,223 @@
+"""Agent configuration: TOML file < NCM_* environment < command-line flags.
+
+Everything is typed and validated at start; an error names the field and where it came from.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import tomllib
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any, Mapping
+from urllib.parse import urlsplit
+
+from agent.core.errors import NcmError
+from shards.store import ncm_home
+
+INSTALLED_CONFIG_PATH = Path("/etc/ncm/agent.toml")
+ENV_PREFIX = "NCM_"
+MIN_CLUSTER_KEY_LENGTH = 16
+
+
+class ConfigError(NcmError, ValueError):
+    """A configuration value is missing, unknown or of the wrong type."""
+
+
+def default_state_dir() -> Path:
+    """$NCM_HOME/agent, else $XDG_DATA_HOME/ncm/agent, else ~/.local/share/ncm/agent."""
+    home = os.environ.get("NCM_HOME")
+    if home:
+        return Path(home) / "agent"
+    data = os.environ.get("XDG_DATA_HOME") or str(Path.home() / ".local" / "share")
+    return Path(data) / "ncm" / "agent"
+
+
+@dataclass(frozen=True)
+class AgentConfig:
+    """Validated configuration of one agent."""
+
+    cluster_name: str = "home"
+    cluster_key: str = ""
+    host: str = "0.0.0.0"
+    port: int = 8080
+    advertise_host: str = ""
+    peers: tuple[str, ...] = ()
+    state_dir: Path = field(default_factory=default_state_dir)
+    model: str = "smollm2-135m"
+    orchestrator: bool = False
+    api_token: str = ""
+    mdns: bool = True
+    interfaces: tuple[str, ...] = ()
+    npu_tops: float | None = None
+    providers: tuple[str, ...] = ()
+    threads: int = 0
+    health_interval_s: float = 1.0
+    failure_threshold: int = 3
+    peer_timeout_s: float = 2.0
+    discovery_grace_s: float = 2.0
+    replicate_head_ratio: float = 0.25
+    replica_count: int | None = None
+    min_layers_per_node: int = 1
+    max_context: int = 2048
+    prefill_chunk: int = 256
+
+    def __post_init__(self) -> None:
+        if not self.cluster_name or len(self.cluster_name) > 63 or not self.cluster_name.replace("-", "").replace("_", "").isalnum():
+            raise ConfigError(f"cluster_name must be 1-63 letters, digits, '-' or '_', got {self.cluster_name!r}")
+        if self.cluster_key and len(self.cluster_key) < MIN_CLUSTER_KEY_LENGTH:
+            raise ConfigError(f"cluster_key must be at least {MIN_CLUSTER_KEY_LENGTH} characters")
+        if not 0 <= self.port <= 65535:
+            raise ConfigError(f"port must be in 0-65535, got {self.port}")
+        for peer in self.peers:
+            parts = urlsplit(peer)
+            if parts.scheme not in ("http", "https") or not parts.hostname:
+                raise ConfigError(f"peers: {peer!r} is not an http(s)://host:port URL")
+        if not self.model:
+            raise ConfigError("model must not be empty")
+        if self.npu_tops is not None and (not math.isfinite(self.npu_tops) or self.npu_tops < 0):
+            raise ConfigError(f"npu_tops must be >= 0, got {self.npu_tops}")
+        if self.threads < 0:
+            raise ConfigError(f"threads must be >= 0 (0 = let the runtime choose), got {self.threads}")
+        for name in ("health_interval_s", "peer_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.discovery_grace_s < 0:
+            raise ConfigError(f"discovery_grace_s must be >= 0, got {self.discovery_grace_s}")
+        if self.failure_threshold < 1:
+            raise ConfigError(f"failure_threshold must be >= 1, got {self.failure_threshold}")
+        if not 0.0 <= self.replicate_head_ratio <= 1.0:
+            raise ConfigError(f"replicate_head_ratio must be in [0, 1], got {self.replicate_head_ratio}")
+        if self.replica_count is not None and self.replica_count < 0:
+            raise ConfigError(f"replica_count must be >= 0, got {self.replica_count}")
+        if self.min_layers_per_node < 0:
+            raise ConfigError(f"min_layers_per_node must be >= 0, got {self.min_layers_per_node}")
+        if self.max_context < 16 or self.prefill_chunk < 1 or self.prefill_chunk > self.max_context:
+            raise ConfigError("max_context must be >= 16 and prefill_chunk in 1..max_context")
+
+    @property
+    def models_home(self) -> Path:
+        """Where the model store lives ($NCM_HOME, else the user's data directory)."""
+        return ncm_home()
+
+
+_FIELD_TYPES: dict[str, str] = {
+    "cluster_name": "str", "cluster_key": "str", "host": "str", "port": "int", "advertise_host": "str",
+    "peers": "list", "state_dir": "path", "model": "str", "orchestrator": "bool", "api_token": "str",
+    "mdns": "bool", "interfaces": "list", "npu_tops": "float?", "providers": "list", "threads": "int",
+    "health_interval_s": "float", "failure_threshold": "int", "peer_timeout_s": "float",
+    "discovery_grace_s": "float", "replicate_head_ratio": "float", "replica_count": "int?",
+    "min_layers_per_node": "int", "max_context": "int", "prefill_chunk": "int",
+}
+assert set(_FIELD_TYPES) == {f.name for f in fields(AgentConfig)}
+
+
+def _coerce(name: str, value: Any, source: str) -> Any:
+    """Convert a TOML value, or an environment string, to the field's type."""
+    kind = _FIELD_TYPES[name]
+    from_text = isinstance(value, str) and source.startswith("environment")
+    where = f"{name} (from {source})"
+    if kind.endswith("?"):
+        if value is None or (from_text and value.strip() == ""):
+            return None
+        kind = kind[:-1]
+    try:
+        if kind == "str":
+            if not isinstance(value, str):
+                raise TypeError
+            return value
+        if kind == "path":
+            if not isinstance(value, (str, Path)) or not str(value):
+                raise TypeError
+            return Path(value).expanduser()
+        if kind == "bool":
+            if from_text:
+                lowered = value.strip().lower()
+                if lowered in ("1", "true", "yes", "on"):
+                    return True
+                if lowered in ("0", "false", "no", "off"):
+                    return False
+                raise TypeError
+            if not isinstance(value, bool):
+                raise TypeError
+            return value
+        if kind == "int":
+            if from_text:
+                return int(value.strip())
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise TypeError
+            return value
+        if kind == "float":
+            if from_text:
+                return float(value.strip())
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise TypeError
+            return float(value)
+        if kind == "list":
+            if from_text:
+                return tuple(item.strip() for item in value.split(",") if item.strip())
+            if not isinstance(value, (list, tuple)) or not all(isinstance(item, str) for item in value):
+                raise TypeError
+            return tuple(value)
+    except (TypeError, ValueError):
+        expected = {"str": "a string", "path": "a path", "bool": "true or false", "int": "an integer",
+                    "float": "a number", "list": "a list of strings"}[kind]
+        raise ConfigError(f"{where} must be {expected}, got {value!r}") from None
+    raise AssertionError(kind)  # pragma: no cover
+
+
+def _apply(values: dict[str, Any], updates: Mapping[str, Any], source: str) -> None:
+    for name, value in updates.items():
+        if name not in _FIELD_TYPES:
+            raise ConfigError(f"unknown setting {name!r} (from {source}); known settings: {', '.join(sorted(_FIELD_TYPES))}")
+        values[name] = _coerce(name, value, source)
+
+
+def read_config_file(path: Path) -> dict[str, Any]:
+    try:
+        with path.open("rb") as handle:
+            data = tomllib.load(handle)
+    except FileNotFoundError:
+        raise ConfigError(f"config file {str(path)!r} does not exist") from None
+    except OSError as error:
+        raise ConfigError(f"cannot read config file {str(path)!r}: {error.strerror}") from None
+    except tomllib.TOMLDecodeError as error:
+        raise ConfigError(f"config file {str(path)!r} is not valid TOML: {error}") from None
+    # Accept either flat keys or everything under an [agent] table.
+    if set(data) == {"agent"} and isinstance(data["agent"], dict):
+        data = data["agent"]
+    return data
+
+
+def environment_settings(environ: Mapping[str, str]) -> dict[str, str]:
+    """NCM_<FIELD> variables that name a setting (NCM_HOME and others are left alone)."""
+    return {
+        key[len(ENV_PREFIX):].lower(): value
+        for key, value in environ.items()
+        if key.startswith(ENV_PREFIX) and key[len(ENV_PREFIX):].lower() in _FIELD_TYPES
+    }
+
+
+def load_config(
+    path: Path | None = None,
+    *,
+    environ: Mapping[str, str] | None = None,
+    overrides: Mapping[str, Any] | None = None,
+) -> AgentConfig:
+    """Build the configuration: ``path`` (or /etc/ncm/agent.toml when it exists), then the
+    environment, then ``overrides`` (command-line flags; None values are ignored)."""
+    environ = os.environ if environ is None else environ
+    values: dict[str, Any] = {}
+    if path is None and INSTALLED_CONFIG_PATH.exists():
+        path = INSTALLED_CONFIG_PATH
+    if path is not None:
+        _apply(values, read_config_file(path), f"config file {path}")
+    _apply(values, environment_settings(environ), "environment NCM_*")
+    _apply(values, {k: v for k, v in (overrides or {}).items() if v is not None}, "command line")
+    try:
+        return AgentConfig(**values)
+    except ConfigError:
+        raise
+    except (TypeError, ValueError) as error:  # pragma: no cover - guarded by _coerce
+        raise ConfigError(str(error)) from None

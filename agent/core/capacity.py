@@ -1,0 +1,105 @@
+"""Capacity of a node and its score (redundancy design §1).
+
+score(n) = (w_v·VRAM + w_r·RAM + w_n·NPU − w_l·latency/100) · (1 − 0.5·load), floored at 1e-3,
+with w = (2.0, 0.5, 1.5, 0.25) normalised to sum 1. VRAM and RAM are in GiB, NPU in TOPS,
+latency in milliseconds and load in [0, 1].
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+from agent.core.errors import InvalidNodeError
+
+_RAW_WEIGHTS = (2.0, 0.5, 1.5, 0.25)
+WEIGHT_VRAM, WEIGHT_RAM, WEIGHT_NPU, WEIGHT_LATENCY = (w / sum(_RAW_WEIGHTS) for w in _RAW_WEIGHTS)
+SCORE_FLOOR = 1e-3
+LOAD_PENALTY = 0.5
+MAX_NODE_ID_LENGTH = 64
+
+
+def validate_node_id(node_id: object) -> str:
+    """Return ``node_id`` if it is a usable node id, else raise InvalidNodeError."""
+    if not isinstance(node_id, str) or not node_id:
+        raise InvalidNodeError(f"node id must be a non-empty string, got {node_id!r}")
+    if len(node_id) > MAX_NODE_ID_LENGTH or not node_id.isprintable() or node_id != node_id.strip():
+        raise InvalidNodeError(
+            f"node id {node_id!r} must be printable, without surrounding spaces, "
+            f"at most {MAX_NODE_ID_LENGTH} characters"
+        )
+    return node_id
+
+
+def _finite_non_negative(node_id: str, field: str, value: object) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise InvalidNodeError(f"node {node_id!r}: {field} must be a number, got {value!r}")
+    number = float(value)
+    if not math.isfinite(number) or number < 0:
+        raise InvalidNodeError(f"node {node_id!r}: {field} must be finite and >= 0, got {value!r}")
+    return number
+
+
+@dataclass(frozen=True)
+class NodeCapacity:
+    """What a node declares about itself; validated on construction."""
+
+    node_id: str
+    vram_gib: float = 0.0
+    ram_gib: float = 0.0
+    npu_tops: float = 0.0
+    latency_ms: float = 0.0
+    load: float = 0.0
+
+    def __post_init__(self) -> None:
+        validate_node_id(self.node_id)
+        for field in ("vram_gib", "ram_gib", "npu_tops", "latency_ms", "load"):
+            object.__setattr__(self, field, _finite_non_negative(self.node_id, field, getattr(self, field)))
+        if self.load > 1.0:
+            raise InvalidNodeError(f"node {self.node_id!r}: load must be in [0, 1], got {self.load!r}")
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> NodeCapacity:
+        """Build from a JSON object with ``id`` (or ``node_id``) and the capacity fields."""
+        if not isinstance(data, Mapping):
+            raise InvalidNodeError(f"a node must be a JSON object, got {type(data).__name__}")
+        node_id = data.get("id", data.get("node_id"))
+        if node_id is None:
+            raise InvalidNodeError(f"node {dict(data)!r} is missing the field 'id'")
+        known = {"id", "node_id", "vram_gib", "ram_gib", "npu_tops", "latency_ms", "load"}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise InvalidNodeError(f"node {node_id!r}: unknown field(s) {', '.join(unknown)}")
+        missing = [f for f in ("vram_gib", "ram_gib", "npu_tops", "latency_ms", "load") if f not in data]
+        if missing:
+            raise InvalidNodeError(f"node {node_id!r} is missing the field(s) {', '.join(missing)}")
+        return cls(
+            node_id=node_id,
+            vram_gib=data["vram_gib"],
+            ram_gib=data["ram_gib"],
+            npu_tops=data["npu_tops"],
+            latency_ms=data["latency_ms"],
+            load=data["load"],
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "id": self.node_id,
+            "vram_gib": self.vram_gib,
+            "ram_gib": self.ram_gib,
+            "npu_tops": self.npu_tops,
+            "latency_ms": self.latency_ms,
+            "load": self.load,
+        }
+
+
+def score(node: NodeCapacity) -> float:
+    """The capacity score of §1 (always >= SCORE_FLOOR)."""
+    raw = (
+        WEIGHT_VRAM * node.vram_gib
+        + WEIGHT_RAM * node.ram_gib
+        + WEIGHT_NPU * node.npu_tops
+        - WEIGHT_LATENCY * node.latency_ms / 100.0
+    )
+    return max(SCORE_FLOOR, raw * (1.0 - LOAD_PENALTY * node.load))

@@ -1,0 +1,89 @@
+"""Orders from the orchestrator to workers (`set_routing`), validated on construction.
+
+An order carries the whole plan and route so that every worker knows which layer ranges it
+serves (its hops) and, after the fragment that ends at layer L, which node serves L+1.
+Workers refuse orders from an older epoch than the newest they have obeyed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+from agent.core.errors import WireError
+from agent.core.plan import LayerRange
+from agent.core.routing import Hop, Route, forwarding_table
+
+
+@dataclass(frozen=True)
+class RoutingOrder:
+    epoch: int
+    orchestrator: str
+    plan_version: int
+    model: str
+    total_layers: int
+    route: Route
+    addresses: Mapping[str, str]
+    weight_sources: tuple[str, ...] = ()
+    plan: Mapping[str, Any] = field(default_factory=dict)
+    degraded: bool = False
+
+    def __post_init__(self) -> None:
+        if self.epoch < 1 or self.plan_version < 1:
+            raise WireError("routing order: epoch and plan_version must be >= 1")
+        if self.route.total_layers != self.total_layers:
+            raise WireError(f"routing order: route covers {self.route.total_layers} layers, model has {self.total_layers}")
+        missing = [n for n in self.route.nodes if n not in self.addresses]
+        if missing:
+            raise WireError(f"routing order: no address for {', '.join(missing)}")
+
+    def hops_of(self, node_id: str) -> list[Hop]:
+        return [hop for hop in self.route.hops if hop.node_id == node_id]
+
+    def hop_starting_at(self, layer: int) -> Hop | None:
+        for hop in self.route.hops:
+            if hop.layers.first == layer:
+                return hop
+        return None
+
+    def next_after(self, last_layer: int) -> str | None:
+        """Node serving ``last_layer + 1`` (None after the tail)."""
+        return forwarding_table(self.route).get(last_layer)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "epoch": self.epoch,
+            "orchestrator": self.orchestrator,
+            "plan_version": self.plan_version,
+            "model": self.model,
+            "total_layers": self.total_layers,
+            "route": self.route.to_list(),
+            "addresses": dict(self.addresses),
+            "weight_sources": list(self.weight_sources),
+            "plan": dict(self.plan),
+            "degraded": self.degraded,
+        }
+
+    @classmethod
+    def from_json(cls, data: Any) -> RoutingOrder:
+        try:
+            hops = tuple(Hop(str(h["node"]), LayerRange(int(h["layers"][0]), int(h["layers"][1]))) for h in data["route"])
+            addresses = data["addresses"]
+            if not isinstance(addresses, dict) or not all(isinstance(v, str) for v in addresses.values()):
+                raise TypeError("addresses must map node ids to URLs")
+            return cls(
+                epoch=int(data["epoch"]),
+                orchestrator=str(data["orchestrator"]),
+                plan_version=int(data["plan_version"]),
+                model=str(data["model"]),
+                total_layers=int(data["total_layers"]),
+                route=Route(hops),
+                addresses=dict(addresses),
+                weight_sources=tuple(str(u) for u in data.get("weight_sources", [])),
+                plan=dict(data.get("plan", {})),
+                degraded=bool(data.get("degraded", False)),
+            )
+        except WireError:
+            raise
+        except (KeyError, TypeError, ValueError, IndexError) as error:
+            raise WireError(f"malformed routing order: {error}") from None

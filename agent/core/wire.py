@@ -1,0 +1,120 @@
+"""Data-plane frames: a small msgpack header plus the raw bytes of one tensor.
+
+Layout: b"NCM1" | header length (u32, little endian) | msgpack header | raw tensor bytes.
+The header names the message kind and, when a tensor follows, its dtype and shape; decoding
+checks the dtype against an allowed list, the shape, and that the byte length matches, and
+returns the tensor as a zero-copy view of the frame.
+"""
+
+from __future__ import annotations
+
+import math
+import struct
+from typing import Any
+
+import msgpack
+import numpy as np
+
+from agent.core.errors import WireError
+
+MAGIC = b"NCM1"
+_LENGTH = struct.Struct("<I")
+MAX_HEADER_BYTES = 64 * 1024
+MAX_TENSOR_DIMS = 4
+ALLOWED_DTYPES = frozenset({"float32", "float16", "int64", "int32"})
+
+_STR, _INT, _BOOL, _MAP, _OPT_INT, _OPT_STR = "str", "int", "bool", "map", "int?", "str?"
+# kind -> required fields and their types; "tensor" marks kinds that carry a tensor.
+SCHEMAS: dict[str, dict[str, str]] = {
+    "step": {"sid": _STR, "seq": _INT, "layer": _INT, "start": _INT, "sample": _BOOL, "epoch": _INT, "plan": _INT},
+    "result": {"sid": _STR, "seq": _INT, "token": _OPT_INT},
+    "close": {"sid": _STR, "layer": _INT},
+    "error": {"sid": _STR, "seq": _INT, "code": _STR, "message": _STR, "node": _OPT_STR},
+}
+TENSOR_KINDS = frozenset({"step"})
+OPTIONAL_FIELDS: dict[str, dict[str, str]] = {"step": {"params": _MAP}, "result": {"stage_ms": _MAP}}
+
+
+def _check_type(kind: str, name: str, value: Any, expected: str) -> None:
+    optional = expected.endswith("?")
+    base = expected.rstrip("?")
+    if optional and value is None:
+        return
+    ok = {
+        _STR: isinstance(value, str) and len(value) <= 4096,
+        _INT: isinstance(value, int) and not isinstance(value, bool),
+        _BOOL: isinstance(value, bool),
+        _MAP: isinstance(value, dict),
+    }[base]
+    if not ok:
+        raise WireError(f"{kind} frame: field {name!r} must be {base}, got {type(value).__name__}")
+
+
+def validate_header(header: Any) -> dict[str, Any]:
+    if not isinstance(header, dict):
+        raise WireError("frame header must be a map")
+    kind = header.get("kind")
+    if kind not in SCHEMAS:
+        raise WireError(f"unknown frame kind {kind!r}")
+    for name, expected in SCHEMAS[kind].items():
+        if name not in header:
+            raise WireError(f"{kind} frame is missing {name!r}")
+        _check_type(kind, name, header[name], expected)
+    for name, expected in OPTIONAL_FIELDS.get(kind, {}).items():
+        if name in header:
+            _check_type(kind, name, header[name], expected)
+    return header
+
+
+def encode_frame(header: dict[str, Any], tensor: np.ndarray | None = None) -> bytes:
+    """Pack a header (validated) and an optional tensor into one frame."""
+    header = dict(header)
+    if tensor is not None:
+        if tensor.dtype.name not in ALLOWED_DTYPES:
+            raise WireError(f"dtype {tensor.dtype.name} is not allowed on the wire")
+        tensor = np.ascontiguousarray(tensor)
+        header["tensor"] = {"dtype": tensor.dtype.name, "shape": list(tensor.shape)}
+    validate_header(header)
+    if (header["kind"] in TENSOR_KINDS) != (tensor is not None):
+        raise WireError(f"{header['kind']} frame {'needs' if tensor is None else 'takes no'} tensor")
+    packed = msgpack.packb(header, use_bin_type=True)
+    parts: list[Any] = [MAGIC, _LENGTH.pack(len(packed)), packed]
+    if tensor is not None:
+        parts.append(memoryview(tensor).cast("B"))
+    return b"".join(parts)
+
+
+def decode_frame(frame: bytes | bytearray | memoryview) -> tuple[dict[str, Any], np.ndarray | None]:
+    """Unpack and validate a frame; the tensor is a read-only view of ``frame``."""
+    view = memoryview(frame)
+    if len(view) < 8 or bytes(view[:4]) != MAGIC:
+        raise WireError("not an ncm frame (bad magic)")
+    (header_length,) = _LENGTH.unpack(view[4:8])
+    if header_length > MAX_HEADER_BYTES or 8 + header_length > len(view):
+        raise WireError(f"frame header length {header_length} is out of bounds")
+    try:
+        header = msgpack.unpackb(view[8 : 8 + header_length], raw=False, strict_map_key=True)
+    except (msgpack.UnpackException, ValueError) as error:
+        raise WireError(f"frame header is not valid msgpack: {error}") from None
+    validate_header(header)
+    payload = view[8 + header_length :]
+    spec = header.get("tensor")
+    if header["kind"] not in TENSOR_KINDS:
+        if spec is not None or len(payload):
+            raise WireError(f"{header['kind']} frame must not carry a tensor")
+        return header, None
+    if not isinstance(spec, dict):
+        raise WireError(f"{header['kind']} frame is missing its tensor description")
+    dtype, shape = spec.get("dtype"), spec.get("shape")
+    if dtype not in ALLOWED_DTYPES:
+        raise WireError(f"tensor dtype {dtype!r} is not allowed (allowed: {', '.join(sorted(ALLOWED_DTYPES))})")
+    if (
+        not isinstance(shape, list)
+        or not 1 <= len(shape) <= MAX_TENSOR_DIMS
+        or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape)
+    ):
+        raise WireError(f"tensor shape {shape!r} is invalid")
+    expected = math.prod(shape) * np.dtype(dtype).itemsize
+    if expected != len(payload):
+        raise WireError(f"tensor of shape {shape} and dtype {dtype} needs {expected} bytes, frame carries {len(payload)}")
+    return header, np.frombuffer(payload, dtype=dtype).reshape(shape)

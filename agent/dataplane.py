@@ -1,0 +1,140 @@
+"""Persistent stage-to-stage links: one WebSocket per (this node, next node), frames in
+both directions, many requests multiplexed by (session id, step number)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+import aiohttp
+import numpy as np
+
+from agent.core.errors import NcmError, WireError
+from agent.core.wire import decode_frame, encode_frame
+from agent.peer_client import PeerClient, PeerError
+
+log = logging.getLogger(__name__)
+STREAM_PATH = "/internal/stream"
+CONNECT_TIMEOUT_S = 5.0
+
+
+class StageError(NcmError):
+    """A stage could not run a step. ``node`` is the node that failed (None: the caller's fault)."""
+
+    def __init__(self, code: str, message: str, node: str | None) -> None:
+        super().__init__(message)
+        self.code = code
+        self.node = node
+
+    def to_header(self, sid: str, seq: int) -> dict[str, Any]:
+        return {"kind": "error", "sid": sid, "seq": seq, "code": self.code, "message": str(self), "node": self.node}
+
+
+def error_from_header(header: dict[str, Any]) -> StageError:
+    return StageError(header["code"], header["message"], header.get("node"))
+
+
+class StageLink:
+    """A WebSocket to one peer's data plane, reconnected on demand."""
+
+    def __init__(self, client: PeerClient, node_id: str, url: str) -> None:
+        self.client = client
+        self.node_id = node_id
+        self.url = url
+        self._ws: aiohttp.ClientWebSocketResponse | None = None
+        self._reader: asyncio.Task[None] | None = None
+        self._pending: dict[tuple[str, int], asyncio.Future[tuple[dict[str, Any], np.ndarray | None]]] = {}
+        self._connect_lock = asyncio.Lock()
+
+    async def _connection(self) -> aiohttp.ClientWebSocketResponse:
+        async with self._connect_lock:
+            if self._ws is None or self._ws.closed:
+                try:
+                    self._ws = await self.client.ws_connect(self.url, STREAM_PATH, timeout_s=CONNECT_TIMEOUT_S)
+                except PeerError as error:
+                    raise StageError("stage_unreachable", f"node {self.node_id} is unreachable: {error}", self.node_id) from None
+                self._reader = asyncio.create_task(self._read(self._ws), name=f"link-reader-{self.node_id}")
+            return self._ws
+
+    async def _read(self, ws: aiohttp.ClientWebSocketResponse) -> None:
+        try:
+            async for message in ws:
+                if message.type != aiohttp.WSMsgType.BINARY:
+                    continue
+                try:
+                    header, tensor = decode_frame(message.data)
+                except WireError as error:
+                    log.warning("bad frame from %s: %s", self.node_id, error)
+                    continue
+                future = self._pending.pop((header["sid"], header["seq"]), None)
+                if future is not None and not future.done():
+                    future.set_result((header, tensor))
+        finally:
+            failure = StageError("stage_unreachable", f"connection to node {self.node_id} was lost", self.node_id)
+            for future in self._pending.values():
+                if not future.done():
+                    future.set_exception(failure)
+            self._pending.clear()
+
+    async def call(self, header: dict[str, Any], tensor: np.ndarray | None, *, timeout_s: float) -> tuple[dict[str, Any], np.ndarray | None]:
+        """Send a step and wait for its result (or error) frame."""
+        ws = await self._connection()
+        key = (header["sid"], header["seq"])
+        future: asyncio.Future[tuple[dict[str, Any], np.ndarray | None]] = asyncio.get_running_loop().create_future()
+        self._pending[key] = future
+        try:
+            await ws.send_bytes(encode_frame(header, tensor))
+            async with asyncio.timeout(timeout_s):
+                return await future
+        except TimeoutError:
+            raise StageError("stage_timeout", f"node {self.node_id} did not answer within {timeout_s:g} s", self.node_id) from None
+        except (aiohttp.ClientError, ConnectionError, RuntimeError) as error:
+            raise StageError("stage_unreachable", f"node {self.node_id}: {error}", self.node_id) from None
+        finally:
+            self._pending.pop(key, None)
+
+    async def send(self, header: dict[str, Any]) -> None:
+        """Fire-and-forget frame (close)."""
+        try:
+            ws = await self._connection()
+            await ws.send_bytes(encode_frame(header))
+        except (StageError, aiohttp.ClientError, ConnectionError, RuntimeError) as error:
+            log.debug("could not send %s to %s: %s", header["kind"], self.node_id, error)
+
+    async def close(self) -> None:
+        if self._ws is not None:
+            await self._ws.close()
+        if self._reader is not None:
+            self._reader.cancel()
+            try:
+                await self._reader
+            except (asyncio.CancelledError, Exception):  # noqa: BLE001 - shutting down
+                pass
+
+
+class Links:
+    """The links this node keeps to the stages it forwards to."""
+
+    def __init__(self, client: PeerClient) -> None:
+        self.client = client
+        self._links: dict[str, StageLink] = {}
+
+    async def get(self, node_id: str, url: str) -> StageLink:
+        link = self._links.get(node_id)
+        if link is not None and link.url != url:
+            await link.close()
+            link = None
+        if link is None:
+            link = self._links[node_id] = StageLink(self.client, node_id, url)
+        return link
+
+    async def drop(self, node_id: str) -> None:
+        link = self._links.pop(node_id, None)
+        if link is not None:
+            await link.close()
+
+    async def close(self) -> None:
+        for link in list(self._links.values()):
+            await link.close()
+        self._links.clear()

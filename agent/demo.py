@@ -1,0 +1,124 @@
+"""`ncm demo`: a local cluster of several agents on this machine serving the default model.
+
+Each agent is a real process with its own state directory (node id, and a model store of
+its own: the agents other than the first fetch the layers they serve from the first one),
+static peers on loopback, one shared cluster key. The API is served on --port (every agent
+answers on its own port too).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import secrets
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+from agent.commands import http_json
+from agent.core.errors import NcmError
+from shards.store import ModelStore, ncm_home
+
+log = logging.getLogger(__name__)
+READY_TIMEOUT_S = 600.0
+EXAMPLE_QUESTION = "What is the capital of France?"
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser("demo", help="start a local cluster serving the default model",
+                                   description="Start several agents on this machine and serve the default model.")
+    parser.add_argument("--nodes", type=int, default=3, help="number of agents (default %(default)s)")
+    parser.add_argument("--port", type=int, default=8080, help="API port of the first agent; the others take the next ones")
+    parser.add_argument("--model", default="smollm2-135m", help="model to serve (default %(default)s)")
+    parser.add_argument("--dir", type=Path, help="where the agents keep their state (default: $NCM_HOME/demo)")
+    parser.add_argument("--once", action="store_true", help="ask the example question, print the answer and stop")
+    parser.set_defaults(func=run)
+
+
+def _ensure_model(name: str) -> None:
+    store = ModelStore()
+    if store.has(name):
+        return
+    from shards.pull import pull_model
+
+    print(f"pulling {name} (first run only)…", flush=True)
+    pull_model(name, store=store)
+
+
+def _wait_ready(url: str, processes: list[subprocess.Popen], deadline_s: float) -> dict:
+    deadline = time.monotonic() + deadline_s
+    last = "no answer yet"
+    while time.monotonic() < deadline:
+        for process in processes:
+            if process.poll() is not None:
+                raise NcmError(f"an agent exited with status {process.returncode} while starting; see its log above")
+        try:
+            status = http_json("GET", url + "/cluster/status")
+            if status.get("state") == "ok":
+                return status
+            last = f"{status.get('state')}: {status.get('message')}"
+        except NcmError as error:
+            last = str(error)
+        time.sleep(0.5)
+    raise NcmError(f"the cluster did not become ready within {deadline_s:g} s ({last})")
+
+
+def ask(url: str, question: str, model: str) -> str:
+    body = json.dumps({"model": model, "messages": [{"role": "user", "content": question}],
+                       "temperature": 0, "max_tokens": 64}).encode()
+    request = urllib.request.Request(url + "/v1/chat/completions", data=body, headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=300) as response:
+        return json.loads(response.read())["choices"][0]["message"]["content"]
+
+
+def run(args: argparse.Namespace) -> int:
+    if not 1 <= args.nodes <= 16:
+        raise NcmError("--nodes must be between 1 and 16")
+    _ensure_model(args.model)
+    base = args.dir or ncm_home() / "demo"
+    key = secrets.token_hex(16)
+    ports = [args.port + i for i in range(args.nodes)]
+    processes: list[subprocess.Popen] = []
+    try:
+        for index, port in enumerate(ports):
+            state_dir = base / f"node-{index}"
+            env = dict(os.environ, NCM_CLUSTER_KEY=key, NCM_CLUSTER_NAME="demo", NCM_MDNS="false",
+                       NCM_HOST="127.0.0.1", NCM_ADVERTISE_HOST="127.0.0.1", NCM_MODEL=args.model,
+                       NCM_DISCOVERY_GRACE_S="1.0")
+            # The first agent uses the store the model was pulled into; the others start empty.
+            env["NCM_HOME"] = str(ncm_home()) if index == 0 else str(state_dir)
+            env["NCM_STATE_DIR"] = str(state_dir)
+            peers = [f"--peer=http://127.0.0.1:{p}" for p in ports if p != port]
+            processes.append(subprocess.Popen([sys.executable, "-m", "agent.cli", "serve", "--port", str(port), *peers], env=env))
+        url = f"http://127.0.0.1:{args.port}"
+        print(f"starting {args.nodes} agents on ports {ports[0]}-{ports[-1]}…", flush=True)
+        status = _wait_ready(url, processes, READY_TIMEOUT_S)
+        route = " -> ".join(f"{hop['node'][:8]}[{hop['layers'][0]}-{hop['layers'][1]}]" for hop in status["route"])
+        print(f"\nncm is serving {status['model']} on {args.nodes} agents: {route}")
+        answer = ask(url, EXAMPLE_QUESTION, args.model)
+        print(f"\n> {EXAMPLE_QUESTION}\n{answer}\n")
+        if args.once:
+            return 0
+        print("Call it like the OpenAI API, for example:")
+        print(f"  curl {url}/v1/chat/completions -H 'Content-Type: application/json' \\")
+        print(f"    -d '{{\"model\": \"{args.model}\", \"messages\": [{{\"role\": \"user\", \"content\": \"Hello!\"}}]}}'")
+        print(f"  ncm status --remote {url}")
+        print("Press Ctrl-C to stop.", flush=True)
+        while all(process.poll() is None for process in processes):
+            time.sleep(1.0)
+        raise NcmError("an agent stopped; shutting the demo down")
+    except KeyboardInterrupt:
+        return 0
+    finally:
+        for process in processes:
+            if process.poll() is None:
+                process.terminate()
+        for process in processes:
+            try:
+                process.wait(timeout=40)
+            except subprocess.TimeoutExpired:
+                process.kill()

@@ -1,0 +1,213 @@
+"""Who is in the cluster: the peer table kept fresh by contacting every peer, and the election.
+
+Peers come from static configuration, mDNS and gossip (each describe answer lists the
+answering node's live peers, so one `--peer` is enough to join). Each round contacts every
+known URL with a signed `GET /internal/describe`; that contact is also the health check
+(`failure_threshold` consecutive failures make a peer dead) and the latency measurement.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import statistics
+import time
+from typing import Any, Callable
+
+from agent import __version__
+from agent.config import AgentConfig
+from agent.core.advert import NodeAdvert
+from agent.core.capacity import NodeCapacity, score
+from agent.core.election import Election, elect, newest
+from agent.core.errors import WireError
+from agent.core.peers import PeerTable
+from agent.peer_client import PeerClient, PeerError
+from agent.probe import probe_capacity
+
+log = logging.getLogger(__name__)
+DESCRIBE_PATH = "/internal/describe"
+CAPACITY_REFRESH_S = 10.0
+
+
+class Membership:
+    """The live view of the cluster from this node."""
+
+    def __init__(self, config: AgentConfig, node_id: str, client: PeerClient, *, api_port: int) -> None:
+        self.config = config
+        self.node_id = node_id
+        self.client = client
+        self.api_port = api_port
+        self.table = PeerTable(node_id, config.cluster_name, failure_threshold=config.failure_threshold)
+        self.election: Election | None = None
+        self.capacity: NodeCapacity = probe_capacity(node_id, npu_tops=config.npu_tops)
+        self.started_at = time.monotonic()
+        self._subscribers: list[asyncio.Event] = []
+        self._capacity_at = time.monotonic()
+        self.extra_describe: Callable[[], dict[str, Any]] = dict
+        self._extras: dict[str, dict[str, Any]] = {}
+        self._seen_as: str | None = None
+        for url in config.peers:
+            self.table.discovered(url.rstrip("/"), "static", time.monotonic())
+
+    # --- what this node says -------------------------------------------------------------
+    @property
+    def role(self) -> str:
+        return "orchestrator" if self.is_orchestrator else "worker"
+
+    @property
+    def is_orchestrator(self) -> bool:
+        return self.election is not None and self.election.orchestrator == self.node_id
+
+    def advert(self) -> NodeAdvert:
+        return NodeAdvert(
+            node_id=self.node_id,
+            cluster=self.config.cluster_name,
+            api_port=self.api_port,
+            version=__version__,
+            role=self.role,
+            capacity=self.capacity,
+            election=self.election,
+            configured_orchestrator=self.config.orchestrator,
+        )
+
+    def describe(self, caller_host: str | None = None) -> dict[str, Any]:
+        """The answer to a peer's describe: my advert, my live peers, and how I see the caller."""
+        peers = [url for url, entry in self.table.entries.items() if entry.alive]
+        return {"advert": self.advert().to_json(), "peers": peers, "you": caller_host, **self.extra_describe()}
+
+    def self_url(self) -> str:
+        """The URL peers reach this node at: advertise_host, else the address peers see us from."""
+        host = self.config.advertise_host or self._seen_as or "127.0.0.1"
+        if ":" in host and not host.startswith("["):
+            host = f"[{host}]"
+        return f"http://{host}:{self.api_port}"
+
+    def address_of(self, node_id: str) -> str:
+        if node_id == self.node_id:
+            return self.self_url()
+        url = self.table.url_of(node_id)
+        if url is None:
+            raise KeyError(f"no address known for node {node_id}")
+        return url
+
+    def latency_ms(self, node_id: str) -> float:
+        if node_id == self.node_id:
+            return 0.0
+        latency = self.table.latency_of(node_id)
+        return latency if latency is not None else 0.0
+
+    def peer_extras(self) -> dict[str, dict[str, Any]]:
+        """node id -> what the live peer said in its last describe beyond its advert."""
+        return {
+            e.advert.node_id: self._extras.get(url, {})
+            for url, e in self.table.entries.items() if e.alive and e.advert is not None
+        }
+
+    # --- the view ---------------------------------------------------------------------------
+    def subscribe(self) -> asyncio.Event:
+        """An event set whenever membership, election or capacity changes (the subscriber clears it)."""
+        event = asyncio.Event()
+        event.set()
+        self._subscribers.append(event)
+        return event
+
+    def _signal(self) -> None:
+        for event in self._subscribers:
+            event.set()
+
+    def _notify(self, reason: str) -> None:
+        log.info("membership: %s", reason)
+        self._signal()
+
+    def alive_nodes(self) -> dict[str, NodeAdvert]:
+        """node id -> advert of every live node, this one included."""
+        return {self.node_id: self.advert(), **self.table.alive_adverts()}
+
+    def scores(self) -> dict[str, float]:
+        return {node_id: score(advert.capacity) for node_id, advert in self.alive_nodes().items()}
+
+    def url_of(self, node_id: str) -> str | None:
+        if node_id == self.node_id:
+            return None
+        return self.table.url_of(node_id)
+
+    def discovered(self, url: str, source: str) -> None:
+        url = url.rstrip("/")
+        known = url in self.table.entries or url in self.table.ignored
+        if self.table.discovered(url, source, time.monotonic()) is not None and not known:
+            log.info("found peer %s (%s)", url, source)
+
+    def mark_unreachable(self, node_id: str) -> None:
+        """A failed hop is evidence: count it as failed contacts right away."""
+        url = self.table.url_of(node_id)
+        if url is None:
+            return
+        became_dead = False
+        for _ in range(self.config.failure_threshold):
+            became_dead |= self.table.contact_failed(url, time.monotonic())
+        if became_dead:
+            self._recompute_election()
+            self._notify(f"peer {node_id} is unreachable")
+
+    # --- rounds -----------------------------------------------------------------------------
+    async def _contact(self, url: str) -> None:
+        started = time.monotonic()
+        try:
+            answer = await self.client.request_json("GET", url, DESCRIBE_PATH, timeout_s=self.config.peer_timeout_s)
+            advert = NodeAdvert.from_json(answer.get("advert") if isinstance(answer, dict) else None)
+        except (PeerError, WireError) as error:
+            if self.table.contact_failed(url, time.monotonic()):
+                self._notify(f"peer {url} is dead ({error})")
+            else:
+                log.debug("contact with %s failed: %s", url, error)
+            return
+        latency_ms = (time.monotonic() - started) * 1000.0
+        self._extras[url] = {k: v for k, v in answer.items() if k not in ("advert", "peers", "you")}
+        if isinstance(answer.get("you"), str) and not self._seen_as and len(answer["you"]) < 64:
+            self._seen_as = answer["you"]
+        if self.table.contact_succeeded(url, advert, latency_ms, time.monotonic()):
+            self._notify(f"peer {advert.node_id} at {url} is alive")
+        for peer_url in answer.get("peers", []) if isinstance(answer.get("peers"), list) else []:
+            if isinstance(peer_url, str) and peer_url.startswith(("http://", "https://")) and len(peer_url) < 256:
+                self.discovered(peer_url, "gossip")
+
+    async def round(self) -> None:
+        """Contact every known peer once, then update capacity and the election."""
+        urls = list(self.table.entries)
+        if urls:
+            await asyncio.gather(*(self._contact(url) for url in urls))
+        self.table.expire(time.monotonic())
+        now = time.monotonic()
+        if now - self._capacity_at >= CAPACITY_REFRESH_S:
+            self._capacity_at = now
+            latencies = [e.latency_ms for e in self.table.entries.values() if e.alive and e.latency_ms is not None]
+            capacity = await asyncio.to_thread(
+                probe_capacity, self.node_id, npu_tops=self.config.npu_tops,
+                latency_ms=statistics.median(latencies) if latencies else 0.0,
+            )
+            if capacity != self.capacity:
+                self.capacity = capacity
+                self._signal()
+        self._recompute_election()
+
+    def _recompute_election(self) -> None:
+        alive = self.alive_nodes()
+        settling = time.monotonic() - self.started_at < self.config.discovery_grace_s
+        if self.election is None and settling and not any(a.election for a in alive.values()):
+            return  # give peers a moment to show up before claiming the role
+        claims = [self.election] + [advert.election for advert in alive.values()]
+        configured = sorted(n for n, advert in alive.items() if advert.configured_orchestrator)
+        chosen = elect(
+            {node_id: score(advert.capacity) for node_id, advert in alive.items()},
+            newest(c for c in claims if c is not None),
+            configured[0] if configured else None,
+        )
+        if chosen != self.election:
+            self.election = chosen
+            self._notify(f"orchestrator is {chosen.orchestrator} (epoch {chosen.epoch})")
+
+    async def run(self) -> None:
+        """Rounds forever, every health_interval_s (cancelled by the owner)."""
+        while True:
+            await self.round()
+            await asyncio.sleep(self.config.health_interval_s)

@@ -1,0 +1,93 @@
+"""`ncm plan`: show how a model's layers would be split over a described cluster."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any, TextIO
+
+from agent.core.capacity import NodeCapacity, score
+from agent.core.errors import InvalidNodeError
+from agent.core.plan import DEFAULT_MIN_LAYERS_PER_NODE, DEFAULT_REPLICATE_HEAD_RATIO, ShardingPlan, make_plan
+
+
+def load_nodes(path: Path) -> list[NodeCapacity]:
+    """Read a JSON list of node objects (id, vram_gib, ram_gib, npu_tops, latency_ms, load)."""
+    try:
+        data: Any = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise InvalidNodeError(f"nodes file {str(path)!r} does not exist") from None
+    except (OSError, UnicodeDecodeError) as error:
+        raise InvalidNodeError(f"cannot read nodes file {str(path)!r}: {error}") from None
+    except json.JSONDecodeError as error:
+        raise InvalidNodeError(f"nodes file {str(path)!r} is not valid JSON: {error}") from None
+    if isinstance(data, dict) and "nodes" in data:
+        data = data["nodes"]
+    if not isinstance(data, list) or not data:
+        raise InvalidNodeError(f"nodes file {str(path)!r} must hold a non-empty JSON list of nodes")
+    nodes = [NodeCapacity.from_dict(item) for item in data]
+    seen: set[str] = set()
+    for node in nodes:
+        if node.node_id in seen:
+            raise InvalidNodeError(f"node id {node.node_id!r} appears twice in {str(path)!r}")
+        seen.add(node.node_id)
+    return nodes
+
+
+def format_plan(plan: ShardingPlan) -> str:
+    """A readable table: node, score, primary range, replicas, layer count, pipeline position."""
+    order = plan.nodes()
+    rows = [("node", "score", "primary", "replicas", "layers", "pipeline")]
+    for entry in plan.to_dict()["nodes"]:
+        primary = entry["primary"]
+        rows.append(
+            (
+                entry["id"],
+                f"{entry['score']:.3f}",
+                f"{primary[0]}-{primary[1]}" if primary else "-",
+                ", ".join(f"{a}-{b}" for a, b in entry["replicas"]) or "-",
+                str(entry["layer_count"]),
+                str(order.index(entry["id"]) + 1) if entry["id"] in order else "-",
+            )
+        )
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    lines = ["  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip() for row in rows]
+    lines.insert(1, "  ".join("-" * width for width in widths))
+    lines.append("")
+    lines.append(f"pipeline: {' -> '.join(order)}   ({plan.total_layers} layers)")
+    return "\n".join(lines)
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "plan",
+        help="show how a model's layers would be split over a cluster",
+        description="Plan a model's layers over the nodes described in a JSON file.",
+    )
+    parser.add_argument("--nodes", type=Path, required=True, help="JSON list of nodes: id, vram_gib, ram_gib, npu_tops, latency_ms, load")
+    parser.add_argument("--layers", type=int, required=True, help="number of transformer layers of the model")
+    parser.add_argument("--head-ratio", type=float, default=DEFAULT_REPLICATE_HEAD_RATIO, help="share of layers replicated at the head (default %(default)s)")
+    parser.add_argument("--min-layers", type=int, default=DEFAULT_MIN_LAYERS_PER_NODE, help="minimum layers per node (default %(default)s)")
+    parser.add_argument("--replicas", type=int, default=None, help="nodes holding a head replica (default: max(1, nodes // 3))")
+    parser.add_argument("--json", action="store_true", help="print the plan as JSON")
+    parser.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
+    out = out or sys.stdout
+    nodes = load_nodes(args.nodes)
+    plan = make_plan(
+        {node.node_id: score(node) for node in nodes},
+        args.layers,
+        replicate_head_ratio=args.head_ratio,
+        replica_count=args.replicas,
+        min_layers_per_node=args.min_layers,
+    )
+    if args.json:
+        json.dump(plan.to_dict(), out, indent=2)
+        out.write("\n")
+    else:
+        out.write(format_plan(plan) + "\n")
+    return 0

@@ -1,0 +1,280 @@
+"""The agent service (`ncm serve`): one aiohttp application per device.
+
+Public API (OpenAI + cluster views) and the internal peer endpoints share one port; internal
+endpoints accept only requests signed with the cluster key. Every background task is owned
+by a cleanup context and cancelled on shutdown.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import json
+import logging
+import secrets
+import signal
+import time
+from pathlib import Path
+from typing import Any, AsyncIterator
+
+import aiohttp
+from aiohttp import web
+
+from agent import api
+from agent.config import AgentConfig, ConfigError
+from agent.core.auth import ReplayGuard, verify
+from agent.core.errors import AuthError, WireError
+from agent.core.orders import RoutingOrder
+from agent.core.wire import decode_frame, encode_frame
+from agent.dataplane import STREAM_PATH, Links, StageError
+from agent.discovery import Discovery
+from agent.identity import load_or_create_node_id
+from agent.membership import DESCRIBE_PATH, Membership
+from agent.orchestrator import ROUTING_PATH, Orchestrator
+from agent.peer_client import PeerClient
+from agent.sd_notify import SystemdNotifier, format_status, run_watchdog, watchdog_interval_s
+from agent.service_keys import CLIENT, CONFIG, LINKS, MEMBERSHIP, NODE_ID, ORCHESTRATOR, REPLAY_GUARD, STORE, WORKER
+from agent.weights import complete_models, describe_model_files, resolve_model_file
+from agent.worker import StaleOrderError, Worker
+from shards.errors import ShardsError
+from shards.store import ModelStore
+
+log = logging.getLogger(__name__)
+CLUSTER_KEY_FILE = "cluster-key"
+SHUTDOWN_TIMEOUT_S = 30.0
+PUBLIC_WITHOUT_TOKEN = ("/health",)
+
+internal = web.RouteTableDef()
+
+
+def cluster_key(config: AgentConfig) -> bytes:
+    """The configured key, else one generated once in the state directory (single-node use)."""
+    if config.cluster_key:
+        return config.cluster_key.encode()
+    path = config.state_dir / CLUSTER_KEY_FILE
+    if not path.exists():
+        config.state_dir.mkdir(parents=True, exist_ok=True)
+        path.write_text(secrets.token_hex(32) + "\n", encoding="utf-8")
+        path.chmod(0o600)
+        log.warning("no cluster_key configured: generated one in %s; give every agent of the cluster the same key", path)
+    return path.read_text(encoding="utf-8").strip().encode()
+
+
+# --- middlewares -----------------------------------------------------------------------------------
+@web.middleware
+async def peer_auth(request: web.Request, handler: Any) -> web.StreamResponse:
+    """Internal endpoints: only peers holding the cluster key (HMAC, timestamp, nonce)."""
+    if not request.path.startswith("/internal/"):
+        return await handler(request)
+    body = await request.read()
+    try:
+        request["peer"] = verify(
+            request.app[CLIENT].key, request.method, request.path, body, request.headers,
+            now=time.time(), guard=request.app[REPLAY_GUARD],
+        )
+    except AuthError as error:
+        log.warning("rejected %s %s from %s: %s", request.method, request.path, request.remote, error)
+        return web.json_response({"error": {"message": str(error), "type": "authentication_error", "param": None,
+                                             "code": "bad_cluster_key"}}, status=401)
+    return await handler(request)
+
+
+@web.middleware
+async def api_token(request: web.Request, handler: Any) -> web.StreamResponse:
+    token = request.app[CONFIG].api_token
+    if not token or request.path.startswith("/internal/") or request.path in PUBLIC_WITHOUT_TOKEN:
+        return await handler(request)
+    given = request.headers.get("Authorization", "")
+    if not hmac.compare_digest(given.encode(), f"Bearer {token}".encode()):
+        return api.error_response(401, "a valid API token is needed: send 'Authorization: Bearer <token>'",
+                                  code="invalid_api_key")
+    return await handler(request)
+
+
+# --- internal endpoints ----------------------------------------------------------------------------
+@internal.get(DESCRIBE_PATH)
+async def describe(request: web.Request) -> web.Response:
+    return web.json_response(request.app[MEMBERSHIP].describe(request.remote))
+
+
+@internal.post(ROUTING_PATH)
+async def set_routing(request: web.Request) -> web.Response:
+    try:
+        order = RoutingOrder.from_json(await request.json())
+    except (WireError, json.JSONDecodeError) as error:
+        return web.json_response({"error": str(error)}, status=400)
+    try:
+        return web.json_response(await request.app[WORKER].apply(order))
+    except StaleOrderError as error:
+        return web.json_response({"error": str(error)}, status=409)
+    except Exception as error:  # noqa: BLE001 - reported to the orchestrator, the agent keeps running
+        log.exception("cannot apply plan %d", order.plan_version)
+        return web.json_response({"error": f"{type(error).__name__}: {error}"}, status=500)
+
+
+@internal.get("/internal/state")
+async def state(request: web.Request) -> web.Response:
+    return web.json_response(request.app[WORKER].status())
+
+
+@internal.get("/internal/models/{name}")
+async def model_listing(request: web.Request) -> web.Response:
+    store = request.app[STORE]
+    name = request.match_info["name"]
+    if not store.has(name):
+        raise web.HTTPNotFound(text=f"model {name} is not here")
+    return web.json_response(await asyncio.to_thread(describe_model_files, store.models_dir / name))
+
+
+@internal.get("/internal/models/{name}/files/{path:.+}")
+async def model_file(request: web.Request) -> web.StreamResponse:
+    store = request.app[STORE]
+    name = request.match_info["name"]
+    if not store.has(name):
+        raise web.HTTPNotFound(text=f"model {name} is not here")
+    try:
+        path = resolve_model_file(store.models_dir / name, request.match_info["path"])
+    except FileNotFoundError:
+        raise web.HTTPNotFound(text="no such file") from None
+    return web.FileResponse(path, chunk_size=1 << 20)  # honours Range: transfers resume
+
+
+@internal.get(STREAM_PATH)
+async def stream(request: web.Request) -> web.WebSocketResponse:
+    """The data plane: step frames in, result/error frames out, on one persistent socket."""
+    ws = web.WebSocketResponse(max_msg_size=0, compress=False)
+    await ws.prepare(request)
+    worker = request.app[WORKER]
+
+    async def run_step(header: dict[str, Any], tensor: Any) -> None:
+        try:
+            result, out = await worker.step(header, tensor)
+        except StageError as error:
+            result, out = error.to_header(header["sid"], header["seq"]), None
+        except Exception as error:  # noqa: BLE001 - one bad step must not take the socket down
+            log.exception("step failed")
+            result, out = StageError("internal", f"{type(error).__name__}: {error}", None).to_header(header["sid"], header["seq"]), None
+        if not ws.closed:
+            with contextlib.suppress(ConnectionError, RuntimeError):
+                await ws.send_bytes(encode_frame(result, out))
+
+    async with asyncio.TaskGroup() as steps:
+        async for message in ws:
+            if message.type != aiohttp.WSMsgType.BINARY:
+                continue
+            try:
+                header, tensor = decode_frame(message.data)
+            except WireError as error:
+                log.warning("closing data plane from %s: %s", request.remote, error)
+                await ws.close(code=aiohttp.WSCloseCode.UNSUPPORTED_DATA, message=str(error).encode()[:120])
+                break
+            if header["kind"] == "step":
+                steps.create_task(run_step(header, tensor))
+            elif header["kind"] == "close":
+                steps.create_task(worker.close_session(header["sid"], header["layer"]))
+    return ws
+
+
+# --- the application -------------------------------------------------------------------------------
+def build_app(config: AgentConfig, *, node_id: str, store: ModelStore, api_port: int, key: bytes) -> web.Application:
+    app = web.Application(middlewares=[peer_auth, api_token, api.openai_errors], client_max_size=16 * 1024 * 1024)
+    app[CONFIG] = config
+    app[NODE_ID] = node_id
+    app[STORE] = store
+    app[REPLAY_GUARD] = ReplayGuard()
+    app.add_routes(internal)
+    app.add_routes(api.routes)
+
+    async def peers(app: web.Application) -> AsyncIterator[None]:
+        session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=256, keepalive_timeout=60))
+        client = PeerClient(session, key, node_id)
+        app[CLIENT] = client
+        app[LINKS] = Links(client)
+        app[MEMBERSHIP] = Membership(config, node_id, client, api_port=api_port)
+        app[WORKER] = Worker(node_id, config, store, client, app[LINKS])
+        app[ORCHESTRATOR] = Orchestrator(node_id, config, app[MEMBERSHIP], app[WORKER], client, store)
+        app[MEMBERSHIP].extra_describe = lambda: {"models": complete_models(store), "worker": app[WORKER].status()}
+        yield
+        await app[LINKS].close()
+        app[WORKER].close()
+        await session.close()
+
+    async def background(app: web.Application) -> AsyncIterator[None]:
+        discovery = Discovery(app[MEMBERSHIP], config.interfaces) if config.mdns else None
+        if discovery is not None:
+            await discovery.start()
+        tasks = [
+            asyncio.create_task(app[MEMBERSHIP].run(), name="membership"),
+            asyncio.create_task(app[ORCHESTRATOR].run(), name="orchestrator"),
+            asyncio.create_task(app[WORKER].reap_idle_sessions(), name="session-reaper"),
+        ]
+        if discovery is not None:
+            tasks.append(asyncio.create_task(discovery.run(), name="mdns-refresh"))
+        yield
+        for task in tasks:
+            task.cancel()
+        for task in tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        if discovery is not None:
+            await discovery.stop()
+
+    app.cleanup_ctx.extend([peers, background])
+    return app
+
+
+def status_line(app: web.Application) -> str:
+    orchestrator, worker = app[ORCHESTRATOR], app[WORKER]
+    peers = len(app[MEMBERSHIP].alive_nodes()) - 1
+    layers = [f["layers"] for f in worker.status()["fragments"]]
+    if worker.state == "ready" and layers:
+        span = (min(a for a, _ in layers), max(b for _, b in layers))
+        state = "degraded, serving" if orchestrator.state == "degraded" else "serving"
+        return format_status(state, model=worker.order.model if worker.order else None, layers=span, peers=peers)
+    if app[MEMBERSHIP].election is None:
+        return format_status("discovering", peers=peers)
+    return format_status(worker.state if worker.state != "idle" else "waiting for a plan", peers=peers)
+
+
+async def serve(config: AgentConfig) -> None:
+    """Run the agent until SIGTERM / SIGINT."""
+    node_id = load_or_create_node_id(config.state_dir)
+    store = ModelStore(config.models_home)
+    key = cluster_key(config)
+    notifier = SystemdNotifier.from_env()
+    runner = web.AppRunner(build_app(config, node_id=node_id, store=store, api_port=config.port, key=key),
+                           shutdown_timeout=SHUTDOWN_TIMEOUT_S, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, config.host, config.port, reuse_address=True)
+    try:
+        await site.start()
+    except OSError as error:
+        await runner.cleanup()
+        raise ConfigError(f"cannot listen on {config.host}:{config.port}: {error.strerror}") from None
+    app = runner.app
+    log.info("node %s listening on %s:%d (cluster %r)", node_id, config.host, config.port, config.cluster_name)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, stop.set)
+    if notifier is not None:
+        notifier.ready(status_line(app))
+    watchdog = asyncio.create_task(run_watchdog(notifier, watchdog_interval_s()), name="watchdog")
+    try:
+        while not stop.is_set():
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(5.0):
+                    await stop.wait()
+            if notifier is not None:
+                notifier.status(status_line(app))
+    finally:
+        log.info("stopping: finishing requests in flight (up to %g s)", SHUTDOWN_TIMEOUT_S)
+        if notifier is not None:
+            notifier.stopping("stopping")
+        watchdog.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await watchdog
+        await runner.cleanup()
+        if notifier is not None:
+            notifier.close()

@@ -1,0 +1,28 @@
+"""Typed keys of the objects the aiohttp application holds."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from aiohttp import web
+
+from agent.config import AgentConfig
+
+if TYPE_CHECKING:
+    from agent.core.auth import ReplayGuard
+    from agent.dataplane import Links
+    from agent.membership import Membership
+    from agent.orchestrator import Orchestrator
+    from agent.peer_client import PeerClient
+    from agent.worker import Worker
+    from shards.store import ModelStore
+
+CONFIG = web.AppKey("config", AgentConfig)
+NODE_ID = web.AppKey("node_id", str)
+STORE = web.AppKey("store", "ModelStore")
+CLIENT = web.AppKey("client", "PeerClient")
+LINKS = web.AppKey("links", "Links")
+MEMBERSHIP = web.AppKey("membership", "Membership")
+WORKER = web.AppKey("worker", "Worker")
+ORCHESTRATOR = web.AppKey("orchestrator", "Orchestrator")
+REPLAY_GUARD = web.AppKey("replay_guard", "ReplayGuard")

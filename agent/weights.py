@@ -1,0 +1,162 @@
+"""Weight distribution: a worker fetches exactly the files of its layers from a peer.
+
+Files travel over `GET /internal/models/{name}/files/{path}` (HTTP Range, so a transfer
+that broke resumes where it stopped), are written to `<file>.part`, checked against the
+manifest's sha256 and only then renamed into place. The model's manifest and tokenizer
+files come first, so a node that holds only some layers still has a usable model entry.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import logging
+import os
+from pathlib import Path
+from typing import Any, Callable
+
+import aiohttp
+
+from agent.core.errors import NcmError
+from agent.peer_client import PeerClient, PeerError
+from shards.errors import ShardsError
+from shards.manifest import Manifest
+from shards.store import ModelStore
+
+log = logging.getLogger(__name__)
+CHUNK_BYTES = 1 << 20
+MANIFEST_FILE = "manifest.json"
+META_FILES = ("tokenizer.json", "tokenizer_config.json")
+TRANSFER_TIMEOUT_S = 3600.0
+READ_TIMEOUT_S = 60.0
+
+
+class WeightTransferError(NcmError):
+    """No peer could provide a model file intact."""
+
+
+def _hash_file(path: Path) -> Any:
+    digest = hashlib.sha256()
+    with path.open("rb") as handle:
+        for block in iter(lambda: handle.read(CHUNK_BYTES), b""):
+            digest.update(block)
+    return digest
+
+
+def file_digest(path: Path) -> str:
+    return _hash_file(path).hexdigest()
+
+
+def describe_model_files(model_dir: Path) -> dict[str, Any]:
+    """What a source serves: the manifest and the size/digest of the tokenizer files."""
+    meta = {}
+    for name in META_FILES:
+        path = model_dir / name
+        if path.is_file():
+            meta[name] = {"bytes": path.stat().st_size, "sha256": file_digest(path)}
+    return {"manifest": json.loads((model_dir / MANIFEST_FILE).read_text(encoding="utf-8")), "meta_files": meta}
+
+
+def resolve_model_file(model_dir: Path, relative: str) -> Path:
+    """A path inside the model directory (no escaping it with '..' or absolute paths)."""
+    candidate = (model_dir / relative).resolve()
+    if model_dir.resolve() not in candidate.parents or not candidate.is_file():
+        raise FileNotFoundError(relative)
+    return candidate
+
+
+def missing_files(model_dir: Path, manifest: Manifest, keys: list[str]) -> list[str]:
+    """Keys of weight files that are absent or of the wrong size."""
+    missing = []
+    for key in keys:
+        entry = manifest.files[key]
+        path = model_dir / entry.path
+        if not path.is_file() or path.stat().st_size != entry.bytes:
+            missing.append(key)
+    return missing
+
+
+def complete_models(store: ModelStore) -> list[str]:
+    """Models whose every weight file is present locally (those this node can serve to peers)."""
+    complete = []
+    for manifest in store.list():
+        if not missing_files(store.models_dir / manifest.name, manifest, list(manifest.files)):
+            complete.append(manifest.name)
+    return complete
+
+
+async def _download(client: PeerClient, source: str, name: str, relative: str, dest: Path, size: int, sha256: str) -> None:
+    part = dest.with_name(dest.name + ".part")
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    offset = part.stat().st_size if part.exists() else 0
+    if offset > size:
+        part.unlink()
+        offset = 0
+    digest = hashlib.sha256()
+    if offset:
+        digest = await asyncio.to_thread(_hash_file, part)
+        log.info("resuming %s of %s at %d / %d bytes", relative, name, offset, size)
+    path = f"/internal/models/{name}/files/{relative}"
+    headers = client.signed_headers("GET", path)
+    if offset:
+        headers["Range"] = f"bytes={offset}-"
+    next_report = offset + max(size // 10, CHUNK_BYTES)
+    timeout = aiohttp.ClientTimeout(total=TRANSFER_TIMEOUT_S, sock_read=READ_TIMEOUT_S)
+    try:
+        async with client.session.get(source.rstrip("/") + path, headers=headers, timeout=timeout) as response:
+            if response.status not in (200, 206):
+                raise PeerError(source, f"HTTP {response.status} for {relative}", response.status)
+            if response.status == 200 and offset:
+                offset, digest = 0, hashlib.sha256()  # the source ignored the range: start over
+            with part.open("ab" if offset else "wb") as handle:
+                async for block in response.content.iter_chunked(CHUNK_BYTES):
+                    handle.write(block)
+                    digest.update(block)
+                    offset += len(block)
+                    if offset >= next_report and size > 0:
+                        log.info("fetching %s/%s: %d%% of %d bytes", name, relative, 100 * offset // size, size)
+                        next_report = offset + max(size // 10, CHUNK_BYTES)
+    except (aiohttp.ClientError, TimeoutError, OSError) as error:
+        raise PeerError(source, f"transfer of {relative} broke: {type(error).__name__}: {error}") from None
+    if offset != size or digest.hexdigest() != sha256:
+        part.unlink(missing_ok=True)
+        raise WeightTransferError(f"{relative} from {source} is corrupt (size or sha256 mismatch)")
+    os.replace(part, dest)
+
+
+async def ensure_model_files(
+    client: PeerClient, store: ModelStore, name: str, keys_for: Callable[[Manifest], list[str]], sources: list[str]
+) -> Manifest:
+    """Make sure ``name``'s manifest, tokenizer and the weight files ``keys_for(manifest)``
+    are in the local store, fetching what is missing from the first source that has it."""
+    model_dir = store.models_dir / name
+    if store.has(name):
+        manifest = store.manifest(name)
+        if not missing_files(model_dir, manifest, keys_for(manifest)):
+            return manifest
+    errors: list[str] = []
+    for source in sources:
+        try:
+            listing = await client.request_json("GET", source, f"/internal/models/{name}", timeout_s=30.0)
+            manifest = Manifest.from_dict(listing["manifest"])
+            model_dir.mkdir(parents=True, exist_ok=True)
+            for meta_name, info in listing.get("meta_files", {}).items():
+                if meta_name in META_FILES:
+                    dest = model_dir / meta_name
+                    if not dest.is_file() or await asyncio.to_thread(file_digest, dest) != info["sha256"]:
+                        await _download(client, source, name, meta_name, dest, int(info["bytes"]), str(info["sha256"]))
+            wanted = missing_files(model_dir, manifest, keys_for(manifest))
+            total = sum(manifest.files[k].bytes for k in wanted)
+            if wanted:
+                log.info("fetching %d weight file(s) of %s (%d bytes) from %s", len(wanted), name, total, source)
+            for key in wanted:
+                entry = manifest.files[key]
+                await _download(client, source, name, entry.path, model_dir / entry.path, entry.bytes, entry.sha256)
+            if not (model_dir / MANIFEST_FILE).is_file():
+                store.write_manifest(model_dir, manifest)
+            return manifest
+        except (PeerError, WeightTransferError, ShardsError, KeyError, TypeError, ValueError) as error:
+            errors.append(str(error))
+            log.warning("could not fetch %s from %s: %s", name, source, error)
+    raise WeightTransferError(f"no peer could provide model {name!r}: " + ("; ".join(errors) or "no source known"))

@@ -1,0 +1,422 @@
+"""Build ONNX layer fragments of a stored model directly with ``onnx.helper``.
+
+A fragment holds layers [first, last]; the head fragment (first == 0) also holds the token
+embedding, the tail fragment (last == n_layers - 1) the final norm and lm_head. Every fragment
+computes its own prologue (positions from the past length, rotary tables, causal mask) from
+its own inputs, so chains of any split give the same logits as the whole model.
+
+Flavours (one logical model, several graphs):
+
+- ``"cpu"``: dynamic shapes, fused ``com.microsoft`` ops (GroupQueryAttention with rotary,
+  SkipSimplifiedLayerNormalization, MatMulNBits for q4). Inputs ``input_ids`` int64 [1, T]
+  or ``hidden_states`` float32 [1, T, hidden], ``past_key.L`` / ``past_value.L`` float32
+  [1, kv_heads, P, head_dim]; outputs ``logits`` [1, T, vocab] or ``hidden_states``, plus
+  ``present_key.L`` / ``present_value.L`` [1, kv_heads, P + T, head_dim].
+- ``"static"``: plain opset-17 ops and fixed shapes for NPUs: T == prefill_chunk, the KV
+  inputs have max_context positions, plus ``past_length`` int64 [1]; outputs ``new_key.L`` /
+  ``new_value.L`` [1, kv_heads, T, head_dim] (the caller writes them into its fixed cache).
+  Rows past the valid length of a padded chunk are garbage and must be ignored.
+
+Weights go to ONNX external data (``fragment.onnx.data``) so no protobuf limit applies.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper
+
+from shards.errors import FragmentError, ModelFormatError
+from shards.manifest import Manifest, layer_key
+from shards.store import MANIFEST_FILE
+from shards.tensorfile import read_tensors
+
+log = logging.getLogger(__name__)
+FLAVOURS = ("cpu", "static")
+BUILDER_VERSION = 5
+ONNX_FILE = "fragment.onnx"
+DATA_FILE = "fragment.onnx.data"
+MS = "com.microsoft"
+_NEG = -1e30
+_INLINE_BYTES = 1024
+# accuracy_level of MatMulNBits: 4 = int8 activations (fast on CPU); 0 = as precise as A.
+Q4_ACCURACY_LEVEL = 4
+
+
+@dataclass(frozen=True)
+class FragmentSpec:
+    """What a fragment is: layer range, flavour and fixed shapes (validated)."""
+
+    first_layer: int
+    last_layer: int
+    flavour: str
+    max_context: int
+    prefill_chunk: int  # 0 for dynamic flavours
+
+    def validate(self, m: Manifest) -> None:
+        if not (0 <= self.first_layer <= self.last_layer < m.n_layers):
+            raise FragmentError(f"bad layer range {self.first_layer}..{self.last_layer} "
+                                f"for a model with {m.n_layers} layers")
+        if self.flavour not in FLAVOURS:
+            raise FragmentError(f"unknown flavour {self.flavour!r} (known: {', '.join(FLAVOURS)})")
+        if not 0 < self.max_context <= m.context_length:
+            raise FragmentError(f"max_context {self.max_context} must be in 1..{m.context_length}")
+        if self.flavour == "static" and not 0 < self.prefill_chunk <= self.max_context:
+            raise FragmentError("the static flavour needs 0 < prefill_chunk <= max_context")
+
+
+def load_manifest(model_dir: Path) -> Manifest:
+    """The manifest of a model directory (ModelFormatError if missing or bad)."""
+    p = Path(model_dir) / MANIFEST_FILE
+    if not p.is_file():
+        raise ModelFormatError(f"{model_dir}: no {MANIFEST_FILE}")
+    return Manifest.from_json(p.read_text(encoding="utf-8"))
+
+
+def fragment_key(m: Manifest, spec: FragmentSpec) -> str:
+    """Cache key: changes when the builder, the weights, the range, flavour or shapes change."""
+    doc = {
+        "builder": BUILDER_VERSION, "onnx_ir": onnx.IR_VERSION, "q4_level": Q4_ACCURACY_LEVEL,
+        "model": m.to_dict() | {"files": None},
+        "files": {k: m.files[k].sha256 for k in m.fragment_files(spec.first_layer, spec.last_layer)},
+        "spec": [spec.first_layer, spec.last_layer, spec.flavour, spec.max_context, spec.prefill_chunk],
+    }
+    return hashlib.sha256(json.dumps(doc, sort_keys=True).encode()).hexdigest()
+
+
+def rope_tables(m: Manifest, n_positions: int) -> tuple[np.ndarray, np.ndarray]:
+    """cos, sin tables float32 [n_positions, head_dim/2] (with llama3 frequency factors)."""
+    hd = m.head_dim
+    inv = 1.0 / (m.rope_theta ** (np.arange(0, hd, 2, dtype=np.float64) / hd))
+    if m.rope_freq_factors is not None:
+        inv = inv / np.asarray(m.rope_freq_factors, dtype=np.float64)
+    ang = np.arange(n_positions, dtype=np.float64)[:, None] * inv[None, :]
+    return np.cos(ang).astype(np.float32), np.sin(ang).astype(np.float32)
+
+
+class _Graph:
+    """Accumulates nodes and initializers; big initializers go to one external data file."""
+
+    def __init__(self, data_path: Path) -> None:
+        self.nodes: list[onnx.NodeProto] = []
+        self.inits: list[TensorProto] = []
+        self.data_path = data_path
+        self._data = open(data_path, "wb")
+        self._n = 0
+        self._consts: set[str] = set()
+        self.weight_bytes = 0
+
+    def close(self) -> None:
+        self._data.close()
+
+    def name(self, hint: str) -> str:
+        self._n += 1
+        return f"{hint}_{self._n}"
+
+    def const(self, name: str, arr: np.ndarray) -> str:
+        """Register initializer ``name`` (a repeated name is reused: same name, same value)."""
+        if name in self._consts:
+            return name
+        self._consts.add(name)
+        arr = np.asarray(arr)
+        if not arr.flags.c_contiguous:  # (np.ascontiguousarray would turn 0-d into 1-d)
+            arr = arr.copy(order="C")
+        if arr.nbytes <= _INLINE_BYTES:
+            self.inits.append(onnx.numpy_helper.from_array(arr, name))
+            return name
+        t = TensorProto()
+        t.name = name
+        t.data_type = helper.np_dtype_to_tensor_dtype(arr.dtype)
+        t.dims.extend(arr.shape)
+        pad = -self._data.tell() % 64
+        self._data.write(b"\0" * pad)
+        offset = self._data.tell()
+        self._data.write(arr.tobytes())
+        t.data_location = TensorProto.EXTERNAL
+        for k, v in (("location", self.data_path.name), ("offset", str(offset)), ("length", str(arr.nbytes))):
+            e = t.external_data.add()
+            e.key, e.value = k, v
+        self.inits.append(t)
+        self.weight_bytes += arr.nbytes
+        return name
+
+    def op(self, op_type: str, inputs: list[str], n_out: int = 1, domain: str = "", out: list[str] | None = None,
+           **attrs: object) -> list[str]:
+        outs = out or [self.name(op_type) for _ in range(n_out)]
+        self.nodes.append(helper.make_node(op_type, inputs, outs, name=self.name("n_" + op_type),
+                                           domain=domain or None, **attrs))
+        return outs
+
+    def op1(self, op_type: str, inputs: list[str], domain: str = "", **attrs: object) -> str:
+        return self.op(op_type, inputs, 1, domain, **attrs)[0]
+
+
+class _Builder:
+    """Emits one fragment graph for a manifest, a layer range and a flavour."""
+
+    def __init__(self, model_dir: Path, m: Manifest, spec: FragmentSpec, g: _Graph) -> None:
+        self.dir, self.m, self.s, self.g = model_dir, m, spec, g
+        self.q4 = m.weight_format == "q4"
+
+    # --- weights ------------------------------------------------------------------------
+    def _load(self, key: str) -> dict[str, np.ndarray]:
+        return read_tensors(self.dir / self.m.files[key].path)
+
+    def linear(self, x: str, t: dict[str, np.ndarray], names: list[str], label: str) -> str:
+        """x @ concat(W_names)^T, float32 MatMul or MatMulNBits."""
+        g = self.g
+        if self.q4:
+            return self._linear_nbits(x, t, names, label)
+        w = np.concatenate([t[n].astype(np.float32) for n in names], axis=0)
+        return g.op1("MatMul", [x, g.const(label + ".weight", np.ascontiguousarray(w.T))])
+
+    def _linear_nbits(self, x: str, t: dict[str, np.ndarray], names: list[str], label: str) -> str:
+        """MatMulNBits; 4-bit weights also add ``blocksum(x) @ offsets^T`` (see shards.quant)."""
+        g = self.g
+        qw = np.concatenate([t[f"{n}.qweight"] for n in names], axis=0)
+        sc = np.concatenate([t[f"{n}.scales"] for n in names], axis=0)
+        n_out, kb, blob = qw.shape
+        bits = blob * 8 // 32
+        ins = [x, g.const(label + ".qweight", qw), g.const(label + ".scales", sc.reshape(-1))]
+        if bits == 8:
+            zp = np.concatenate([t[f"{n}.zeros"] for n in names], axis=0)
+            ins.append(g.const(label + ".zeros", zp.reshape(-1)))
+        y = g.op1("MatMulNBits", ins, domain=MS, K=kb * 32, N=n_out, bits=bits, block_size=32,
+                  accuracy_level=Q4_ACCURACY_LEVEL)
+        if bits == 4:
+            off = np.concatenate([t[f"{n}.offsets"] for n in names], axis=0)
+            xb = g.op1("Reshape", [x, g.const(f"blocks_shape_{kb}", np.array([0, 0, kb, 32], np.int64))])
+            bsum = g.op1("ReduceSum", [xb, g.const("axis_last", np.array([-1], np.int64))], keepdims=0)
+            y = g.op1("Add", [y, g.op1("MatMul", [bsum, g.const(label + ".offsets", np.ascontiguousarray(off.T))])])
+        return y
+
+    # --- norms ----------------------------------------------------------------------------
+    def rms(self, x: str, w: np.ndarray, label: str) -> str:
+        g, eps = self.g, float(self.m.rms_norm_eps)
+        wn = g.const(label, w.astype(np.float32))
+        if self.s.flavour == "cpu":
+            return g.op1("SimplifiedLayerNormalization", [x, wn], axis=-1, epsilon=eps, stash_type=1)
+        sq = g.op1("Mul", [x, x])
+        ms = g.op1("ReduceMean", [sq], axes=[-1], keepdims=1)
+        inv = g.op1("Reciprocal", [g.op1("Sqrt", [g.op1("Add", [ms, g.const(self.g.name("eps"), np.array(eps, np.float32))])])])
+        return g.op1("Mul", [g.op1("Mul", [x, inv]), wn])
+
+    def add_rms(self, x: str, residual: str, w: np.ndarray, label: str) -> tuple[str, str]:
+        """(rms(x + residual) * w, x + residual)."""
+        g = self.g
+        if self.s.flavour == "cpu":
+            out = g.op("SkipSimplifiedLayerNormalization", [x, residual, g.const(label, w.astype(np.float32))],
+                       out=[g.name("skipnorm"), "", "", g.name("resid")], domain=MS, epsilon=float(self.m.rms_norm_eps))
+            return out[0], out[3]
+        s = g.op1("Add", [x, residual])
+        return self.rms(s, w, label), s
+
+    # --- prologue ---------------------------------------------------------------------------
+    def prologue_cpu(self, x: str, past0: str) -> dict[str, str]:
+        g = self.g
+        t_len = g.op1("Shape", [x], start=1, end=2)
+        p_len = g.op1("Shape", [past0], start=2, end=3)
+        total = g.op1("Add", [p_len, t_len])
+        one = g.const("one_i64", np.array([1], np.int64))
+        seqlens = g.op1("Cast", [g.op1("Sub", [total, one])], to=TensorProto.INT32)
+        total_s = g.op1("Cast", [g.op1("Squeeze", [total])], to=TensorProto.INT32)
+        pos = g.op1("Range", [g.op1("Squeeze", [p_len]), g.op1("Squeeze", [total]),
+                              g.const("one_s_i64", np.array(1, np.int64))])
+        pos = g.op1("Unsqueeze", [pos, g.const("zero_ax", np.array([0], np.int64))])
+        cos, sin = rope_tables(self.m, self.s.max_context)
+        return {"seqlens": seqlens, "total": total_s, "pos": pos,
+                "cos": g.const("rope.cos", cos), "sin": g.const("rope.sin", sin)}
+
+    def prologue_static(self) -> dict[str, str]:
+        g, c, mc = self.g, self.s.prefill_chunk, self.s.max_context
+        pos = g.op1("Add", ["past_length", g.const("chunk_arange", np.arange(c, dtype=np.int64))])
+        cos, sin = rope_tables(self.m, mc + c)
+        cos_full = g.const("rope.cos", np.concatenate([cos, cos], axis=1))
+        sin_full = g.const("rope.sin", np.concatenate([sin, sin], axis=1))
+        cos_p = g.op1("Gather", [cos_full, pos], axis=0)
+        sin_p = g.op1("Gather", [sin_full, pos], axis=0)
+        visible = g.op1("Less", [g.const("ctx_arange", np.arange(mc, dtype=np.int64)), "past_length"])
+        past_mask = g.op1("Where", [visible, g.const("zero_f", np.array(0.0, np.float32)),
+                                    g.const("neg_f", np.array(_NEG, np.float32))])
+        past_mask = g.op1("Expand", [g.op1("Unsqueeze", [past_mask, g.const("zero_ax", np.array([0], np.int64))]),
+                                     g.const("mask_shape", np.array([c, mc], np.int64))])
+        causal = np.where(np.tril(np.ones((c, c), bool)), 0.0, _NEG).astype(np.float32)
+        mask = g.op1("Concat", [past_mask, g.const("causal", causal)], axis=1)
+        return {"cos": cos_p, "sin": sin_p, "mask": mask}
+
+    # --- attention ----------------------------------------------------------------------------
+    def attention_cpu(self, xn: str, t: dict[str, np.ndarray], li: int, pro: dict[str, str]) -> tuple[str, str, str]:
+        g, m = self.g, self.m
+        qkv = self.linear(xn, t, ["q_proj", "k_proj", "v_proj"], f"l{li}.qkv")
+        if m.attention_bias:
+            b = np.concatenate([t["q_bias"], t["k_bias"], t["v_bias"]]).astype(np.float32)
+            qkv = g.op1("Add", [qkv, g.const(f"l{li}.qkv.bias", b)])
+        outs = g.op("GroupQueryAttention",
+                    [qkv, "", "", f"past_key.{li}", f"past_value.{li}", pro["seqlens"], pro["total"],
+                     pro["cos"], pro["sin"], pro["pos"]],
+                    out=[g.name("attn"), f"present_key.{li}", f"present_value.{li}"], domain=MS,
+                    num_heads=m.n_heads, kv_num_heads=m.n_kv_heads, do_rotary=1, rotary_interleaved=0,
+                    scale=float(1.0 / np.sqrt(m.head_dim)))
+        return outs[0], outs[1], outs[2]
+
+    def _proj_heads(self, xn: str, t: dict[str, np.ndarray], name: str, bias: str, n_heads: int, li: int) -> str:
+        """[1, C, hidden] -> [1, n_heads, C, head_dim]."""
+        g, m = self.g, self.m
+        y = self.linear(xn, t, [name], f"l{li}.{name}")
+        if m.attention_bias:
+            y = g.op1("Add", [y, g.const(f"l{li}.{bias}", t[bias].astype(np.float32))])
+        y = g.op1("Reshape", [y, g.const(g.name("shape"), np.array([1, self.s.prefill_chunk, n_heads, m.head_dim], np.int64))])
+        return g.op1("Transpose", [y], perm=[0, 2, 1, 3])
+
+    def _rotate(self, x: str, pro: dict[str, str]) -> str:
+        g, half = self.g, self.m.head_dim // 2
+        x1, x2 = g.op("Split", [x, g.const("split_half", np.array([half, half], np.int64))], n_out=2, axis=-1)
+        rot = g.op1("Concat", [g.op1("Neg", [x2]), x1], axis=-1)
+        return g.op1("Add", [g.op1("Mul", [x, pro["cos"]]), g.op1("Mul", [rot, pro["sin"]])])
+
+    def attention_static(self, xn: str, t: dict[str, np.ndarray], li: int, pro: dict[str, str]) -> tuple[str, str, str]:
+        g, m, c, mc = self.g, self.m, self.s.prefill_chunk, self.s.max_context
+        kvh, hd, grp = m.n_kv_heads, m.head_dim, m.group_size
+        q = self._rotate(self._proj_heads(xn, t, "q_proj", "q_bias", m.n_heads, li), pro)
+        k_out = g.op("Identity", [self._rotate(self._proj_heads(xn, t, "k_proj", "k_bias", kvh, li), pro)],
+                     out=[f"new_key.{li}"])[0]
+        v = g.op("Identity", [self._proj_heads(xn, t, "v_proj", "v_bias", kvh, li)], out=[f"new_value.{li}"])[0]
+        k_all = g.op1("Concat", [f"past_key.{li}", k_out], axis=2)
+        v_all = g.op1("Concat", [f"past_value.{li}", v], axis=2)
+        qg = g.op1("Reshape", [q, g.const("q_group_shape", np.array([1, kvh, grp * c, hd], np.int64))])
+        sc = g.op1("MatMul", [qg, g.op1("Transpose", [k_all], perm=[0, 1, 3, 2])])
+        sc = g.op1("Mul", [sc, g.const("attn_scale", np.array(1.0 / np.sqrt(hd), np.float32))])
+        sc = g.op1("Reshape", [sc, g.const("score5_shape", np.array([1, kvh, grp, c, mc + c], np.int64))])
+        p = g.op1("Softmax", [g.op1("Add", [sc, pro["mask"]])], axis=-1)
+        p = g.op1("Reshape", [p, g.const("score4_shape", np.array([1, kvh, grp * c, mc + c], np.int64))])
+        o = g.op1("MatMul", [p, v_all])
+        o = g.op1("Reshape", [o, g.const("o_heads_shape", np.array([1, m.n_heads, c, hd], np.int64))])
+        o = g.op1("Transpose", [o], perm=[0, 2, 1, 3])
+        o = g.op1("Reshape", [o, g.const("o_flat_shape", np.array([1, c, m.n_heads * hd], np.int64))])
+        return o, k_out, v
+
+    def mlp(self, xn: str, t: dict[str, np.ndarray], li: int) -> str:
+        g, f = self.g, self.m.intermediate_size
+        gu = self.linear(xn, t, ["gate_proj", "up_proj"], f"l{li}.gate_up")
+        gate, up = g.op("Split", [gu, g.const("split_ff", np.array([f, f], np.int64))], n_out=2, axis=-1)
+        act = g.op1("Mul", [gate, g.op1("Sigmoid", [gate])])
+        return self.linear(g.op1("Mul", [act, up]), t, ["down_proj"], f"l{li}.down")
+
+    # --- whole graph ----------------------------------------------------------------------------
+    def build(self) -> onnx.ModelProto:
+        g, m, s = self.g, self.m, self.s
+        static = s.flavour == "static"
+        head, tail = s.first_layer == 0, s.last_layer == m.n_layers - 1
+        t_dim: int | str = s.prefill_chunk if static else "T"
+        kv_len: int | str = s.max_context if static else "P"
+        kv_shape = [1, m.n_kv_heads, kv_len, m.head_dim]
+        inputs, outputs = [], []
+        if head:
+            inputs.append(helper.make_tensor_value_info("input_ids", TensorProto.INT64, [1, t_dim]))
+            emb = self._load("embed")["embed"]
+            x = g.op1("Gather", [g.const("embed", emb), "input_ids"], axis=0)
+            if emb.dtype != np.float32:
+                x = g.op1("Cast", [x], to=TensorProto.FLOAT)
+            del emb
+        else:
+            inputs.append(helper.make_tensor_value_info("hidden_states", TensorProto.FLOAT, [1, t_dim, m.hidden_size]))
+            x = "hidden_states"
+        if static:
+            inputs.append(helper.make_tensor_value_info("past_length", TensorProto.INT64, [1]))
+            pro = self.prologue_static()
+        else:
+            pro = self.prologue_cpu(x, f"past_key.{s.first_layer}")
+        residual, pending = x, None
+        for li in range(s.first_layer, s.last_layer + 1):
+            for kind in ("key", "value"):
+                inputs.append(helper.make_tensor_value_info(f"past_{kind}.{li}", TensorProto.FLOAT, kv_shape))
+            t = self._load(layer_key(li))
+            if pending is None and not static:
+                # Same fused kernel as between layers (skip = 0 is exact): chains stay bit-exact.
+                zeros = g.op1("ConstantOfShape", [g.op1("Shape", [residual])],
+                              value=helper.make_tensor("zero", TensorProto.FLOAT, [1], [0.0]))
+                xn, residual = self.add_rms(zeros, residual, t["input_norm"], f"l{li}.input_norm")
+            elif pending is None:
+                xn = self.rms(residual, t["input_norm"], f"l{li}.input_norm")
+            else:
+                xn, residual = self.add_rms(pending, residual, t["input_norm"], f"l{li}.input_norm")
+            att = self.attention_static if static else self.attention_cpu
+            a, k_out, v_out = att(xn, t, li, pro)
+            o = self.linear(a, t, ["o_proj"], f"l{li}.o_proj")
+            xn2, residual = self.add_rms(o, residual, t["post_norm"], f"l{li}.post_norm")
+            pending = self.mlp(xn2, t, li)
+            new_len: int | str = s.prefill_chunk if static else "P_plus_T"
+            for kind, name in (("key", k_out), ("value", v_out)):
+                outputs.append(helper.make_tensor_value_info(name, TensorProto.FLOAT,
+                                                             [1, m.n_kv_heads, new_len, m.head_dim]))
+        if tail:
+            h = self._load("head")
+            normed, _ = self.add_rms(pending, residual, h["norm"], "final_norm")
+            logits = self.linear(normed, h, ["lm_head"], "lm_head")
+            g.op("Identity", [logits], out=["logits"])
+            outputs.insert(0, helper.make_tensor_value_info("logits", TensorProto.FLOAT, [1, t_dim, m.vocab_size]))
+        else:
+            g.op("Add", [pending, residual], out=["hidden_states_out"])
+            outputs.insert(0, helper.make_tensor_value_info("hidden_states_out", TensorProto.FLOAT,
+                                                            [1, t_dim, m.hidden_size]))
+        graph = helper.make_graph(g.nodes, f"ncm_{m.name}_{s.first_layer}_{s.last_layer}_{s.flavour}",
+                                  inputs, outputs, initializer=g.inits)
+        opsets = [helper.make_opsetid("", 17), helper.make_opsetid(MS, 1)]
+        model = helper.make_model(graph, opset_imports=opsets, producer_name="ncm")
+        model.ir_version = 8
+        return model
+
+
+def build_fragment(model_dir: Path, first_layer: int, last_layer: int, *, flavour: str = "cpu",
+                   max_context: int | None = None, prefill_chunk: int | None = None,
+                   cache_dir: Path | None = None) -> Path:
+    """Build (or reuse from cache) the ONNX fragment for layers [first, last]; returns its path.
+
+    The cache lives under ``cache_dir`` or ``<model_dir>/fragments/`` and is keyed by the
+    model's weights, the range, the flavour and the shapes; writes are atomic.
+    """
+    model_dir = Path(model_dir)
+    m = load_manifest(model_dir)
+    mc = int(max_context) if max_context is not None else m.context_length
+    if flavour == "static":
+        pc = int(prefill_chunk) if prefill_chunk is not None else min(64, mc)
+    else:
+        pc = 0
+    spec = FragmentSpec(int(first_layer), int(last_layer), flavour, mc, pc)
+    spec.validate(m)
+    key = fragment_key(m, spec)
+    root = Path(cache_dir) if cache_dir is not None else model_dir / "fragments"
+    final = root / f"{m.name}-{spec.first_layer:03d}-{spec.last_layer:03d}-{flavour}-{key[:20]}"
+    if (final / ONNX_FILE).is_file():
+        return final / ONNX_FILE
+    root.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".tmp-frag-", dir=root))
+    try:
+        g = _Graph(tmp / DATA_FILE)
+        try:
+            model = _Builder(model_dir, m, spec, g).build()
+        finally:
+            g.close()
+        onnx.save_model(model, tmp / ONNX_FILE)
+        (tmp / "fragment.json").write_text(json.dumps({"key": key, "weight_bytes": g.weight_bytes,
+                                                       "spec": spec.__dict__}), encoding="utf-8")
+        try:
+            os.replace(tmp, final)
+        except OSError:  # another process built it first
+            if not (final / ONNX_FILE).is_file():
+                raise
+            shutil.rmtree(tmp, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    log.info("built fragment %s", final.name)
+    return final / ONNX_FILE

@@ -1,0 +1,156 @@
+"""Import a GGUF file or a Hugging Face folder into the model store.
+
+Weights are stored per layer (``weights/layer_NNN.safetensors``) plus ``weights/embed`` and
+``weights/head``, in one of three formats:
+
+- ``f32``: float32 everywhere.
+- ``f16``: float16 linear weights and embeddings (norms and biases stay float32); fragments
+  cast them to float32 when built, so compute is float32 and only disk/transfer size halves.
+- ``q4``: the layers' linear weights as 4-bit blocks for ``MatMulNBits`` (see
+  :mod:`shards.quant`), quantised from the dequantised float32 weights; lm_head as 8-bit
+  blocks (the logits are the most sensitive matrix); the embedding table as float16.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from tqdm import tqdm
+
+from shards.errors import ModelFormatError
+from shards.manifest import WEIGHT_FORMATS, Manifest, WeightFile, layer_key
+from shards.quant import quantize_q4, quantize_q8
+from shards.store import ModelStore
+from shards.tensorfile import write_tensors
+
+log = logging.getLogger(__name__)
+LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+WEIGHTS_DIR = "weights"
+
+
+def open_source(path: Path) -> Any:
+    """A GgufSource or HfSource for ``path`` (ModelFormatError if it is neither)."""
+    path = Path(path)
+    if path.is_dir():
+        from shards.hf_import import HfSource
+
+        return HfSource(path)
+    if path.is_file():
+        from shards.gguf_import import GgufSource
+
+        with open(path, "rb") as f:
+            magic = f.read(4)
+        if magic != b"GGUF":
+            raise ModelFormatError(f"{path.name}: not a GGUF file (bad magic) nor a model folder")
+        return GgufSource(path)
+    raise ModelFormatError(f"{path}: no such file or folder")
+
+
+def default_name(path: Path) -> str:
+    """Model name derived from a file or folder name."""
+    stem = Path(path).name
+    if stem.lower().endswith(".gguf"):
+        stem = stem[:-5]
+    clean = "".join(c if c.isalnum() or c in "._-" else "-" for c in stem).strip("-.") or "model"
+    return clean.lower()[:100]
+
+
+def convert_tensors(tensors: dict[str, np.ndarray], weights: str) -> dict[str, np.ndarray]:
+    """Canonical float32 tensors -> the stored form for ``weights`` (pure)."""
+    out: dict[str, np.ndarray] = {}
+    for name, arr in tensors.items():
+        if name in LINEAR or name == "lm_head":
+            if weights == "q4":
+                for part, val in (quantize_q8(arr) if name == "lm_head" else quantize_q4(arr)).items():
+                    out[f"{name}.{part}"] = val
+            elif weights == "f16":
+                out[name] = arr.astype(np.float16)
+            else:
+                out[name] = arr.astype(np.float32, copy=False)
+        elif name == "embed":
+            out[name] = arr.astype(np.float32 if weights == "f32" else np.float16)
+        else:
+            out[name] = arr.astype(np.float32, copy=False)
+    return out
+
+
+def _write(model_dir: Path, rel: str, tensors: dict[str, np.ndarray]) -> WeightFile:
+    path = model_dir / rel
+    write_tensors(path, tensors)
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(1 << 22):
+            h.update(block)
+    return WeightFile(path=rel, bytes=path.stat().st_size, sha256=h.hexdigest())
+
+
+def _check_layer(src_params: dict[str, Any], i: int, t: dict[str, np.ndarray]) -> None:
+    h, f = src_params["hidden_size"], src_params["intermediate_size"]
+    q = src_params["n_heads"] * src_params["head_dim"]
+    kv = src_params["n_kv_heads"] * src_params["head_dim"]
+    want = {"q_proj": (q, h), "k_proj": (kv, h), "v_proj": (kv, h), "o_proj": (h, q),
+            "gate_proj": (f, h), "up_proj": (f, h), "down_proj": (h, f),
+            "input_norm": (h,), "post_norm": (h,), "q_bias": (q,), "k_bias": (kv,), "v_bias": (kv,)}
+    for name, arr in t.items():
+        if tuple(arr.shape) != want[name]:
+            raise ModelFormatError(f"layer {i}: {name} has shape {arr.shape}, expected {want[name]}")
+        if not np.isfinite(arr).all():
+            raise ModelFormatError(f"layer {i}: {name} holds NaN or infinite values")
+
+
+def import_model(path: Path | str, *, name: str | None = None, weights: str = "f32",
+                 store: ModelStore | None = None, progress: bool = True) -> Manifest:
+    """Import a GGUF file or HF folder as model ``name``; returns its manifest.
+
+    Raises UnsupportedArchitectureError, ModelFormatError or TokenizerError; on any error
+    nothing is left in the store.
+    """
+    if weights not in WEIGHT_FORMATS:
+        raise ModelFormatError(f"unknown weight format {weights!r} (use one of {', '.join(WEIGHT_FORMATS)})")
+    store = store or ModelStore()
+    path = Path(path)
+    src = open_source(path)
+    name = name or default_name(path)
+    spec = src.tokenizer_spec()  # TokenizerError before anything is written
+    params = dict(src.params)
+    n = params["n_layers"]
+    from shards.tokenizer import save_tokenizer_spec
+
+    with store.staging(name) as tmp:
+        (tmp / WEIGHTS_DIR).mkdir()
+        files: dict[str, WeightFile] = {}
+        bar = tqdm(total=n + 2, desc=f"import {name}", unit="part", disable=not progress)
+        try:
+            emb = src.embed()
+            if emb.shape != (params["vocab_size"], params["hidden_size"]):
+                raise ModelFormatError(f"embedding has shape {emb.shape}, expected "
+                                       f"({params['vocab_size']}, {params['hidden_size']})")
+            files["embed"] = _write(tmp, f"{WEIGHTS_DIR}/embed.safetensors", convert_tensors({"embed": emb}, weights))
+            del emb
+            bar.update()
+            for i in range(n):
+                t = src.layer(i)
+                _check_layer(params, i, t)
+                files[layer_key(i)] = _write(tmp, f"{WEIGHTS_DIR}/layer_{i:03d}.safetensors",
+                                             convert_tensors(t, weights))
+                bar.update()
+            head = src.head()
+            if head["lm_head"].shape != (params["vocab_size"], params["hidden_size"]):
+                raise ModelFormatError(f"lm_head has shape {head['lm_head'].shape}")
+            files["head"] = _write(tmp, f"{WEIGHTS_DIR}/head.safetensors", convert_tensors(head, weights))
+            bar.update()
+        finally:
+            bar.close()
+        save_tokenizer_spec(spec, tmp)
+        manifest = Manifest(name=name, weight_format=weights, files=files, source_digest=src.digest(),
+                            source=path.name, **params)
+        store.write_manifest(tmp, manifest)
+    log.info("imported %s (%s, %d layers, %s)", name, params["architecture"], n, weights)
+    return manifest
+
+
+__all__ = ["import_model", "open_source", "convert_tensors", "default_name"]

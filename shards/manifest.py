@@ -1,0 +1,195 @@
+"""The manifest: what a stored model is (shape, rope, weight format) and which files hold it."""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field, fields
+from types import MappingProxyType
+from typing import Any
+
+from shards.errors import ModelFormatError
+
+ARCHITECTURES = ("llama", "qwen2")
+WEIGHT_FORMATS = ("f32", "f16", "q4")
+MANIFEST_VERSION = 1
+_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+_SHA_RE = re.compile(r"^[0-9a-f]{64}$")
+
+
+def valid_model_name(name: str) -> bool:
+    """True when ``name`` is usable as a model name (and a directory name)."""
+    return isinstance(name, str) and bool(_NAME_RE.match(name)) and ".." not in name
+
+
+def layer_key(i: int) -> str:
+    """Key of layer ``i`` in ``Manifest.files``."""
+    return f"layer.{i}"
+
+
+@dataclass(frozen=True)
+class WeightFile:
+    """One stored weight file: path relative to the model directory, size and checksum."""
+
+    path: str
+    bytes: int
+    sha256: str
+
+    def __post_init__(self) -> None:
+        p = self.path
+        if not isinstance(p, str) or not p or p.startswith("/") or ".." in p.split("/") or "\\" in p:
+            raise ModelFormatError(f"bad weight file path {p!r}")
+        if not isinstance(self.bytes, int) or self.bytes <= 0:
+            raise ModelFormatError(f"bad byte count {self.bytes!r} for {p}")
+        if not isinstance(self.sha256, str) or not _SHA_RE.match(self.sha256):
+            raise ModelFormatError(f"bad sha256 for {p}")
+
+
+def _pos_int(name: str, v: Any) -> None:
+    if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+        raise ModelFormatError(f"manifest: {name} must be a positive integer, got {v!r}")
+
+
+def _pos_float(name: str, v: Any) -> None:
+    if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v) or v <= 0:
+        raise ModelFormatError(f"manifest: {name} must be a positive number, got {v!r}")
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """Description of one stored model; validated on construction (ModelFormatError)."""
+
+    name: str
+    architecture: str
+    n_layers: int
+    hidden_size: int
+    intermediate_size: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    rope_theta: float
+    rms_norm_eps: float
+    context_length: int
+    tied_embeddings: bool
+    attention_bias: bool
+    weight_format: str
+    files: Mapping[str, WeightFile]
+    source_digest: str
+    rope_freq_factors: tuple[float, ...] | None = None
+    source: str = ""
+    version: int = MANIFEST_VERSION
+    extra: Mapping[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not valid_model_name(self.name):
+            raise ModelFormatError(f"manifest: bad model name {self.name!r}")
+        if self.architecture not in ARCHITECTURES:
+            raise ModelFormatError(f"manifest: unknown architecture {self.architecture!r}")
+        if self.weight_format not in WEIGHT_FORMATS:
+            raise ModelFormatError(f"manifest: unknown weight format {self.weight_format!r}")
+        for n in ("n_layers", "hidden_size", "intermediate_size", "n_heads", "n_kv_heads",
+                  "head_dim", "vocab_size", "context_length", "version"):
+            _pos_int(n, getattr(self, n))
+        _pos_float("rope_theta", self.rope_theta)
+        _pos_float("rms_norm_eps", self.rms_norm_eps)
+        if self.n_heads % self.n_kv_heads:
+            raise ModelFormatError("manifest: n_heads must be a multiple of n_kv_heads")
+        if self.head_dim % 2:
+            raise ModelFormatError("manifest: head_dim must be even")
+        if self.version != MANIFEST_VERSION:
+            raise ModelFormatError(f"manifest: unsupported manifest version {self.version}")
+        if self.weight_format == "q4" and (self.hidden_size % 32 or self.intermediate_size % 32
+                                           or (self.n_heads * self.head_dim) % 32):
+            raise ModelFormatError("manifest: q4 needs matrix input sizes that are multiples of 32")
+        if not isinstance(self.tied_embeddings, bool) or not isinstance(self.attention_bias, bool):
+            raise ModelFormatError("manifest: tied_embeddings / attention_bias must be booleans")
+        if not isinstance(self.source_digest, str) or not _SHA_RE.match(self.source_digest):
+            raise ModelFormatError("manifest: source_digest must be a sha256 hex digest")
+        if self.rope_freq_factors is not None:
+            ff = tuple(float(x) for x in self.rope_freq_factors)
+            if len(ff) != self.head_dim // 2 or not all(math.isfinite(x) and x > 0 for x in ff):
+                raise ModelFormatError("manifest: rope_freq_factors must be head_dim/2 positive numbers")
+            object.__setattr__(self, "rope_freq_factors", ff)
+        files = dict(self.files)
+        expected = {"embed", "head"} | {layer_key(i) for i in range(self.n_layers)}
+        if set(files) != expected:
+            missing = sorted(expected - set(files))[:3]
+            extra = sorted(set(files) - expected)[:3]
+            raise ModelFormatError(f"manifest: file table mismatch (missing {missing}, unexpected {extra})")
+        if not all(isinstance(f, WeightFile) for f in files.values()):
+            raise ModelFormatError("manifest: files must be WeightFile entries")
+        object.__setattr__(self, "files", MappingProxyType(files))
+        object.__setattr__(self, "extra", MappingProxyType(dict(self.extra)))
+
+    # --- sizes -------------------------------------------------------------------------
+    @property
+    def group_size(self) -> int:
+        """Query heads per KV head."""
+        return self.n_heads // self.n_kv_heads
+
+    def layer_file(self, i: int) -> WeightFile:
+        """The weight file of layer ``i``."""
+        if not 0 <= i < self.n_layers:
+            raise ModelFormatError(f"layer {i} out of range 0..{self.n_layers - 1}")
+        return self.files[layer_key(i)]
+
+    def layer_bytes(self, i: int) -> int:
+        """Bytes on disk of layer ``i``'s weights."""
+        return self.layer_file(i).bytes
+
+    @property
+    def embed_bytes(self) -> int:
+        return self.files["embed"].bytes
+
+    @property
+    def head_bytes(self) -> int:
+        return self.files["head"].bytes
+
+    def kv_bytes_per_token(self, n_layers: int = 1) -> int:
+        """Float32 KV cache bytes per token for ``n_layers`` layers."""
+        return 2 * self.n_kv_heads * self.head_dim * 4 * n_layers
+
+    def fragment_files(self, first_layer: int, last_layer: int) -> list[str]:
+        """Keys of the files a fragment for layers [first, last] needs."""
+        if not 0 <= first_layer <= last_layer < self.n_layers:
+            raise ModelFormatError(f"bad layer range {first_layer}..{last_layer}")
+        keys = [layer_key(i) for i in range(first_layer, last_layer + 1)]
+        if first_layer == 0:
+            keys.insert(0, "embed")
+        if last_layer == self.n_layers - 1:
+            keys.append("head")
+        return keys
+
+    # --- JSON ----------------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        d = {f.name: getattr(self, f.name) for f in fields(self)}
+        d["files"] = {k: asdict(v) for k, v in self.files.items()}
+        d["extra"] = dict(self.extra)
+        d["rope_freq_factors"] = list(self.rope_freq_factors) if self.rope_freq_factors else None
+        return d
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=1, sort_keys=True)
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "Manifest":
+        try:
+            d = dict(d)
+            files = {k: WeightFile(**v) for k, v in dict(d.pop("files")).items()}
+            ff = d.pop("rope_freq_factors", None)
+            return cls(files=files, rope_freq_factors=tuple(ff) if ff else None, **d)
+        except (TypeError, KeyError, ValueError, AttributeError) as e:
+            raise ModelFormatError(f"manifest: malformed ({e})") from e
+
+    @classmethod
+    def from_json(cls, text: str) -> "Manifest":
+        try:
+            d = json.loads(text)
+        except ValueError as e:
+            raise ModelFormatError(f"manifest: not valid JSON ({e})") from e
+        if not isinstance(d, dict):
+            raise ModelFormatError("manifest: JSON is not an object")
+        return cls.from_dict(d)

@@ -1,0 +1,64 @@
+"""Block quantisation for onnxruntime's ``com.microsoft.MatMulNBits`` (block size 32 along K).
+
+4-bit (the layers' linear weights), ``W[N, K]`` (out features, in features) becomes
+``qweight`` uint8 [N, K/32, 16] (codes two per byte, low nibble first), ``scales`` float32
+[N, K/32] and ``offsets`` float32 [N, K/32] with ``W = (code - 8) * scale + offset``:
+MatMulNBits runs with its default zero point 8 (integer zero points keep onnxruntime on its
+fast kernels; float zero points were ~50x slower on CPU) and the fragment adds
+``blocksum(x) @ offsets^T``. Each block maps its own [min, max] onto codes 0..15, so a GGUF
+Q4_1 block (``d * q + m``) is represented (nearly) exactly.
+
+8-bit (lm_head): ``qweight`` uint8 [N, K/32, 32], ``scales`` float32 [N, K/32], ``zeros``
+uint8 [N, K/32] with ``W = (code - zero) * scale``.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+BLOCK = 32
+Q4_ZERO = 8
+
+
+def _blocks(w: np.ndarray) -> np.ndarray:
+    w = np.asarray(w, dtype=np.float32)
+    n, k = w.shape
+    if k % BLOCK:
+        raise ValueError(f"block quantisation needs K divisible by {BLOCK}, got {k}")
+    return w.reshape(n, k // BLOCK, BLOCK)
+
+
+def quantize_q4(w: np.ndarray) -> dict[str, np.ndarray]:
+    """4-bit: {"qweight", "scales", "offsets"} for ``w`` [N, K]."""
+    b = _blocks(w)
+    lo, hi = b.min(axis=2), b.max(axis=2)
+    scale = ((hi - lo) / 15.0).astype(np.float32)
+    scale = np.where(scale > 0, scale, np.float32(1.0)).astype(np.float32)
+    codes = np.clip(np.round((b - lo[..., None]) / scale[..., None]), 0, 15).astype(np.uint8)
+    offsets = (lo + Q4_ZERO * scale).astype(np.float32)
+    packed = (codes[..., 0::2] | (codes[..., 1::2] << 4)).astype(np.uint8)
+    return {"qweight": packed, "scales": scale, "offsets": offsets}
+
+
+def quantize_q8(w: np.ndarray) -> dict[str, np.ndarray]:
+    """8-bit: {"qweight", "scales", "zeros"} for ``w`` [N, K]."""
+    b = _blocks(w)
+    lo, hi = np.minimum(b.min(axis=2), 0.0), np.maximum(b.max(axis=2), 0.0)
+    scale = ((hi - lo) / 255.0).astype(np.float32)
+    scale = np.where(scale > 0, scale, np.float32(1.0)).astype(np.float32)
+    zero = np.clip(np.round(-lo / scale), 0, 255)
+    codes = np.clip(np.round(b / scale[..., None]) + zero[..., None], 0, 255).astype(np.uint8)
+    return {"qweight": codes, "scales": scale, "zeros": zero.astype(np.uint8)}
+
+
+def dequantize(t: dict[str, np.ndarray]) -> np.ndarray:
+    """Float32 [N, K] from the output of :func:`quantize_q4` or :func:`quantize_q8`."""
+    qw = t["qweight"]
+    n, kb, blob = qw.shape
+    sc = t["scales"].reshape(n, kb, 1)
+    if "offsets" in t:
+        codes = np.empty((n, kb, BLOCK), np.float32)
+        codes[..., 0::2] = qw & 0x0F
+        codes[..., 1::2] = qw >> 4
+        return ((codes - Q4_ZERO) * sc + t["offsets"].reshape(n, kb, 1)).reshape(n, kb * BLOCK)
+    return ((qw.astype(np.float32) - t["zeros"].reshape(n, kb, 1)) * sc).reshape(n, kb * BLOCK)

@@ -1,0 +1,266 @@
+"""Run layer fragments: the FragmentRunner interface and its onnxruntime implementation.
+
+A runner holds one fragment (layers [first_layer, last_layer]) and, per session, the KV cache
+of those layers. ``forward`` appends the positions of its input to the session's cache.
+"""
+
+from __future__ import annotations
+
+import abc
+import json
+import logging
+import threading
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from shards.errors import RunnerError
+from shards.fragment import build_fragment, load_manifest
+
+log = logging.getLogger(__name__)
+
+PROVIDER_PREFERENCE = (
+    "TensorrtExecutionProvider",
+    "CUDAExecutionProvider",
+    "QNNExecutionProvider",
+    "OpenVINOExecutionProvider",
+    "DmlExecutionProvider",
+    "CoreMLExecutionProvider",
+    "CPUExecutionProvider",
+)
+# Providers that run the fused com.microsoft "cpu" flavour well; all others get "static".
+_FUSED_OK = ("CPUExecutionProvider",)
+
+
+class FragmentRunner(abc.ABC):
+    """Runs one fragment and keeps a KV cache per session.
+
+    This is the seam for other backends: an onnxruntime runner is below; an RKNN runner
+    (``rknn-toolkit-lite2`` with ``.rknn`` files converted from the static flavour) or any
+    other accelerator can implement the same methods and slot into a chain.
+    """
+
+    first_layer: int
+    last_layer: int
+    is_head: bool
+    is_tail: bool
+    provider: str
+
+    @abc.abstractmethod
+    def open_session(self, session_id: str) -> None:
+        """Start an empty KV cache for ``session_id`` (RunnerError if it is already open)."""
+
+    @abc.abstractmethod
+    def forward(self, session_id: str, x: np.ndarray) -> np.ndarray:
+        """Run ``x`` (token ids [1, T] at the head, hidden states [1, T, hidden] elsewhere),
+        append its T positions to the session's cache; return logits or hidden states."""
+
+    @abc.abstractmethod
+    def session_length(self, session_id: str) -> int:
+        """Positions cached for ``session_id``."""
+
+    @abc.abstractmethod
+    def close_session(self, session_id: str) -> None:
+        """Free the session's KV cache (RunnerError if unknown)."""
+
+    @abc.abstractmethod
+    def sessions(self) -> list[str]:
+        """Ids of the open sessions."""
+
+    @abc.abstractmethod
+    def memory_bytes(self) -> int:
+        """Weights plus live KV caches, in bytes."""
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Release the runtime and every session."""
+
+
+def choose_providers(available: Sequence[str], forced: Sequence[str] | None = None) -> list[str]:
+    """Providers to ask for, best first, CPU always last (pure)."""
+    if forced:
+        missing = [p for p in forced if p not in available]
+        if missing:
+            raise RunnerError(f"execution provider(s) {', '.join(missing)} not available "
+                              f"(available: {', '.join(available)})")
+        chosen = list(dict.fromkeys(forced))
+    else:
+        chosen = [p for p in PROVIDER_PREFERENCE if p in available]
+    if "CPUExecutionProvider" not in chosen:
+        chosen.append("CPUExecutionProvider")
+    return chosen
+
+
+class _Session:
+    """KV cache of one session: per layer key/value arrays and the cached length."""
+
+    def __init__(self, kv: dict[str, np.ndarray]) -> None:
+        self.kv = kv
+        self.length = 0
+
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in self.kv.values())
+
+
+class OrtFragmentRunner(FragmentRunner):
+    """An onnxruntime session over one fragment, KV caches kept as numpy arrays.
+
+    ``flavour`` defaults to "cpu" (fused, dynamic shapes) on the CPU provider and "static"
+    (plain ops, fixed shapes: ``max_context`` KV slots and ``prefill_chunk`` tokens per run,
+    inputs padded) on accelerators. ``provider`` is the provider onnxruntime actually used.
+    """
+
+    def __init__(self, model_dir: Path, first_layer: int, last_layer: int, *,
+                 providers: list[str] | None = None, threads: int | None = None,
+                 flavour: str | None = None, max_context: int | None = None,
+                 prefill_chunk: int | None = None, cache_dir: Path | None = None) -> None:
+        import onnxruntime as ort
+
+        self.model_dir = Path(model_dir)
+        self.manifest = m = load_manifest(self.model_dir)
+        self.first_layer, self.last_layer = int(first_layer), int(last_layer)
+        self.is_head = self.first_layer == 0
+        self.is_tail = self.last_layer == m.n_layers - 1
+        chosen = choose_providers(ort.get_available_providers(), providers)
+        self.flavour = flavour or ("cpu" if chosen[0] in _FUSED_OK else "static")
+        self.max_context = int(max_context or m.context_length)
+        if self.flavour == "static":
+            self.prefill_chunk = int(prefill_chunk or min(64, self.max_context))
+        else:
+            self.prefill_chunk = 0
+        self.path = build_fragment(self.model_dir, self.first_layer, self.last_layer, flavour=self.flavour,
+                                   max_context=self.max_context, prefill_chunk=self.prefill_chunk or None,
+                                   cache_dir=cache_dir)
+        info = json.loads((self.path.parent / "fragment.json").read_text(encoding="utf-8"))
+        self._weight_bytes = int(info["weight_bytes"])
+        so = ort.SessionOptions()
+        if threads:
+            so.intra_op_num_threads = int(threads)
+        so.log_severity_level = 3
+        try:
+            self._sess = ort.InferenceSession(str(self.path), so, providers=chosen)
+        except Exception as e:  # onnxruntime raises its own exception types
+            raise RunnerError(f"cannot load fragment {self.path.name} on {chosen[0]}: {e}") from e
+        self.provider = self._sess.get_providers()[0]
+        self._in_name = "input_ids" if self.is_head else "hidden_states"
+        self._out_names = [o.name for o in self._sess.get_outputs()]
+        self._layers = list(range(self.first_layer, self.last_layer + 1))
+        self._sessions: dict[str, _Session] = {}
+        self._lock = threading.Lock()
+        log.info("fragment %d-%d on %s (%s flavour)", self.first_layer, self.last_layer, self.provider, self.flavour)
+
+    # --- sessions ----------------------------------------------------------------------------
+    def _kv_shape(self) -> tuple[int, int, int, int]:
+        m = self.manifest
+        return (1, m.n_kv_heads, self.max_context if self.flavour == "static" else 0, m.head_dim)
+
+    def open_session(self, session_id: str) -> None:
+        with self._lock:
+            if self._sess is None:
+                raise RunnerError("runner is closed")
+            if session_id in self._sessions:
+                raise RunnerError(f"session {session_id!r} is already open")
+            shape = self._kv_shape()
+            kv = {f"past_{kind}.{li}": np.zeros(shape, np.float32) for li in self._layers for kind in ("key", "value")}
+            self._sessions[session_id] = _Session(kv)
+
+    def _get(self, session_id: str) -> _Session:
+        s = self._sessions.get(session_id)
+        if s is None:
+            raise RunnerError(f"unknown session {session_id!r}")
+        return s
+
+    def session_length(self, session_id: str) -> int:
+        return self._get(session_id).length
+
+    def close_session(self, session_id: str) -> None:
+        with self._lock:
+            self._get(session_id)
+            del self._sessions[session_id]
+
+    def sessions(self) -> list[str]:
+        return list(self._sessions)
+
+    def memory_bytes(self) -> int:
+        return self._weight_bytes + sum(s.nbytes() for s in list(self._sessions.values()))
+
+    def close(self) -> None:
+        with self._lock:
+            self._sessions.clear()
+            self._sess = None
+
+    # --- forward -----------------------------------------------------------------------------
+    def _check(self, x: np.ndarray) -> np.ndarray:
+        x = np.asarray(x)
+        if self.is_head:
+            if x.ndim != 2 or x.shape[0] != 1 or x.shape[1] < 1 or not np.issubdtype(x.dtype, np.integer):
+                raise RunnerError(f"head fragment wants int token ids [1, T], got {x.dtype} {x.shape}")
+            if x.min() < 0 or x.max() >= self.manifest.vocab_size:
+                raise RunnerError(f"token id out of range 0..{self.manifest.vocab_size - 1}")
+            return x.astype(np.int64, copy=False)
+        h = self.manifest.hidden_size
+        if x.ndim != 3 or x.shape[0] != 1 or x.shape[1] < 1 or x.shape[2] != h or x.dtype != np.float32:
+            raise RunnerError(f"fragment wants float32 hidden states [1, T, {h}], got {x.dtype} {x.shape}")
+        return x
+
+    def forward(self, session_id: str, x: np.ndarray) -> np.ndarray:
+        with self._lock:
+            if self._sess is None:
+                raise RunnerError("runner is closed")
+            s = self._get(session_id)
+            x = self._check(x)
+            t = x.shape[1]
+            if s.length + t > self.max_context:
+                raise RunnerError(f"context overflow: {s.length} + {t} positions > max_context {self.max_context}")
+            if self.flavour == "static":
+                return self._forward_static(s, x)
+            feeds: dict[str, Any] = {self._in_name: x, **s.kv}
+            outs = self._sess.run(self._out_names, feeds)
+            for name, val in zip(self._out_names[1:], outs[1:]):
+                s.kv[name.replace("present_", "past_")] = val
+            s.length += t
+            return outs[0]
+
+    def _forward_static(self, s: _Session, x: np.ndarray) -> np.ndarray:
+        c, t = self.prefill_chunk, x.shape[1]
+        pieces = []
+        for start in range(0, t, c):
+            chunk = x[:, start:start + c]
+            valid = chunk.shape[1]
+            if valid < c:
+                pad = [(0, 0), (0, c - valid)] + ([(0, 0)] if chunk.ndim == 3 else [])
+                chunk = np.pad(chunk, pad)
+            feeds = {self._in_name: chunk, "past_length": np.array([s.length], np.int64), **s.kv}
+            outs = self._sess.run(self._out_names, feeds)
+            for name, val in zip(self._out_names[1:], outs[1:]):
+                s.kv[name.replace("new_", "past_")][:, :, s.length:s.length + valid] = val[:, :, :valid]
+            s.length += valid
+            pieces.append(outs[0][:, :valid])
+        return pieces[0] if len(pieces) == 1 else np.concatenate(pieces, axis=1)
+
+
+def open_chain(model_dir: Path, cuts: list[tuple[int, int]], **kw: Any) -> list[FragmentRunner]:
+    """One OrtFragmentRunner per (first, last) range; the ranges must tile all layers in order."""
+    m = load_manifest(Path(model_dir))
+    expect = 0
+    for a, b in cuts:
+        if a != expect or b < a:
+            raise RunnerError(f"cuts {cuts} do not tile layers 0..{m.n_layers - 1} in order")
+        expect = b + 1
+    if expect != m.n_layers:
+        raise RunnerError(f"cuts {cuts} do not cover layers 0..{m.n_layers - 1}")
+    return [OrtFragmentRunner(model_dir, a, b, **kw) for a, b in cuts]
+
+
+def chain_forward(runners: Sequence[FragmentRunner], session_id: str, token_ids: np.ndarray) -> np.ndarray:
+    """Run token ids through a chain (opening the session where needed); returns logits [1, T, vocab]."""
+    x = np.asarray(token_ids, dtype=np.int64)
+    if x.ndim == 1:
+        x = x[None, :]
+    for r in runners:
+        if session_id not in r.sessions():
+            r.open_session(session_id)
+        x = r.forward(session_id, x)
+    return x

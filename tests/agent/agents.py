@@ -1,0 +1,153 @@
+"""Real agent processes for integration tests: start, wait for conditions, kill."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+REPO = Path(__file__).resolve().parents[2]
+CLUSTER_KEY = "test-cluster-key-0123456789"
+FAST_TIMING = {
+    "NCM_HEALTH_INTERVAL_S": "0.3",
+    "NCM_PEER_TIMEOUT_S": "1.0",
+    "NCM_DISCOVERY_GRACE_S": "0.6",
+    "NCM_FAILURE_THRESHOLD": "2",
+}
+
+
+def free_ports(count: int) -> list[int]:
+    sockets, ports = [], []
+    for _ in range(count):
+        s = socket.socket()
+        s.bind(("127.0.0.1", 0))
+        sockets.append(s)
+        ports.append(s.getsockname()[1])
+    for s in sockets:
+        s.close()
+    return ports
+
+
+def http(method: str, url: str, body: Any = None, *, headers: dict[str, str] | None = None,
+         raw: bytes | None = None, timeout_s: float = 120.0) -> tuple[int, Any]:
+    data = raw if raw is not None else (None if body is None else json.dumps(body).encode())
+    request = urllib.request.Request(url, data=data, method=method,
+                                     headers={"Content-Type": "application/json", **(headers or {})})
+    try:
+        with urllib.request.urlopen(request, timeout=timeout_s) as response:
+            text = response.read()
+            status = response.status
+    except urllib.error.HTTPError as error:
+        text, status = error.read(), error.code
+    try:
+        return status, json.loads(text)
+    except ValueError:
+        return status, text.decode(errors="replace")
+
+
+def wait_for(condition: Callable[[], Any], *, timeout_s: float, what: str, interval_s: float = 0.1) -> Any:
+    """Poll ``condition`` until it returns something truthy, or fail after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    last_error: Exception | None = None
+    while time.monotonic() < deadline:
+        try:
+            value = condition()
+            if value:
+                return value
+        except Exception as error:  # noqa: BLE001 - retried until the deadline
+            last_error = error
+        time.sleep(interval_s)
+    raise AssertionError(f"timed out after {timeout_s:g} s waiting for {what} (last error: {last_error})")
+
+
+@dataclass
+class Agent:
+    name: str
+    port: int
+    home: Path
+    state_dir: Path
+    log_path: Path
+    process: subprocess.Popen | None = None
+    env: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def get(self, path: str, **kw: Any) -> tuple[int, Any]:
+        return http("GET", self.url + path, **kw)
+
+    def post(self, path: str, body: Any = None, **kw: Any) -> tuple[int, Any]:
+        return http("POST", self.url + path, body, **kw)
+
+    def node_id(self) -> str:
+        return self.get("/health", timeout_s=5)[1]["node_id"]
+
+    def start(self, args: list[str]) -> None:
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        log = self.log_path.open("ab")
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "agent.cli", "serve", "--port", str(self.port), *args],
+            cwd=REPO, env=self.env, stdout=log, stderr=subprocess.STDOUT,
+        )
+        log.close()
+
+    def kill(self) -> None:
+        """SIGKILL, as when a device loses power."""
+        if self.process and self.process.poll() is None:
+            self.process.send_signal(signal.SIGKILL)
+            self.process.wait(timeout=10)
+
+    def stop(self) -> None:
+        if self.process and self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(timeout=40)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait(timeout=10)
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+
+
+def make_agents(tmp: Path, model_home: Path, count: int, *, extra_env: dict[str, str] | None = None) -> list[Agent]:
+    """``count`` agents on loopback with static peers; the first uses ``model_home`` as its store."""
+    ports = free_ports(count)
+    agents = []
+    for index, port in enumerate(ports):
+        state = tmp / f"agent-{index}"
+        home = model_home if index == 0 else state / "home"
+        env = {
+            **os.environ,
+            "NCM_HOME": str(home),
+            "NCM_STATE_DIR": str(state),
+            "NCM_CLUSTER_KEY": CLUSTER_KEY,
+            "NCM_CLUSTER_NAME": "test",
+            "NCM_MDNS": "false",
+            "NCM_HOST": "127.0.0.1",
+            "NCM_ADVERTISE_HOST": "127.0.0.1",
+            "NCM_THREADS": "1",
+            **FAST_TIMING,
+            **(extra_env or {}),
+        }
+        agents.append(Agent(f"agent-{index}", port, home, state, tmp / f"agent-{index}.log", env=env))
+    for agent in agents:
+        agent.start([f"--peer={other.url}" for other in agents if other is not agent])
+    return agents
+
+
+def cluster_ready(agent: Agent, nodes: int) -> dict | None:
+    status, body = agent.get("/cluster/status", timeout_s=5)
+    if status == 200 and body.get("state") == "ok" and len(body.get("nodes_alive", [])) == nodes:
+        return body
+    return None

@@ -1,0 +1,150 @@
+"""Three real agent processes on loopback serving the default model together."""
+
+from __future__ import annotations
+
+import json
+import secrets
+import time
+
+import pytest
+
+from agent.core.auth import sign
+from agent.core.capacity import NodeCapacity, score
+from agent.core.plan import make_plan
+from shards.generate import LocalModel, generate
+from shards.sampling import SamplingParams
+from tests.agent.agents import CLUSTER_KEY, cluster_ready, http, make_agents, wait_for
+
+pytestmark = pytest.mark.slow
+QUESTION = [{"role": "user", "content": "What is the capital of France? Answer in one sentence, then name two museums there."}]
+
+
+@pytest.fixture(scope="module")
+def cluster(smollm2_store, tmp_path_factory):
+    agents = make_agents(tmp_path_factory.mktemp("cluster"), smollm2_store.root, 3)
+    try:
+        wait_for(lambda: cluster_ready(agents[0], 3) or cluster_ready(agents[1], 3), timeout_s=300,
+                 what="the 3-agent cluster to serve the model")
+        yield agents
+    finally:
+        for agent in agents:
+            agent.stop()
+        for agent in agents:
+            print(f"--- {agent.name} log ---\n{agent.log()[-4000:]}")
+
+
+def test_every_agent_sees_one_orchestrator(cluster):
+    views = [agent.get("/cluster/nodes")[1] for agent in cluster]
+    orchestrators = {view["orchestrator"] for view in views}
+    assert len(orchestrators) == 1 and None not in orchestrators
+    ids = {view["node_id"] for view in views}
+    assert orchestrators <= ids
+    for view in views:
+        assert sum(1 for node in view["nodes"] if node["alive"]) == 3
+
+
+def test_cluster_answer_is_token_for_token_the_single_device_answer(cluster, smollm2_store):
+    status, body = cluster[0].post("/v1/chat/completions", {"messages": QUESTION, "temperature": 0, "max_tokens": 48})
+    assert status == 200, body
+    model = LocalModel.open("smollm2-135m", store=smollm2_store)
+    try:
+        ids = model.tokenizer.encode_chat(QUESTION, add_generation_prompt=True)
+        events = list(generate(model.runners, model.tokenizer, ids, SamplingParams(temperature=0.0, max_tokens=48)))
+    finally:
+        model.close()
+    reference = "".join(event.text for event in events)
+    assert body["choices"][0]["message"]["content"] == reference
+    assert body["usage"]["completion_tokens"] == events[-1].usage.completion_tokens
+    assert body["usage"]["prompt_tokens"] == len(ids)
+    assert "Paris" in reference
+
+
+def test_any_agent_accepts_requests_and_streams(cluster):
+    answers = []
+    for agent in cluster:
+        status, body = agent.post("/v1/chat/completions", {"messages": QUESTION, "temperature": 0, "max_tokens": 12})
+        assert status == 200, body
+        answers.append(body["choices"][0]["message"]["content"])
+    assert len(set(answers)) == 1
+    status, text = http("POST", cluster[2].url + "/v1/chat/completions",
+                        {"messages": QUESTION, "temperature": 0, "max_tokens": 12, "stream": True})
+    assert status == 200
+    events = [line[len("data: "):] for line in text.split("\n") if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    streamed = "".join(json.loads(e)["choices"][0]["delta"].get("content", "") for e in events[:-1] if json.loads(e)["choices"])
+    assert streamed == answers[0]
+
+
+def test_plan_held_by_workers_is_the_planning_core_plan(cluster):
+    orchestrator_id = cluster[0].get("/cluster/nodes")[1]["orchestrator"]
+    status, plan = cluster[1].get("/cluster/plan")
+    assert status == 200, plan
+    scores = {node["id"]: node["score"] for node in plan["plan"]["nodes"]}
+    expected = make_plan(scores, 30)
+    assert plan["plan"] == json.loads(json.dumps(expected.to_dict()))
+    assert plan["uncovered_layers"] == []
+    # What each worker actually holds is its hops of the route.
+    for agent in cluster:
+        nodes = agent.get("/cluster/nodes")[1]
+        me = next(node for node in nodes["nodes"] if node["self"])
+        held = [f["layers"] for f in me["worker"]["fragments"]]
+        assert held == [hop["layers"] for hop in plan["route"] if hop["node"] == me["id"]]
+    assert orchestrator_id in scores
+
+
+def test_bad_requests_get_4xx_and_the_cluster_keeps_serving(cluster):
+    url = cluster[1].url + "/v1/chat/completions"
+    cases = [
+        (b"{not json", 400, None),
+        (json.dumps({"messages": []}).encode(), 400, "messages"),
+        (json.dumps({"messages": QUESTION, "temperature": 7}).encode(), 400, "temperature"),
+        (json.dumps({"messages": QUESTION, "n": 3}).encode(), 400, "n"),
+        (json.dumps({"messages": [{"role": "wizard", "content": "hi"}]}).encode(), 400, "messages[0].role"),
+        (json.dumps({"model": "gpt-9", "messages": QUESTION}).encode(), 404, "model"),
+        (json.dumps({"messages": QUESTION, "max_tokens": -1}).encode(), 400, "max_tokens"),
+    ]
+    for raw, expected_status, param in cases:
+        status, body = http("POST", url, raw=raw)
+        assert status == expected_status, (raw, body)
+        assert set(body["error"]) == {"message", "type", "param", "code"}
+        assert body["error"]["param"] == param
+    status, body = http("POST", url, raw=json.dumps({"model": "gpt-9", "messages": QUESTION}).encode())
+    assert "smollm2-135m" in body["error"]["message"]
+    status, body = cluster[0].post("/v1/chat/completions", {"messages": QUESTION, "temperature": 0, "max_tokens": 4})
+    assert status == 200 and body["choices"][0]["message"]["content"]
+
+
+def test_sessions_are_freed_on_every_stage_after_a_request(cluster):
+    cluster[0].post("/v1/chat/completions", {"messages": QUESTION, "temperature": 0, "max_tokens": 4})
+
+    def all_free():
+        nodes = cluster[0].get("/cluster/nodes")[1]["nodes"]
+        return all(node["worker"] and node["worker"]["sessions"] == 0 for node in nodes if node["alive"])
+
+    wait_for(all_free, timeout_s=10, what="every stage to free the request's KV cache")
+
+
+def _describe(agent, headers):
+    return http("GET", agent.url + "/internal/describe", headers=headers, timeout_s=5)
+
+
+def test_internal_endpoints_need_the_cluster_key_and_reject_replays(cluster):
+    agent = cluster[0]
+    status, body = _describe(agent, {})
+    assert status == 401 and "cluster key" in body["error"]["message"]
+    wrong = sign(b"not-the-cluster-key-at-all", "GET", "/internal/describe", b"", now=time.time(),
+                 nonce=secrets.token_hex(12), node_id="intruder")
+    assert _describe(agent, wrong)[0] == 401
+    stale = sign(CLUSTER_KEY.encode(), "GET", "/internal/describe", b"", now=time.time() - 3600,
+                 nonce=secrets.token_hex(12), node_id="tester")
+    assert _describe(agent, stale)[0] == 401
+    good = sign(CLUSTER_KEY.encode(), "GET", "/internal/describe", b"", now=time.time(),
+                nonce=secrets.token_hex(12), node_id="tester")
+    status, body = _describe(agent, good)
+    assert status == 200 and body["advert"]["cluster"] == "test"
+    assert "cluster_key" not in json.dumps(body) and CLUSTER_KEY not in json.dumps(body)
+    status, body = _describe(agent, good)  # the very same signed request again
+    assert status == 401 and "replay" in body["error"]["message"]
+    # Routing orders too: unsigned ones never reach the worker.
+    status, _ = http("POST", agent.url + "/internal/routing", {"epoch": 99}, timeout_s=5)
+    assert status == 401

@@ -1,0 +1,83 @@
+import math
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from agent.core.capacity import (
+    SCORE_FLOOR,
+    WEIGHT_LATENCY,
+    WEIGHT_NPU,
+    WEIGHT_RAM,
+    WEIGHT_VRAM,
+    NodeCapacity,
+    score,
+)
+from agent.core.errors import InvalidNodeError, NcmError
+from tests.core.strategies import capacities
+
+
+def test_weights_are_the_design_weights_normalised():
+    assert (WEIGHT_VRAM, WEIGHT_RAM, WEIGHT_NPU, WEIGHT_LATENCY) == pytest.approx((2 / 4.25, 0.5 / 4.25, 1.5 / 4.25, 0.25 / 4.25))
+    assert WEIGHT_VRAM + WEIGHT_RAM + WEIGHT_NPU + WEIGHT_LATENCY == pytest.approx(1.0)
+
+
+def test_score_formula_by_hand():
+    node = NodeCapacity("gpu", vram_gib=8, ram_gib=16, npu_tops=0, latency_ms=2, load=0.0)
+    expected = (2.0 * 8 + 0.5 * 16 + 1.5 * 0 - 0.25 * 2 / 100) / 4.25
+    assert score(node) == pytest.approx(expected)
+
+
+def test_full_load_keeps_half_the_score():
+    idle = NodeCapacity("n", vram_gib=4, ram_gib=8, npu_tops=6, latency_ms=10, load=0.0)
+    busy = NodeCapacity("n", vram_gib=4, ram_gib=8, npu_tops=6, latency_ms=10, load=1.0)
+    assert score(busy) == pytest.approx(score(idle) / 2)
+
+
+def test_zero_capacity_and_high_latency_hit_the_floor():
+    assert score(NodeCapacity("empty")) == SCORE_FLOOR
+    assert score(NodeCapacity("far", ram_gib=1, latency_ms=10_000)) == SCORE_FLOOR
+
+
+@given(capacities)
+def test_score_is_finite_and_floored(node):
+    value = score(node)
+    assert math.isfinite(value) and value >= SCORE_FLOOR
+
+
+@given(capacities, st.floats(0.01, 50))
+def test_more_vram_never_lowers_the_score(node, extra):
+    bigger = NodeCapacity(node.node_id, node.vram_gib + extra, node.ram_gib, node.npu_tops, node.latency_ms, node.load)
+    assert score(bigger) >= score(node)
+
+
+@pytest.mark.parametrize(
+    "fields, message",
+    [
+        ({"vram_gib": -1}, "vram_gib must be finite and >= 0"),
+        ({"load": 1.5}, "load must be in [0, 1]"),
+        ({"ram_gib": float("nan")}, "ram_gib must be finite"),
+        ({"npu_tops": "6"}, "npu_tops must be a number"),
+        ({"latency_ms": True}, "latency_ms must be a number"),
+    ],
+)
+def test_bad_capacity_is_a_typed_error(fields, message):
+    with pytest.raises(InvalidNodeError, match=message.replace("[", r"\[").replace("]", r"\]")):
+        NodeCapacity("n", **fields)
+    assert issubclass(InvalidNodeError, NcmError)
+
+
+def test_from_dict_names_missing_and_unknown_fields():
+    with pytest.raises(InvalidNodeError, match="missing the field\\(s\\) ram_gib"):
+        NodeCapacity.from_dict({"id": "a", "vram_gib": 1, "npu_tops": 0, "latency_ms": 0, "load": 0})
+    with pytest.raises(InvalidNodeError, match="unknown field\\(s\\) vram"):
+        NodeCapacity.from_dict({"id": "a", "vram": 1})
+    with pytest.raises(InvalidNodeError, match="missing the field 'id'"):
+        NodeCapacity.from_dict({"vram_gib": 1})
+    with pytest.raises(InvalidNodeError, match="node id must be a non-empty string"):
+        NodeCapacity.from_dict({"id": "", "vram_gib": 1, "ram_gib": 1, "npu_tops": 0, "latency_ms": 0, "load": 0})
+
+
+def test_round_trip_through_dict():
+    node = NodeCapacity("n1", 8.0, 16.0, 6.0, 2.5, 0.25)
+    assert NodeCapacity.from_dict(node.to_dict()) == node

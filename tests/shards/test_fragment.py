@@ -1,0 +1,96 @@
+"""Fragments of the real model: split invariance, static == dynamic flavour, cache, errors."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import pytest
+
+from fragment_helpers import PROMPT_IDS, SMOLLM2, chain, greedy
+from shards.errors import FragmentError
+from shards.fragment import DATA_FILE, build_fragment
+from shards.runner import chain_forward
+
+SPLITS = {
+    1: [(0, 29)],
+    2: [(0, 14), (15, 29)],
+    3: [(0, 9), (10, 19), (20, 29)],
+    5: [(0, 0), (1, 5), (6, 17), (18, 28), (29, 29)],
+}
+DECODE_STEPS = 6
+
+
+@pytest.fixture(scope="module")
+def model_dir(smollm2_store):
+    return smollm2_store.model_dir(SMOLLM2)
+
+
+@pytest.fixture(scope="module")
+def whole(model_dir):
+    return greedy(chain(model_dir, SPLITS[1], threads=2), "ref", PROMPT_IDS, DECODE_STEPS)
+
+
+@pytest.mark.parametrize("n", [2, 3, 5])
+def test_split_chains_give_the_same_logits_and_tokens(model_dir, whole, n) -> None:
+    rows, tokens = greedy(chain(model_dir, SPLITS[n], threads=2), f"split{n}", PROMPT_IDS, DECODE_STEPS)
+    assert np.abs(rows - whole[0]).max() <= 1e-5
+    assert tokens == whole[1]
+
+
+def test_prefill_logits_cover_every_position(model_dir) -> None:
+    runners = chain(model_dir, SPLITS[1], threads=2)
+    full = chain_forward(runners, "full", PROMPT_IDS)
+    for r in runners:
+        r.close_session("full")
+    split = chain(model_dir, SPLITS[3], threads=2)
+    first = chain_forward(split, "parts", PROMPT_IDS[:4])
+    rest = chain_forward(split, "parts", PROMPT_IDS[4:])
+    for r in split:
+        r.close_session("parts")
+    assert full.shape == (1, len(PROMPT_IDS), 49152) and full.dtype == np.float32
+    np.testing.assert_allclose(np.concatenate([first, rest], axis=1), full, atol=1e-4, rtol=0)
+
+
+def test_static_flavour_equals_dynamic(model_dir, whole) -> None:
+    runners = chain(model_dir, SPLITS[2], flavour="static", max_context=64, prefill_chunk=8, threads=2)
+    assert all(r.flavour == "static" for r in runners)
+    rows, tokens = greedy(runners, "static", PROMPT_IDS, DECODE_STEPS)
+    assert np.abs(rows - whole[0]).max() <= 1e-4
+    assert tokens == whole[1]
+
+
+def test_static_graph_has_fixed_shapes_and_plain_ops(model_dir) -> None:
+    path = build_fragment(model_dir, 10, 19, flavour="static", max_context=64, prefill_chunk=8)
+    m = onnx.load(path, load_external_data=False)
+    for vi in list(m.graph.input) + list(m.graph.output):
+        dims = vi.type.tensor_type.shape.dim
+        assert all(d.HasField("dim_value") for d in dims), vi.name
+    assert {n.domain for n in m.graph.node} <= {"", "ai.onnx"}
+
+
+def test_cpu_flavour_uses_fused_ops_and_external_data(model_dir) -> None:
+    path = build_fragment(model_dir, 0, 29)
+    m = onnx.load(path, load_external_data=False)
+    ops = {n.op_type for n in m.graph.node}
+    assert {"GroupQueryAttention", "SkipSimplifiedLayerNormalization"} <= ops
+    assert path.stat().st_size < 1_000_000 < (path.parent / DATA_FILE).stat().st_size
+
+
+def test_fragments_are_cached_and_keyed_by_shape(model_dir, tmp_path) -> None:
+    a = build_fragment(model_dir, 3, 4, cache_dir=tmp_path)
+    mtime = a.stat().st_mtime_ns
+    assert build_fragment(model_dir, 3, 4, cache_dir=tmp_path) == a and a.stat().st_mtime_ns == mtime
+    b = build_fragment(model_dir, 3, 4, cache_dir=tmp_path, max_context=128)
+    c = build_fragment(model_dir, 3, 4, cache_dir=tmp_path, flavour="static", max_context=128, prefill_chunk=16)
+    assert len({a, b, c}) == 3
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temp dirs left
+
+
+@pytest.mark.parametrize("args,kw", [
+    ((5, 4), {}), ((0, 30), {}), ((-1, 3), {}), ((0, 1), {"flavour": "gpu"}),
+    ((0, 1), {"max_context": 100_000}), ((0, 1), {"flavour": "static", "max_context": 8, "prefill_chunk": 16}),
+])
+def test_bad_fragment_requests(model_dir, tmp_path, args, kw) -> None:
+    with pytest.raises(FragmentError):
+        build_fragment(model_dir, *args, cache_dir=tmp_path, **kw)
+    assert list(tmp_path.iterdir()) == []

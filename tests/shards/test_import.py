@@ -1,0 +1,180 @@
+"""GGUF / HF import: the real default model's manifest and files, and every failure path."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from fragment_helpers import SMOLLM2, make_hf_checkpoint
+from shards.errors import ModelFormatError, TokenizerError, UnsupportedArchitectureError
+from shards.gguf_import import unpermute_rope_rows
+from shards.importer import default_name, import_model
+from shards.store import ModelStore
+from shards.tensorfile import read_tensors
+
+
+def write_gguf(path: Path, arch: str) -> Path:
+    """A small GGUF with model metadata and an embedding but no tokenizer."""
+    import gguf
+
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_block_count(1)
+    w.add_context_length(64)
+    w.add_embedding_length(32)
+    w.add_feed_forward_length(64)
+    w.add_head_count(2)
+    w.add_head_count_kv(1)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_tensor("token_embd.weight", np.zeros((10, 32), np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def assert_store_empty(store: ModelStore) -> None:
+    assert not store.models_dir.exists() or list(store.models_dir.iterdir()) == []
+
+
+# --- the real model -------------------------------------------------------------------------
+def test_gguf_manifest_matches_the_model(smollm2_store) -> None:
+    m = smollm2_store.manifest(SMOLLM2)
+    assert (m.architecture, m.n_layers, m.hidden_size, m.intermediate_size) == ("llama", 30, 576, 1536)
+    assert (m.n_heads, m.n_kv_heads, m.head_dim, m.vocab_size) == (9, 3, 64, 49152)
+    assert m.rope_theta == 100000.0 and m.rms_norm_eps == pytest.approx(1e-5)
+    assert m.tied_embeddings and not m.attention_bias and m.weight_format == "f32"
+    assert m.context_length == 8192 and m.source.endswith(".gguf")
+
+
+def test_weight_files_match_their_checksums(smollm2_store) -> None:
+    m = smollm2_store.manifest(SMOLLM2)
+    d = smollm2_store.model_dir(SMOLLM2)
+    for key in ("embed", "layer.0", "layer.29", "head"):
+        f = m.files[key]
+        data = (d / f.path).read_bytes()
+        assert len(data) == f.bytes and hashlib.sha256(data).hexdigest() == f.sha256
+    layer = read_tensors(d / m.files["layer.3"].path)
+    assert layer["q_proj"].shape == (576, 576) and layer["k_proj"].shape == (192, 576)
+    assert layer["q_proj"].dtype == np.float32
+    assert (d / "tokenizer.json").is_file()
+
+
+def test_f16_import_halves_the_linear_weights(smollm2_gguf, tmp_path) -> None:
+    store = ModelStore(tmp_path)
+    m = import_model(smollm2_gguf, name="smol-f16", weights="f16", store=store, progress=False)
+    layer = read_tensors(store.model_dir("smol-f16") / m.files["layer.0"].path)
+    assert layer["q_proj"].dtype == np.float16 and layer["input_norm"].dtype == np.float32
+    assert m.weight_format == "f16"
+
+
+def test_unpermute_inverts_llama_cpp_permutation() -> None:
+    rng = np.random.default_rng(0)
+    w = rng.standard_normal((4 * 8, 5)).astype(np.float32)  # 4 heads of dim 8
+    # llama.cpp's converter: per head, rows (2, half) -> (half, 2)
+    permuted = w.reshape(4, 2, 4, 5).swapaxes(1, 2).reshape(w.shape)
+    np.testing.assert_array_equal(unpermute_rope_rows(permuted, 4), w)
+
+
+def test_default_name() -> None:
+    assert default_name(Path("SmolLM2-135M-Instruct.Q4_1.gguf")) == "smollm2-135m-instruct.q4_1"
+    assert default_name(Path("my model!")) == "my-model"
+
+
+# --- failures leave nothing behind ---------------------------------------------------------
+@pytest.mark.parametrize("keep", [10, 5000, 0.5, -1000])
+def test_truncated_gguf_is_a_format_error(smollm2_gguf, tmp_path, keep) -> None:
+    size = smollm2_gguf.stat().st_size
+    n = int(size * keep) if isinstance(keep, float) else (keep if keep > 0 else size + keep)
+    bad = tmp_path / "cut.gguf"
+    with open(smollm2_gguf, "rb") as src:
+        bad.write_bytes(src.read(n))
+    store = ModelStore(tmp_path / "home")
+    with pytest.raises(ModelFormatError):
+        import_model(bad, store=store, progress=False)
+    assert_store_empty(store)
+
+
+def test_not_a_model_file(tmp_path) -> None:
+    bad = tmp_path / "x.gguf"
+    bad.write_bytes(b"hello world" * 10)
+    with pytest.raises(ModelFormatError, match="GGUF"):
+        import_model(bad, store=ModelStore(tmp_path / "home"), progress=False)
+    with pytest.raises(ModelFormatError, match="no such"):
+        import_model(tmp_path / "missing.gguf", store=ModelStore(tmp_path / "home"), progress=False)
+
+
+def test_unsupported_gguf_architecture(tmp_path) -> None:
+    store = ModelStore(tmp_path / "home")
+    with pytest.raises(UnsupportedArchitectureError, match="gpt2"):
+        import_model(write_gguf(tmp_path / "g.gguf", "gpt2"), store=store, progress=False)
+    assert_store_empty(store)
+
+
+def test_gguf_without_tokenizer(tmp_path) -> None:
+    store = ModelStore(tmp_path / "home")
+    with pytest.raises(TokenizerError):
+        import_model(write_gguf(tmp_path / "l.gguf", "llama"), store=store, progress=False)
+    assert_store_empty(store)
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory) -> Path:
+    folder = tmp_path_factory.mktemp("tiny") / "llama"
+    make_hf_checkpoint(folder, "llama")
+    return folder
+
+
+def test_unsupported_hf_architecture(tiny_llama, tmp_path) -> None:
+    folder = tmp_path / "gpt2"
+    shutil.copytree(tiny_llama, folder)
+    cfg = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps(cfg | {"model_type": "gpt2"}))
+    store = ModelStore(tmp_path / "home")
+    with pytest.raises(UnsupportedArchitectureError, match="gpt2"):
+        import_model(folder, store=store, progress=False)
+    assert_store_empty(store)
+
+
+def test_hf_without_tokenizer(tiny_llama, tmp_path) -> None:
+    folder = tmp_path / "notok"
+    shutil.copytree(tiny_llama, folder)
+    (folder / "tokenizer.json").unlink()
+    store = ModelStore(tmp_path / "home")
+    with pytest.raises(TokenizerError, match="tokenizer.json"):
+        import_model(folder, store=store, progress=False)
+    assert_store_empty(store)
+
+
+def test_hf_truncated_weights(tiny_llama, tmp_path) -> None:
+    folder = tmp_path / "cut"
+    shutil.copytree(tiny_llama, folder)
+    st = folder / "model.safetensors"
+    st.write_bytes(st.read_bytes()[:-100])
+    store = ModelStore(tmp_path / "home")
+    with pytest.raises(ModelFormatError, match="truncated"):
+        import_model(folder, store=store, progress=False)
+    assert_store_empty(store)
+
+
+def test_failure_midway_keeps_previous_model(tiny_llama, tmp_path) -> None:
+    store = ModelStore(tmp_path / "home")
+    first = import_model(tiny_llama, name="m", store=store, progress=False)
+    folder = tmp_path / "broken"
+    shutil.copytree(tiny_llama, folder)
+    cfg = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps(cfg | {"num_hidden_layers": 5}))  # layers 3, 4 missing
+    with pytest.raises(ModelFormatError, match="layers.3"):
+        import_model(folder, name="m", store=store, progress=False)
+    assert store.manifest("m") == first
+    assert [p.name for p in store.models_dir.iterdir()] == ["m"]
+
+
+def test_unknown_weight_format(tiny_llama, tmp_path) -> None:
+    with pytest.raises(ModelFormatError, match="q8"):
+        import_model(tiny_llama, weights="q8", store=ModelStore(tmp_path), progress=False)

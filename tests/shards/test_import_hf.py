@@ -1,0 +1,76 @@
+"""Hugging Face folder import (tiny random llama / qwen2) against transformers on the same weights."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from fragment_helpers import greedy, make_hf_checkpoint
+from shards.importer import import_model
+from shards.runner import chain_forward, open_chain
+from shards.store import ModelStore
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    root = tmp_path_factory.mktemp("hf")
+    store = ModelStore(tmp_path_factory.mktemp("home"))
+    out = {}
+    for arch in ("llama", "qwen2"):
+        model = make_hf_checkpoint(root / arch, arch)
+        manifest = import_model(root / arch, name=f"tiny-{arch}", store=store, progress=False)
+        out[arch] = (model, manifest, store.model_dir(manifest.name))
+    return out
+
+
+def torch_logits(model, ids: np.ndarray) -> np.ndarray:
+    import torch
+
+    with torch.no_grad():
+        return model(torch.from_numpy(ids[None, :])).logits[0].numpy()
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_manifest_reflects_config(checkpoints, arch) -> None:
+    _, m, _ = checkpoints[arch]
+    assert (m.architecture, m.n_layers, m.hidden_size, m.n_heads, m.n_kv_heads, m.head_dim) == (arch, 3, 64, 4, 2, 16)
+    assert m.tied_embeddings is (arch == "qwen2")
+    assert m.attention_bias is (arch == "qwen2")
+    assert (m.rope_freq_factors is not None) is (arch == "llama")
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("cuts", [[(0, 2)], [(0, 0), (1, 1), (2, 2)]])
+def test_logits_match_transformers(checkpoints, arch, cuts) -> None:
+    model, _, model_dir = checkpoints[arch]
+    ids = np.random.default_rng(1).integers(3, 96, size=90).astype(np.int64)  # spans the llama3 rope regimes
+    runners = open_chain(model_dir, cuts, threads=1)
+    ref = torch_logits(model, ids)
+    # prefill in two chunks then decode one by one, as a real session does
+    parts = [chain_forward(runners, "s", ids[:50]), chain_forward(runners, "s", ids[50:80])]
+    parts += [chain_forward(runners, "s", ids[i:i + 1]) for i in range(80, 90)]
+    ours = np.concatenate(parts, axis=1)[0]
+    np.testing.assert_allclose(ours, ref, atol=1e-4, rtol=0)
+
+
+def test_bfloat16_checkpoint(tmp_path) -> None:
+    import torch
+
+    model = make_hf_checkpoint(tmp_path / "src", "qwen2", seed=3)
+    model.to(torch.bfloat16).save_pretrained(tmp_path / "src")  # weights on disk as BF16
+    m = import_model(tmp_path / "src", name="bf16", store=ModelStore(tmp_path / "home"), progress=False)
+    runners = open_chain(ModelStore(tmp_path / "home").model_dir(m.name), [(0, 2)], threads=1)
+    ids = np.arange(3, 40, dtype=np.int64)
+    ours = chain_forward(runners, "s", ids)[0]
+    np.testing.assert_allclose(ours, torch_logits(model.float(), ids), atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_static_flavour_matches_transformers(checkpoints, arch) -> None:
+    model, _, model_dir = checkpoints[arch]
+    ids = np.random.default_rng(2).integers(3, 96, size=37).astype(np.int64)
+    runners = open_chain(model_dir, [(0, 1), (2, 2)], flavour="static", max_context=64, prefill_chunk=8, threads=1)
+    rows, _ = greedy(runners, "s", ids, 0)
+    np.testing.assert_allclose(rows[0], torch_logits(model, ids)[-1], atol=1e-4, rtol=0)

@@ -1,0 +1,90 @@
+"""4-bit weights: the MatMulNBits layout, and top-1 agreement of the q4 model with fp32."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+from fragment_helpers import SMOLLM2, SMOLLM2_Q4, chain
+from shards.importer import import_model
+from shards.quant import dequantize, quantize_q4, quantize_q8
+from shards.runner import chain_forward
+
+
+def nbits_matmul(x: np.ndarray, q: dict[str, np.ndarray], bits: int) -> np.ndarray:
+    """Run onnxruntime's MatMulNBits on our stored layout (+ the q4 offset term)."""
+    n, kb, _ = q["qweight"].shape
+    inits = [numpy_helper.from_array(q["qweight"], "B"), numpy_helper.from_array(q["scales"].reshape(-1), "S")]
+    ins = ["A", "B", "S"]
+    if bits == 8:
+        inits.append(numpy_helper.from_array(q["zeros"].reshape(-1), "Z"))
+        ins.append("Z")
+    node = helper.make_node("MatMulNBits", ins, ["Y"], domain="com.microsoft", K=kb * 32, N=n, bits=bits,
+                            block_size=32, accuracy_level=0)
+    g = helper.make_graph([node], "g", [helper.make_tensor_value_info("A", TensorProto.FLOAT, list(x.shape))],
+                          [helper.make_tensor_value_info("Y", TensorProto.FLOAT, [x.shape[0], n])], initializer=inits)
+    model = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)])
+    model.ir_version = 8
+    y = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"A": x})[0]
+    if bits == 4:
+        y = y + x.reshape(x.shape[0], kb, 32).sum(-1) @ q["offsets"].T
+    return y
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_stored_layout_is_what_matmulnbits_computes(bits) -> None:
+    rng = np.random.default_rng(bits)
+    w = rng.standard_normal((48, 96)).astype(np.float32)
+    x = rng.standard_normal((3, 96)).astype(np.float32)
+    q = quantize_q4(w) if bits == 4 else quantize_q8(w)
+    deq = dequantize(q)
+    np.testing.assert_allclose(nbits_matmul(x, q, bits), x @ deq.T, atol=1e-4, rtol=1e-4)
+    step = (w.max() - w.min()) / (15 if bits == 4 else 255)
+    assert np.abs(deq - w).max() <= step / 2 + 1e-6
+
+
+def test_q4_represents_q4_1_blocks_exactly() -> None:
+    rng = np.random.default_rng(0)
+    d = rng.uniform(0.01, 0.1, (8, 4, 1)).astype(np.float32)
+    m = rng.uniform(-1, 0, (8, 4, 1)).astype(np.float32)
+    codes = rng.integers(0, 16, (8, 4, 32))
+    codes[..., 0], codes[..., 1] = 0, 15  # each block spans its whole grid
+    w = (codes * d + m).reshape(8, 128).astype(np.float32)
+    np.testing.assert_allclose(dequantize(quantize_q4(w)), w, atol=1e-6)
+
+
+def test_degenerate_blocks() -> None:
+    w = np.zeros((2, 64), np.float32)
+    w[1, 32:] = 3.0
+    np.testing.assert_array_equal(dequantize(quantize_q4(w)), w)
+    np.testing.assert_array_equal(dequantize(quantize_q8(w)), w)
+
+
+@pytest.mark.slow
+def test_q4_top1_agrees_with_fp32(smollm2_store, smollm2_gguf, smollm2_tokenizer) -> None:
+    if not smollm2_store.has(SMOLLM2_Q4):
+        import_model(smollm2_gguf, name=SMOLLM2_Q4, weights="q4", store=smollm2_store, progress=False)
+    m = smollm2_store.manifest(SMOLLM2_Q4)
+    assert m.weight_format == "q4" and m.layer_bytes(0) * 4 < smollm2_store.manifest(SMOLLM2).layer_bytes(0)
+    f32 = chain(smollm2_store.model_dir(SMOLLM2), [(0, 29)], threads=2)
+    q4 = chain(smollm2_store.model_dir(SMOLLM2_Q4), [(0, 14), (15, 29)], threads=2)
+    prompts = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,"]
+    agree = total = 0
+    for i, text in enumerate(prompts):
+        ids = np.array(smollm2_tokenizer.encode(text), np.int64)
+        seq = list(ids)
+        logits = chain_forward(f32, f"p{i}", ids)
+        for _ in range(100):  # fp32 greedy continuation
+            seq.append(int(logits[0, -1].argmax()))
+            logits = chain_forward(f32, f"p{i}", np.array(seq[-1:]))
+        f32[0].close_session(f"p{i}")
+        ql = chain_forward(q4, f"q{i}", np.array(seq[:-1], np.int64))[0]  # teacher-forced in one pass
+        for r in q4:
+            r.close_session(f"q{i}")
+        pred = ql[len(ids) - 1:].argmax(-1)
+        agree += int((pred == np.array(seq[len(ids):])).sum())
+        total += len(pred)
+    assert total == 300
+    assert agree / total >= 0.95, agree / total

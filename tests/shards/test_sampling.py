@@ -1,0 +1,100 @@
+"""Sampler properties: greedy is argmax, top-k / top-p never leave their set, seeds repeat."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from hypothesis.extra.numpy import arrays
+
+from shards.errors import SamplingError
+from shards.sampling import Sampler, SamplingParams
+
+_logits = arrays(np.float32, st.integers(2, 64), elements=st.floats(-30, 30, width=32))
+_PROPS = settings(max_examples=200, deadline=None)
+
+
+@_PROPS
+@given(logits=_logits)
+def test_greedy_is_argmax(logits: np.ndarray) -> None:
+    assert Sampler(SamplingParams()).sample(logits) == int(np.argmax(logits))
+
+
+@_PROPS
+@given(logits=_logits, k=st.integers(1, 70), seed=st.integers(0, 2**32), temperature=st.floats(0.05, 5))
+def test_top_k_stays_in_the_k_best(logits: np.ndarray, k: int, seed: int, temperature: float) -> None:
+    sampler = Sampler(SamplingParams(temperature=temperature, top_k=k, seed=seed))
+    kth_best = np.sort(logits)[::-1][min(k, logits.size) - 1]
+    for _ in range(5):
+        assert logits[sampler.sample(logits)] >= kth_best
+
+
+@_PROPS
+@given(logits=_logits, p=st.floats(0.01, 1.0), seed=st.integers(0, 2**32), temperature=st.floats(0.05, 5))
+def test_top_p_stays_in_the_nucleus(logits: np.ndarray, p: float, seed: int, temperature: float) -> None:
+    sampler = Sampler(SamplingParams(temperature=temperature, top_p=p, seed=seed))
+    scaled = logits.astype(np.float64) / temperature
+    probs = np.exp(scaled - scaled.max())
+    probs /= probs.sum()
+    for _ in range(5):
+        token = sampler.sample(logits)
+        # a token is in the nucleus when the tokens strictly more likely than it sum to < p
+        assert probs[probs > probs[token]].sum() < p + 1e-9
+
+
+@_PROPS
+@given(logits=_logits, seed=st.integers(0, 2**63), top_k=st.integers(0, 10), top_p=st.floats(0.1, 1.0))
+def test_same_seed_same_sequence(logits: np.ndarray, seed: int, top_k: int, top_p: float) -> None:
+    params = SamplingParams(temperature=1.0, top_k=top_k, top_p=top_p, seed=seed)
+    first, second = Sampler(params), Sampler(params)
+    assert [first.sample(logits) for _ in range(10)] == [second.sample(logits) for _ in range(10)]
+
+
+def test_temperature_follows_the_distribution() -> None:
+    sampler = Sampler(SamplingParams(temperature=1.0, seed=7))
+    logits = np.log(np.array([0.25, 0.75], dtype=np.float32))
+    picks = np.array([sampler.sample(logits) for _ in range(4000)])
+    assert abs(picks.mean() - 0.75) < 0.03
+
+
+def test_low_temperature_approaches_greedy() -> None:
+    logits = np.array([1.0, 1.5, 0.2], dtype=np.float32)
+    sampler = Sampler(SamplingParams(temperature=0.01, seed=1))
+    assert {sampler.sample(logits) for _ in range(50)} == {1}
+
+
+def test_masked_logits_are_never_picked() -> None:
+    logits = np.array([-np.inf, 0.0, -np.inf, 0.0], dtype=np.float32)
+    sampler = Sampler(SamplingParams(temperature=2.0, seed=3))
+    assert {sampler.sample(logits) for _ in range(100)} == {1, 3}
+
+
+def test_accepts_a_batch_row_and_rejects_bad_logits() -> None:
+    sampler = Sampler(SamplingParams())
+    assert sampler.sample(np.array([[0.0, 2.0, 1.0]])) == 1
+    for bad in (np.zeros((2, 3)), np.array([]), np.array([np.nan, 1.0]), np.full(3, -np.inf)):
+        with pytest.raises(SamplingError):
+            sampler.sample(bad)
+
+
+@pytest.mark.parametrize(("field", "value"), [
+    ("temperature", -0.1), ("temperature", float("nan")), ("temperature", float("inf")), ("temperature", "hot"),
+    ("top_k", -1), ("top_k", 2.5), ("top_p", 0.0), ("top_p", 1.5), ("top_p", float("nan")),
+    ("seed", -1), ("seed", 1.5), ("max_tokens", 0), ("max_tokens", True), ("stop", [""]), ("stop", [3]),
+    ("stop", ["x"] * 17),
+])
+def test_bad_params_name_the_field(field: str, value) -> None:
+    with pytest.raises(SamplingError, match=field):
+        SamplingParams(**{field: value})
+
+
+def test_params_normalise_stop() -> None:
+    assert SamplingParams(stop="END").stop == ("END",)
+    assert SamplingParams(stop=["a", "b", "a"]).stop == ("a", "b")
+    assert SamplingParams(stop=None).stop == ()
+    assert SamplingParams().greedy and not SamplingParams(temperature=0.7).greedy
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        SamplingParams().temperature = 1.0  # type: ignore[misc]

@@ -1,0 +1,117 @@
+"""Manifest validation / JSON round trip and the model store's atomic writes."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+
+from shards.errors import ModelFormatError, ModelNotFoundError
+from shards.manifest import Manifest, WeightFile, layer_key
+from shards.store import ModelStore, ncm_home
+
+SHA = "ab" * 32
+
+
+def make_manifest(**over) -> Manifest:
+    n = over.pop("n_layers", 2)
+    files = {k: WeightFile(path=f"weights/{k}.safetensors", bytes=10 + i, sha256=SHA)
+             for i, k in enumerate(["embed", "head"] + [layer_key(i) for i in range(n)])}
+    kw = dict(name="tiny", architecture="llama", n_layers=n, hidden_size=64, intermediate_size=128,
+              n_heads=4, n_kv_heads=2, head_dim=16, vocab_size=100, rope_theta=10000.0, rms_norm_eps=1e-5,
+              context_length=256, tied_embeddings=True, attention_bias=False, weight_format="f32",
+              files=files, source_digest=SHA)
+    kw.update(over)
+    return Manifest(**kw)
+
+
+def test_manifest_round_trips_through_json() -> None:
+    m = make_manifest(rope_freq_factors=tuple(float(i + 1) for i in range(8)))
+    back = Manifest.from_json(m.to_json())
+    assert back == m
+    assert back.layer_bytes(1) == m.files["layer.1"].bytes and back.embed_bytes == 10 and back.head_bytes == 11
+    assert m.fragment_files(0, 1) == ["embed", "layer.0", "layer.1", "head"]
+    assert m.fragment_files(1, 1) == ["layer.1", "head"]
+
+
+def test_manifest_is_frozen() -> None:
+    m = make_manifest()
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        m.n_layers = 3  # type: ignore[misc]
+    with pytest.raises(TypeError):
+        m.files["embed"] = m.files["head"]  # type: ignore[index]
+
+
+@pytest.mark.parametrize("bad", [
+    {"architecture": "gpt2"}, {"weight_format": "q8"}, {"n_layers": 0}, {"n_heads": 5},
+    {"head_dim": 15}, {"rope_theta": float("nan")}, {"rms_norm_eps": -1.0}, {"name": "../evil"},
+    {"source_digest": "xyz"}, {"rope_freq_factors": (1.0, 2.0)}, {"tied_embeddings": "yes"},
+])
+def test_manifest_rejects_nonsense(bad) -> None:
+    with pytest.raises(ModelFormatError):
+        make_manifest(**bad)
+
+
+def test_manifest_rejects_bad_file_tables() -> None:
+    m = make_manifest()
+    d = json.loads(m.to_json())
+    del d["files"]["layer.1"]
+    with pytest.raises(ModelFormatError, match="missing"):
+        Manifest.from_dict(d)
+    d = json.loads(m.to_json())
+    d["files"]["embed"]["path"] = "../../etc/passwd"
+    with pytest.raises(ModelFormatError):
+        Manifest.from_dict(d)
+    with pytest.raises(ModelFormatError):
+        Manifest.from_json("[1, 2]")
+    with pytest.raises(ModelFormatError):
+        Manifest.from_json("{not json")
+
+
+def test_ncm_home_precedence(monkeypatch, tmp_path) -> None:
+    monkeypatch.setenv("NCM_HOME", str(tmp_path / "a"))
+    monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path / "x"))
+    assert ncm_home() == tmp_path / "a"
+    monkeypatch.delenv("NCM_HOME")
+    assert ncm_home() == tmp_path / "x" / "ncm"
+    monkeypatch.delenv("XDG_DATA_HOME")
+    monkeypatch.setenv("HOME", str(tmp_path / "h"))
+    assert ncm_home() == tmp_path / "h" / ".local" / "share" / "ncm"
+
+
+def test_store_staging_commits_and_lists(tmp_path) -> None:
+    store = ModelStore(tmp_path)
+    assert store.list() == []
+    m = make_manifest()
+    with store.staging("tiny") as d:
+        (d / "weights").mkdir()
+        store.write_manifest(d, m)
+    assert store.has("tiny") and store.list() == [m] and store.manifest("tiny") == m
+    assert store.model_dir("tiny") == store.models_dir / "tiny"
+    assert [p.name for p in store.models_dir.iterdir()] == ["tiny"]
+    store.remove("tiny")
+    assert not store.has("tiny") and list(store.models_dir.iterdir()) == []
+
+
+def test_store_staging_leaves_nothing_on_error(tmp_path) -> None:
+    store = ModelStore(tmp_path)
+    with pytest.raises(RuntimeError):
+        with store.staging("tiny") as d:
+            (d / "half.bin").write_bytes(b"x" * 100)
+            raise RuntimeError("boom")
+    with pytest.raises(ModelFormatError):  # no manifest written -> not committed
+        with store.staging("tiny") as d:
+            (d / "half.bin").write_bytes(b"x")
+    assert list(store.models_dir.iterdir()) == []
+
+
+def test_unknown_model_names_the_known_ones(tmp_path) -> None:
+    store = ModelStore(tmp_path)
+    with store.staging("tiny") as d:
+        store.write_manifest(d, make_manifest())
+    with pytest.raises(ModelNotFoundError, match="tiny"):
+        store.manifest("other")
+    with pytest.raises(ModelNotFoundError):
+        store.remove("other")
+    assert not store.has("../tiny")
