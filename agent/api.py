@@ -124,18 +124,29 @@ async def _ask_orchestrator(request: web.Request) -> web.StreamResponse | None:
     headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP_HEADERS}
     body = await request.read()
     session = request.app[CLIENT].session
+    response: web.StreamResponse | None = None
     try:
         async with session.request(request.method, target + request.rel_url.path_qs, data=body or None,
                                    headers=headers, timeout=PROXY_TIMEOUT) as upstream:
             response = web.StreamResponse(status=upstream.status, headers={
                 k: v for k, v in upstream.headers.items() if k.lower() not in HOP_HEADERS | {"content-encoding"}})
             await response.prepare(request)
+            tail = b""
             async for chunk in upstream.content.iter_any():
                 await response.write(chunk)
-            await response.write_eof()
-            return response
+                tail = (tail + chunk)[-64:]
+            if upstream.content_type == "text/event-stream" and b"[DONE]" not in tail:
+                raise aiohttp.ClientPayloadError("the event stream ended early")
     except (aiohttp.ClientError, TimeoutError) as error:
-        raise ClusterError(f"the orchestrator did not answer: {type(error).__name__}") from None
+        message = f"the orchestrator stopped answering ({type(error).__name__}); retry the request"
+        if response is None:
+            raise ClusterError(message) from None
+        # The answer had started: end the event stream with an error event the client can read.
+        payload = {"error": {"message": message, "type": "service_unavailable", "param": None,
+                             "code": "orchestrator_lost"}}
+        await response.write(b"data: " + json.dumps(payload).encode() + b"\n\n")
+    await response.write_eof()
+    return response
 
 
 @routes.get("/cluster/status")
@@ -210,7 +221,8 @@ async def _completion(request: web.Request, *, chat: bool) -> web.StreamResponse
     if proxied is not None:
         return proxied
     orchestrator = request.app[ORCHESTRATOR]
-    order, tokenizer = orchestrator.require_serving()
+    deployment = orchestrator.require_serving()
+    tokenizer = deployment.tokenizer
     if chat:
         assert parsed.messages is not None
         try:
@@ -221,13 +233,12 @@ async def _completion(request: web.Request, *, chat: bool) -> web.StreamResponse
         assert parsed.prompt is not None
         prompt_ids = tokenizer.encode(parsed.prompt)
     params = _sampling(parsed, len(prompt_ids), request.app[CONFIG].max_context)
-    model = order.model
     created = int(time.time())
     ident = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
     events = orchestrator.complete(prompt_ids, params)
 
     if not parsed.stream:
-        pieces, last = [], Completion("")
+        pieces, last = [], Completion("", deployment.order.model)
         async for event in events:
             pieces.append(event.text)
             last = event
@@ -240,7 +251,7 @@ async def _completion(request: web.Request, *, chat: bool) -> web.StreamResponse
         else:
             choice["text"] = text_out
         return web.json_response({"id": ident, "object": "chat.completion" if chat else "text_completion",
-                                  "created": created, "model": model, "choices": [choice], "usage": usage})
+                                  "created": created, "model": last.model, "choices": [choice], "usage": usage})
 
     # Streaming: the first step runs before the headers go out, so early failures are still 4xx/5xx.
     first = await anext(events)
@@ -248,7 +259,7 @@ async def _completion(request: web.Request, *, chat: bool) -> web.StreamResponse
     await response.prepare(request)
     kind = "chat.completion.chunk" if chat else "text_completion"
 
-    async def send(text: str | None, finish: str | None, *, role: bool = False) -> None:
+    async def send(model: str, text: str | None, finish: str | None, *, role: bool = False) -> None:
         if chat:
             delta: dict[str, Any] = {"role": "assistant", "content": ""} if role else ({"content": text} if text else {})
             choice = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}
@@ -259,17 +270,17 @@ async def _completion(request: web.Request, *, chat: bool) -> web.StreamResponse
 
     try:
         if chat:
-            await send(None, None, role=True)
+            await send(first.model, None, None, role=True)
         last = first
-        await send(first.text, first.finish_reason)
+        await send(first.model, first.text, first.finish_reason)
         if first.finish_reason is None:
             async for event in events:
                 last = event
-                await send(event.text, event.finish_reason)
+                await send(event.model, event.text, event.finish_reason)
         if parsed.include_usage:
             usage = {"prompt_tokens": last.prompt_tokens, "completion_tokens": last.completion_tokens,
                      "total_tokens": last.prompt_tokens + last.completion_tokens}
-            chunk = {"id": ident, "object": kind, "created": created, "model": model, "choices": [], "usage": usage}
+            chunk = {"id": ident, "object": kind, "created": created, "model": last.model, "choices": [], "usage": usage}
             await response.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
         await response.write(b"data: [DONE]\n\n")
     except (StageError, ClusterError) as error:

@@ -51,6 +51,8 @@ class AgentConfig:
     mdns: bool = True
     interfaces: tuple[str, ...] = ()
     npu_tops: float | None = None
+    vram_gib: float | None = None
+    ram_gib: float | None = None
     providers: tuple[str, ...] = ()
     threads: int = 0
     health_interval_s: float = 1.0
@@ -62,6 +64,9 @@ class AgentConfig:
     min_layers_per_node: int = 1
     max_context: int = 2048
     prefill_chunk: int = 256
+    fallback_model: str = "ncm-tiny"
+    allow_fallback: bool = True
+    replan_min_interval_s: float = 10.0
 
     def __post_init__(self) -> None:
         if not self.cluster_name or len(self.cluster_name) > 63 or not self.cluster_name.replace("-", "").replace("_", "").isalnum():
@@ -76,8 +81,10 @@ class AgentConfig:
                 raise ConfigError(f"peers: {peer!r} is not an http(s)://host:port URL")
         if not self.model:
             raise ConfigError("model must not be empty")
-        if self.npu_tops is not None and (not math.isfinite(self.npu_tops) or self.npu_tops < 0):
-            raise ConfigError(f"npu_tops must be >= 0, got {self.npu_tops}")
+        for name in ("npu_tops", "vram_gib", "ram_gib"):
+            value = getattr(self, name)
+            if value is not None and (not math.isfinite(value) or value < 0):
+                raise ConfigError(f"{name} must be >= 0, got {value}")
         if self.threads < 0:
             raise ConfigError(f"threads must be >= 0 (0 = let the runtime choose), got {self.threads}")
         for name in ("health_interval_s", "peer_timeout_s"):
@@ -93,6 +100,10 @@ class AgentConfig:
             raise ConfigError(f"replica_count must be >= 0, got {self.replica_count}")
         if self.min_layers_per_node < 0:
             raise ConfigError(f"min_layers_per_node must be >= 0, got {self.min_layers_per_node}")
+        if self.replan_min_interval_s < 0:
+            raise ConfigError(f"replan_min_interval_s must be >= 0, got {self.replan_min_interval_s}")
+        if not self.fallback_model:
+            raise ConfigError("fallback_model must not be empty (set allow_fallback = false to disable it)")
         if self.max_context < 16 or self.prefill_chunk < 1 or self.prefill_chunk > self.max_context:
             raise ConfigError("max_context must be >= 16 and prefill_chunk in 1..max_context")
 
@@ -105,10 +116,11 @@ class AgentConfig:
 _FIELD_TYPES: dict[str, str] = {
     "cluster_name": "str", "cluster_key": "str", "host": "str", "port": "int", "advertise_host": "str",
     "peers": "list", "state_dir": "path", "model": "str", "orchestrator": "bool", "api_token": "str",
-    "mdns": "bool", "interfaces": "list", "npu_tops": "float?", "providers": "list", "threads": "int",
+    "mdns": "bool", "interfaces": "list", "npu_tops": "float?", "vram_gib": "float?", "ram_gib": "float?", "providers": "list", "threads": "int",
     "health_interval_s": "float", "failure_threshold": "int", "peer_timeout_s": "float",
     "discovery_grace_s": "float", "replicate_head_ratio": "float", "replica_count": "int?",
     "min_layers_per_node": "int", "max_context": "int", "prefill_chunk": "int",
+    "fallback_model": "str", "allow_fallback": "bool", "replan_min_interval_s": "float",
 }
 assert set(_FIELD_TYPES) == {f.name for f in fields(AgentConfig)}
 

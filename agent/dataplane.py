@@ -27,8 +27,10 @@ class StageError(NcmError):
         self.code = code
         self.node = node
 
-    def to_header(self, sid: str, seq: int) -> dict[str, Any]:
-        return {"kind": "error", "sid": sid, "seq": seq, "code": self.code, "message": str(self), "node": self.node}
+    def to_header(self, request: dict[str, Any]) -> dict[str, Any]:
+        """The error frame answering the step ``request``."""
+        return {"kind": "error", "sid": request["sid"], "seq": request["seq"], "cid": request.get("cid", 0),
+                "code": self.code, "message": str(self), "node": self.node}
 
 
 def error_from_header(header: dict[str, Any]) -> StageError:
@@ -44,7 +46,8 @@ class StageLink:
         self.url = url
         self._ws: aiohttp.ClientWebSocketResponse | None = None
         self._reader: asyncio.Task[None] | None = None
-        self._pending: dict[tuple[str, int], asyncio.Future[tuple[dict[str, Any], np.ndarray | None]]] = {}
+        self._pending: dict[int, asyncio.Future[tuple[dict[str, Any], np.ndarray | None]]] = {}
+        self._next_cid = 0
         self._connect_lock = asyncio.Lock()
 
     async def _connection(self) -> aiohttp.ClientWebSocketResponse:
@@ -67,7 +70,7 @@ class StageLink:
                 except WireError as error:
                     log.warning("bad frame from %s: %s", self.node_id, error)
                     continue
-                future = self._pending.pop((header["sid"], header["seq"]), None)
+                future = self._pending.pop(header.get("cid", -1), None)
                 if future is not None and not future.done():
                     future.set_result((header, tensor))
         finally:
@@ -80,11 +83,12 @@ class StageLink:
     async def call(self, header: dict[str, Any], tensor: np.ndarray | None, *, timeout_s: float) -> tuple[dict[str, Any], np.ndarray | None]:
         """Send a step and wait for its result (or error) frame."""
         ws = await self._connection()
-        key = (header["sid"], header["seq"])
+        self._next_cid += 1
+        key = self._next_cid
         future: asyncio.Future[tuple[dict[str, Any], np.ndarray | None]] = asyncio.get_running_loop().create_future()
         self._pending[key] = future
         try:
-            await ws.send_bytes(encode_frame(header, tensor))
+            await ws.send_bytes(encode_frame(dict(header, cid=key), tensor))
             async with asyncio.timeout(timeout_s):
                 return await future
         except TimeoutError:

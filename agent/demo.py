@@ -49,7 +49,8 @@ def _ensure_model(name: str) -> None:
     pull_model(name, store=store)
 
 
-def _wait_ready(url: str, processes: list[subprocess.Popen], deadline_s: float) -> dict:
+def wait_ready(url: str, processes: list[subprocess.Popen], deadline_s: float) -> dict:
+    """Wait until the cluster serves with every started agent in the plan."""
     deadline = time.monotonic() + deadline_s
     last = "no answer yet"
     while time.monotonic() < deadline:
@@ -58,7 +59,7 @@ def _wait_ready(url: str, processes: list[subprocess.Popen], deadline_s: float) 
                 raise NcmError(f"an agent exited with status {process.returncode} while starting; see its log above")
         try:
             status = http_json("GET", url + "/cluster/status")
-            if status.get("state") == "ok":
+            if status.get("state") == "ok" and len(status.get("nodes_alive", [])) == len(processes):
                 return status
             last = f"{status.get('state')}: {status.get('message')}"
         except NcmError as error:
@@ -75,28 +76,57 @@ def ask(url: str, question: str, model: str) -> str:
         return json.loads(response.read())["choices"][0]["message"]["content"]
 
 
+def start_local_cluster(nodes: int, port: int, base: Path, model: str, *, env: dict[str, str] | None = None,
+                        node_env: list[dict[str, str]] | None = None, log_dir: Path | None = None,
+                        first_index: int = 0, extra_peers: tuple[str, ...] = ()) -> list[subprocess.Popen]:
+    """Start ``nodes`` agents on loopback ports port..port+nodes-1, each given the others as peers.
+
+    Agent 0 uses the model store the model was pulled into; the others start empty and fetch
+    the layers they serve from it. ``env`` applies to all agents, ``node_env[i]`` to agent i;
+    a cluster key is generated unless ``env`` gives one.
+    """
+    shared = {"NCM_CLUSTER_KEY": secrets.token_hex(16), **(env or {})}
+    ports = [port + i for i in range(nodes)]
+    processes = []
+    for index, own_port in enumerate(ports, start=first_index):
+        state_dir = base / f"node-{index}"
+        agent_env = {
+            **os.environ, "NCM_CLUSTER_NAME": "demo", "NCM_MDNS": "false", "NCM_HOST": "127.0.0.1",
+            "NCM_ADVERTISE_HOST": "127.0.0.1", "NCM_MODEL": model, "NCM_DISCOVERY_GRACE_S": "1.0",
+            "NCM_STATE_DIR": str(state_dir), "NCM_HOME": str(ncm_home() if index == 0 else state_dir),
+            **shared, **(node_env[index] if node_env and index < len(node_env) else {}),
+        }
+        peers = [f"--peer=http://127.0.0.1:{p}" for p in ports if p != own_port] + [f"--peer={u}" for u in extra_peers]
+        output = None
+        if log_dir is not None:
+            log_dir.mkdir(parents=True, exist_ok=True)
+            output = (log_dir / f"node-{index}.log").open("ab")
+        processes.append(subprocess.Popen([sys.executable, "-m", "agent.cli", "serve", "--port", str(own_port), *peers],
+                                          env=agent_env, stdout=output, stderr=subprocess.STDOUT if output else None))
+    return processes
+
+
+def stop_processes(processes: list[subprocess.Popen]) -> None:
+    for process in processes:
+        if process.poll() is None:
+            process.terminate()
+    for process in processes:
+        try:
+            process.wait(timeout=40)
+        except subprocess.TimeoutExpired:
+            process.kill()
+
+
 def run(args: argparse.Namespace) -> int:
     if not 1 <= args.nodes <= 16:
         raise NcmError("--nodes must be between 1 and 16")
     _ensure_model(args.model)
-    base = args.dir or ncm_home() / "demo"
-    key = secrets.token_hex(16)
-    ports = [args.port + i for i in range(args.nodes)]
     processes: list[subprocess.Popen] = []
     try:
-        for index, port in enumerate(ports):
-            state_dir = base / f"node-{index}"
-            env = dict(os.environ, NCM_CLUSTER_KEY=key, NCM_CLUSTER_NAME="demo", NCM_MDNS="false",
-                       NCM_HOST="127.0.0.1", NCM_ADVERTISE_HOST="127.0.0.1", NCM_MODEL=args.model,
-                       NCM_DISCOVERY_GRACE_S="1.0")
-            # The first agent uses the store the model was pulled into; the others start empty.
-            env["NCM_HOME"] = str(ncm_home()) if index == 0 else str(state_dir)
-            env["NCM_STATE_DIR"] = str(state_dir)
-            peers = [f"--peer=http://127.0.0.1:{p}" for p in ports if p != port]
-            processes.append(subprocess.Popen([sys.executable, "-m", "agent.cli", "serve", "--port", str(port), *peers], env=env))
+        processes = start_local_cluster(args.nodes, args.port, args.dir or ncm_home() / "demo", args.model)
         url = f"http://127.0.0.1:{args.port}"
-        print(f"starting {args.nodes} agents on ports {ports[0]}-{ports[-1]}…", flush=True)
-        status = _wait_ready(url, processes, READY_TIMEOUT_S)
+        print(f"starting {args.nodes} agents on ports {args.port}-{args.port + args.nodes - 1}…", flush=True)
+        status = wait_ready(url, processes, READY_TIMEOUT_S)
         route = " -> ".join(f"{hop['node'][:8]}[{hop['layers'][0]}-{hop['layers'][1]}]" for hop in status["route"])
         print(f"\nncm is serving {status['model']} on {args.nodes} agents: {route}")
         answer = ask(url, EXAMPLE_QUESTION, args.model)
@@ -114,11 +144,4 @@ def run(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         return 0
     finally:
-        for process in processes:
-            if process.poll() is None:
-                process.terminate()
-        for process in processes:
-            try:
-                process.wait(timeout=40)
-            except subprocess.TimeoutExpired:
-                process.kill()
+        stop_processes(processes)

@@ -33,7 +33,10 @@ import re
 import secrets
 import socket
 import tempfile
-import tomllib
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10 (JetPack 6): the tomli backport
+    import tomli as tomllib  # type: ignore[no-redef]
 import uuid
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path

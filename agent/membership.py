@@ -2,7 +2,8 @@
 
 Peers come from static configuration, mDNS and gossip (each describe answer lists the
 answering node's live peers, so one `--peer` is enough to join). Each round contacts every
-known URL with a signed `GET /internal/describe`; that contact is also the health check
+known URL with a signed `POST /internal/describe` (which also tells the peer how to reach this
+node, so a node given one peer is known to all); that contact is also the health check
 (`failure_threshold` consecutive failures make a peer dead) and the latency measurement.
 """
 
@@ -39,7 +40,8 @@ class Membership:
         self.api_port = api_port
         self.table = PeerTable(node_id, config.cluster_name, failure_threshold=config.failure_threshold)
         self.election: Election | None = None
-        self.capacity: NodeCapacity = probe_capacity(node_id, npu_tops=config.npu_tops)
+        self.capacity: NodeCapacity = probe_capacity(node_id, npu_tops=config.npu_tops, vram_gib=config.vram_gib,
+                                                     ram_gib=config.ram_gib)
         self.started_at = time.monotonic()
         self._subscribers: list[asyncio.Event] = []
         self._capacity_at = time.monotonic()
@@ -74,6 +76,21 @@ class Membership:
         """The answer to a peer's describe: my advert, my live peers, and how I see the caller."""
         peers = [url for url, entry in self.table.entries.items() if entry.alive]
         return {"advert": self.advert().to_json(), "peers": peers, "you": caller_host, **self.extra_describe()}
+
+    def introduction(self) -> dict[str, Any]:
+        """What a describe request says about the caller: its API port, and its URL if configured."""
+        return {"api_port": self.api_port, "url": self.self_url() if self.config.advertise_host else None}
+
+    def introduced(self, body: Any, remote: str | None) -> None:
+        """A peer contacted us: learn its URL (given, or its address and API port)."""
+        if not isinstance(body, dict):
+            return
+        url, port = body.get("url"), body.get("api_port")
+        if not (isinstance(url, str) and url.startswith(("http://", "https://")) and len(url) < 256):
+            if not (isinstance(port, int) and 0 < port < 65536 and remote):
+                return
+            url = f"http://[{remote}]:{port}" if ":" in remote else f"http://{remote}:{port}"
+        self.discovered(url, "inbound")
 
     def self_url(self) -> str:
         """The URL peers reach this node at: advertise_host, else the address peers see us from."""
@@ -133,6 +150,8 @@ class Membership:
 
     def discovered(self, url: str, source: str) -> None:
         url = url.rstrip("/")
+        if (self._seen_as or self.config.advertise_host) and url == self.self_url():
+            return
         known = url in self.table.entries or url in self.table.ignored
         if self.table.discovered(url, source, time.monotonic()) is not None and not known:
             log.info("found peer %s (%s)", url, source)
@@ -153,7 +172,8 @@ class Membership:
     async def _contact(self, url: str) -> None:
         started = time.monotonic()
         try:
-            answer = await self.client.request_json("GET", url, DESCRIBE_PATH, timeout_s=self.config.peer_timeout_s)
+            answer = await self.client.request_json("POST", url, DESCRIBE_PATH, self.introduction(),
+                                                    timeout_s=self.config.peer_timeout_s)
             advert = NodeAdvert.from_json(answer.get("advert") if isinstance(answer, dict) else None)
         except (PeerError, WireError) as error:
             if self.table.contact_failed(url, time.monotonic()):
@@ -182,13 +202,19 @@ class Membership:
             self._capacity_at = now
             latencies = [e.latency_ms for e in self.table.entries.values() if e.alive and e.latency_ms is not None]
             capacity = await asyncio.to_thread(
-                probe_capacity, self.node_id, npu_tops=self.config.npu_tops,
-                latency_ms=statistics.median(latencies) if latencies else 0.0,
+                probe_capacity, self.node_id, npu_tops=self.config.npu_tops, vram_gib=self.config.vram_gib,
+                ram_gib=self.config.ram_gib, latency_ms=statistics.median(latencies) if latencies else 0.0,
             )
             if capacity != self.capacity:
                 self.capacity = capacity
                 self._signal()
         self._recompute_election()
+
+    def _known_dead(self) -> set[str]:
+        return {
+            e.advert.node_id for e in self.table.entries.values()
+            if e.advert is not None and not e.alive and e.failures >= self.config.failure_threshold
+        }
 
     def _recompute_election(self) -> None:
         alive = self.alive_nodes()
@@ -196,12 +222,14 @@ class Membership:
         if self.election is None and settling and not any(a.election for a in alive.values()):
             return  # give peers a moment to show up before claiming the role
         claims = [self.election] + [advert.election for advert in alive.values()]
+        current = newest(c for c in claims if c is not None)
+        members = {node_id: score(advert.capacity) for node_id, advert in alive.items()}
+        if current is not None and current.orchestrator not in members and current.orchestrator not in self._known_dead():
+            # An orchestrator this node has not reached yet (it just joined) is not a dead one:
+            # follow the claim instead of electing someone else.
+            members[current.orchestrator] = 0.0
         configured = sorted(n for n, advert in alive.items() if advert.configured_orchestrator)
-        chosen = elect(
-            {node_id: score(advert.capacity) for node_id, advert in alive.items()},
-            newest(c for c in claims if c is not None),
-            configured[0] if configured else None,
-        )
+        chosen = elect(members, current, configured[0] if configured else None)
         if chosen != self.election:
             self.election = chosen
             self._notify(f"orchestrator is {chosen.orchestrator} (epoch {chosen.epoch})")

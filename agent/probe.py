@@ -87,16 +87,20 @@ def detect_device() -> DeviceFacts:
     return DeviceFacts(board=board, jetson=jetson, accelerator=accelerator, nvidia_gpus=gpus)
 
 
-def probe_capacity(node_id: str, *, npu_tops: float | None = None, latency_ms: float = 0.0) -> NodeCapacity:
-    """Measure this device now. ``latency_ms`` is the measured median round trip to peers."""
+def probe_capacity(node_id: str, *, npu_tops: float | None = None, vram_gib: float | None = None,
+                   ram_gib: float | None = None, latency_ms: float = 0.0) -> NodeCapacity:
+    """Measure this device now; configured figures replace measured ones.
+
+    ``latency_ms`` is the measured median round trip to peers.
+    """
     memory = psutil.virtual_memory()
-    ram_gib = _round_gib(memory.available)
+    measured_ram_gib = _round_gib(memory.available)
     vram_bytes, _ = nvml_total_vram_bytes()
     board = _read_text("/proc/device-tree/model")
     if vram_bytes == 0 and ("jetson" in board.lower() or "nvidia,tegra" in _read_text("/proc/device-tree/compatible")):
         # Jetson: the GPU shares system memory and NVML reports no memory; count what is free.
         vram_bytes = memory.available
-        ram_gib = 0.0
+        measured_ram_gib = 0.0
     if npu_tops is None:
         npu_tops, _ = npu_tops_for([board, _read_text("/proc/device-tree/compatible"), _cpu_model(), " ".join(os.listdir("/dev"))])
     try:
@@ -105,8 +109,8 @@ def probe_capacity(node_id: str, *, npu_tops: float | None = None, latency_ms: f
         load = 0.0
     return NodeCapacity(
         node_id=node_id,
-        vram_gib=_round_gib(vram_bytes),
-        ram_gib=ram_gib,
+        vram_gib=_round_gib(vram_bytes) if vram_gib is None else vram_gib,
+        ram_gib=measured_ram_gib if ram_gib is None else ram_gib,
         npu_tops=npu_tops,
         latency_ms=round(latency_ms, 1),
         load=round(load, 1),

@@ -93,9 +93,14 @@ async def api_token(request: web.Request, handler: Any) -> web.StreamResponse:
 
 
 # --- internal endpoints ----------------------------------------------------------------------------
-@internal.get(DESCRIBE_PATH)
+@internal.post(DESCRIBE_PATH)
 async def describe(request: web.Request) -> web.Response:
-    return web.json_response(request.app[MEMBERSHIP].describe(request.remote))
+    membership = request.app[MEMBERSHIP]
+    try:
+        membership.introduced(await request.json(), request.remote)
+    except json.JSONDecodeError:
+        pass
+    return web.json_response(membership.describe(request.remote))
 
 
 @internal.post(ROUTING_PATH)
@@ -150,11 +155,12 @@ async def stream(request: web.Request) -> web.WebSocketResponse:
     async def run_step(header: dict[str, Any], tensor: Any) -> None:
         try:
             result, out = await worker.step(header, tensor)
+            result = dict(result, cid=header.get("cid", 0))
         except StageError as error:
-            result, out = error.to_header(header["sid"], header["seq"]), None
+            result, out = error.to_header(header), None
         except Exception as error:  # noqa: BLE001 - one bad step must not take the socket down
             log.exception("step failed")
-            result, out = StageError("internal", f"{type(error).__name__}: {error}", None).to_header(header["sid"], header["seq"]), None
+            result, out = StageError("internal", f"{type(error).__name__}: {error}", None).to_header(header), None
         if not ws.closed:
             with contextlib.suppress(ConnectionError, RuntimeError):
                 await ws.send_bytes(encode_frame(result, out))
@@ -172,7 +178,7 @@ async def stream(request: web.Request) -> web.WebSocketResponse:
             if header["kind"] == "step":
                 steps.create_task(run_step(header, tensor))
             elif header["kind"] == "close":
-                steps.create_task(worker.close_session(header["sid"], header["layer"]))
+                steps.create_task(worker.close_session(header["sid"], header["layer"], header.get("plan")))
     return ws
 
 
@@ -231,7 +237,7 @@ def status_line(app: web.Application) -> str:
     if worker.state == "ready" and layers:
         span = (min(a for a, _ in layers), max(b for _, b in layers))
         state = "degraded, serving" if orchestrator.state == "degraded" else "serving"
-        return format_status(state, model=worker.order.model if worker.order else None, layers=span, peers=peers)
+        return format_status(state, model=worker.current.model if worker.current else None, layers=span, peers=peers)
     if app[MEMBERSHIP].election is None:
         return format_status("discovering", peers=peers)
     return format_status(worker.state if worker.state != "idle" else "waiting for a plan", peers=peers)

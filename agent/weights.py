@@ -77,12 +77,12 @@ def missing_files(model_dir: Path, manifest: Manifest, keys: list[str]) -> list[
     return missing
 
 
-def complete_models(store: ModelStore) -> list[str]:
-    """Models whose every weight file is present locally (those this node can serve to peers)."""
-    complete = []
+def complete_models(store: ModelStore) -> dict[str, int]:
+    """name -> weight bytes of the models whose every file is here (those this node can share)."""
+    complete = {}
     for manifest in store.list():
         if not missing_files(store.models_dir / manifest.name, manifest, list(manifest.files)):
-            complete.append(manifest.name)
+            complete[manifest.name] = sum(entry.bytes for entry in manifest.files.values())
     return complete
 
 
@@ -125,38 +125,62 @@ async def _download(client: PeerClient, source: str, name: str, relative: str, d
     os.replace(part, dest)
 
 
+async def _listing(client: PeerClient, name: str, sources: list[str], errors: list[str]) -> tuple[str, dict[str, Any]]:
+    """The first source's answer to `GET /internal/models/{name}`: (source, listing)."""
+    for source in sources:
+        try:
+            listing = await client.request_json("GET", source, f"/internal/models/{name}", timeout_s=30.0)
+            if isinstance(listing, dict) and isinstance(listing.get("manifest"), dict):
+                return source, listing
+            errors.append(f"{source}: malformed model listing")
+        except PeerError as error:
+            errors.append(str(error))
+    raise WeightTransferError(f"no peer could provide model {name!r}: " + ("; ".join(errors) or "no source known"))
+
+
+async def _fetch_from_any(client: PeerClient, sources: list[str], name: str, relative: str, dest: Path,
+                          size: int, sha256: str, errors: list[str]) -> None:
+    """One file from the first source that has it intact (a source may hold only some layers)."""
+    for source in sources:
+        try:
+            await _download(client, source, name, relative, dest, size, sha256)
+            return
+        except (PeerError, WeightTransferError) as error:
+            errors.append(str(error))
+            log.debug("could not fetch %s of %s from %s: %s", relative, name, source, error)
+    raise WeightTransferError(f"no peer could provide {relative} of model {name!r}: " + "; ".join(errors[-len(sources):]))
+
+
 async def ensure_model_files(
     client: PeerClient, store: ModelStore, name: str, keys_for: Callable[[Manifest], list[str]], sources: list[str]
 ) -> Manifest:
     """Make sure ``name``'s manifest, tokenizer and the weight files ``keys_for(manifest)``
-    are in the local store, fetching what is missing from the first source that has it."""
+    are in the local store, fetching each missing file from the first source that has it."""
     model_dir = store.models_dir / name
     if store.has(name):
         manifest = store.manifest(name)
         if not missing_files(model_dir, manifest, keys_for(manifest)):
             return manifest
     errors: list[str] = []
-    for source in sources:
-        try:
-            listing = await client.request_json("GET", source, f"/internal/models/{name}", timeout_s=30.0)
-            manifest = Manifest.from_dict(listing["manifest"])
-            model_dir.mkdir(parents=True, exist_ok=True)
-            for meta_name, info in listing.get("meta_files", {}).items():
-                if meta_name in META_FILES:
-                    dest = model_dir / meta_name
-                    if not dest.is_file() or await asyncio.to_thread(file_digest, dest) != info["sha256"]:
-                        await _download(client, source, name, meta_name, dest, int(info["bytes"]), str(info["sha256"]))
-            wanted = missing_files(model_dir, manifest, keys_for(manifest))
-            total = sum(manifest.files[k].bytes for k in wanted)
-            if wanted:
-                log.info("fetching %d weight file(s) of %s (%d bytes) from %s", len(wanted), name, total, source)
-            for key in wanted:
-                entry = manifest.files[key]
-                await _download(client, source, name, entry.path, model_dir / entry.path, entry.bytes, entry.sha256)
-            if not (model_dir / MANIFEST_FILE).is_file():
-                store.write_manifest(model_dir, manifest)
-            return manifest
-        except (PeerError, WeightTransferError, ShardsError, KeyError, TypeError, ValueError) as error:
-            errors.append(str(error))
-            log.warning("could not fetch %s from %s: %s", name, source, error)
-    raise WeightTransferError(f"no peer could provide model {name!r}: " + ("; ".join(errors) or "no source known"))
+    source, listing = await _listing(client, name, sources, errors)
+    try:
+        manifest = Manifest.from_dict(listing["manifest"])
+        meta_files = {k: (int(v["bytes"]), str(v["sha256"])) for k, v in listing.get("meta_files", {}).items() if k in META_FILES}
+    except (ShardsError, KeyError, TypeError, ValueError) as error:
+        raise WeightTransferError(f"{source} sent an unusable manifest of {name!r}: {error}") from None
+    model_dir.mkdir(parents=True, exist_ok=True)
+    ordered = [source] + [s for s in sources if s != source]
+    for meta_name, (size, digest) in meta_files.items():
+        dest = model_dir / meta_name
+        if not dest.is_file() or await asyncio.to_thread(file_digest, dest) != digest:
+            await _fetch_from_any(client, ordered, name, meta_name, dest, size, digest, errors)
+    wanted = missing_files(model_dir, manifest, keys_for(manifest))
+    if wanted:
+        log.info("fetching %d weight file(s) of %s (%d bytes)", len(wanted), name,
+                 sum(manifest.files[k].bytes for k in wanted))
+    for key in wanted:
+        entry = manifest.files[key]
+        await _fetch_from_any(client, ordered, name, entry.path, model_dir / entry.path, entry.bytes, entry.sha256, errors)
+    if not (model_dir / MANIFEST_FILE).is_file():
+        store.write_manifest(model_dir, manifest)
+    return manifest

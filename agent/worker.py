@@ -1,5 +1,9 @@
-"""The worker: the layer fragments this node serves for the current routing order, and the
-step handler of the data plane (run my layers, forward to the next stage, sample at the tail)."""
+"""The worker: the layer fragments this node serves, and the step handler of the data plane
+(run my layers, forward to the next stage, sample at the tail).
+
+A worker keeps the newest routing order and every older one that a request in flight still
+uses, so requests finish on the plan they started on; fragments no kept order needs are freed.
+"""
 
 from __future__ import annotations
 
@@ -26,6 +30,7 @@ from shards.store import ModelStore
 log = logging.getLogger(__name__)
 SESSION_IDLE_TIMEOUT_S = 300.0
 SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "seed")
+RunnerKey = tuple[str, int, int]  # model, first layer, last layer
 
 
 class StaleOrderError(StageError):
@@ -35,6 +40,7 @@ class StaleOrderError(StageError):
 
 @dataclass
 class _SessionInfo:
+    plan_version: int
     last_used: float
     sampler: Sampler | None = None
 
@@ -48,9 +54,10 @@ class Worker:
         self.store = store
         self.client = client
         self.links = links
-        self.order: RoutingOrder | None = None
+        self.orders: dict[int, RoutingOrder] = {}
+        self.current: RoutingOrder | None = None
         self.newest_epoch = 0
-        self.runners: dict[tuple[int, int], FragmentRunner] = {}
+        self.runners: dict[RunnerKey, FragmentRunner] = {}
         self.state = "idle"
         self.error: str | None = None
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ncm-compute")
@@ -62,40 +69,57 @@ class Worker:
         if epoch < self.newest_epoch:
             raise StaleOrderError(f"order from epoch {epoch} ignored: epoch {self.newest_epoch} is current")
 
+    def _keys(self, order: RoutingOrder, *, with_standby: bool) -> set[RunnerKey]:
+        ranges = order.ranges_for(self.node_id) if with_standby else {
+            (h.layers.first, h.layers.last) for h in order.hops_of(self.node_id)}
+        return {(order.model, a, b) for a, b in ranges}
+
     async def apply(self, order: RoutingOrder) -> dict[str, Any]:
-        """`set_routing`: hold the fragments of my hops in ``order`` (fetching weights first)."""
+        """`set_routing`: hold the fragments ``order`` gives me (fetching weights first)."""
         self.check_epoch(order.epoch)
-        self.newest_epoch = order.epoch
         async with self._apply_lock:
             self.check_epoch(order.epoch)
-            wanted = {(hop.layers.first, hop.layers.last) for hop in order.hops_of(self.node_id)}
+            if self.current is not None and order.epoch == self.current.epoch and order.plan_version < self.current.plan_version:
+                raise StaleOrderError(f"plan {order.plan_version} is older than plan {self.current.plan_version}")
+            self.newest_epoch = order.epoch
+            wanted = self._keys(order, with_standby=True)
+            missing = sorted(wanted - set(self.runners))
             self.state = "loading"
             try:
-                if wanted:
+                if missing:
                     await ensure_model_files(
                         self.client, self.store, order.model,
-                        lambda m: sorted({k for a, b in wanted for k in m.fragment_files(a, b)}),
+                        lambda m: sorted({k for _, a, b in missing for k in m.fragment_files(a, b)}),
                         list(order.weight_sources),
                     )
-                model_dir = self.store.models_dir / order.model
-                for first, last in sorted(wanted - set(self.runners)):
-                    self.runners[(first, last)] = await asyncio.get_running_loop().run_in_executor(
-                        self.executor, self._open_runner, model_dir, first, last
+                for key in missing:
+                    self.runners[key] = await asyncio.get_running_loop().run_in_executor(
+                        self.executor, self._open_runner, self.store.models_dir / order.model, key[1], key[2]
                     )
             except Exception as error:
-                self.state, self.error = "failed", str(error)
+                self.state, self.error = "failed", f"{type(error).__name__}: {error}"
                 raise
-            previous = self.order
-            self.order = order
-            stale = [key for key in self.runners if key not in wanted or (previous and previous.model != order.model)]
-            for key in stale:
-                self.runners.pop(key).close()
-            if previous is None or previous.model != order.model:
-                self.sessions.clear()
+            self.orders[order.plan_version] = order
+            self.current = order
+            self._retire()
             self.state, self.error = "ready", None
-            log.info("serving %s layers %s (plan %d, epoch %d)", order.model,
-                     ", ".join(f"{a}-{b}" for a, b in sorted(wanted)) or "none", order.plan_version, order.epoch)
+            log.info("plan %d (epoch %d): %s layers %s%s", order.plan_version, order.epoch, order.model,
+                     ", ".join(f"{a}-{b}" for _, a, b in sorted(self._keys(order, with_standby=False))) or "none",
+                     f"; standby {', '.join(f'{a}-{b}' for a, b in sorted(order.ranges_for(self.node_id) - {(k[1], k[2]) for k in self._keys(order, with_standby=False)}))}"
+                     if order.standby.get(self.node_id) else "")
             return self.status()
+
+    def _retire(self) -> None:
+        """Forget orders no request uses any more, and free the fragments none of the rest needs."""
+        in_use = {info.plan_version for info in self.sessions.values()}
+        for version in list(self.orders):
+            if self.current is not None and version != self.current.plan_version and version not in in_use:
+                del self.orders[version]
+        needed: set[RunnerKey] = set()
+        for order in self.orders.values():
+            needed |= self._keys(order, with_standby=order is self.current)
+        for key in [k for k in self.runners if k not in needed]:
+            self.runners.pop(key).close()
 
     def _open_runner(self, model_dir: Path, first: int, last: int) -> FragmentRunner:
         return OrtFragmentRunner(
@@ -107,16 +131,22 @@ class Worker:
         )
 
     def status(self) -> dict[str, Any]:
+        current = self.current
         return {
             "state": self.state,
             "error": self.error,
-            "model": self.order.model if self.order else None,
-            "plan_version": self.order.plan_version if self.order else None,
+            "model": current.model if current else None,
+            "plan_version": current.plan_version if current else None,
             "epoch": self.newest_epoch,
             "fragments": [
-                {"layers": [a, b], "provider": r.provider, "memory_bytes": r.memory_bytes()} for (a, b), r in sorted(self.runners.items())
+                {"layers": [a, b], "provider": r.provider, "memory_bytes": r.memory_bytes()}
+                for (model, a, b), r in sorted(self.runners.items())
+                if current is not None and model == current.model and (a, b) in {(h.layers.first, h.layers.last) for h in current.hops_of(self.node_id)}
             ],
+            "standby": [[a, b] for (model, a, b) in sorted(self.runners)
+                        if current is None or (a, b) not in {(h.layers.first, h.layers.last) for h in current.hops_of(self.node_id)} or model != current.model],
             "sessions": len(self.sessions),
+            "order": current.to_json() if current else None,
         }
 
     # --- data plane ----------------------------------------------------------------------------
@@ -133,17 +163,19 @@ class Worker:
     async def step(self, header: dict[str, Any], tensor: np.ndarray | None) -> tuple[dict[str, Any], np.ndarray | None]:
         """Run one step through my hop and everything after it; returns the result frame."""
         sid, seq = header["sid"], header["seq"]
-        order = self.order
-        if order is None or header["plan"] != order.plan_version or header["epoch"] != order.epoch:
-            raise StageError("stale_plan", f"node {self.node_id} is not on plan {header['plan']} (epoch {header['epoch']})", None)
+        order = self.orders.get(header["plan"])
+        if order is None or header["epoch"] != order.epoch:
+            raise StageError("stale_plan", f"node {self.node_id} does not know plan {header['plan']} of epoch {header['epoch']}", None)
         hop = order.hop_starting_at(header["layer"])
-        if hop is None or hop.node_id != self.node_id or (hop.layers.first, hop.layers.last) not in self.runners:
+        runner = self.runners.get((order.model, hop.layers.first, hop.layers.last)) if hop and hop.node_id == self.node_id else None
+        if hop is None or runner is None:
             raise StageError("wrong_stage", f"node {self.node_id} does not serve layers starting at {header['layer']}", None)
-        runner = self.runners[(hop.layers.first, hop.layers.last)]
-        info = self.sessions.setdefault(sid, _SessionInfo(time.monotonic()))
-        info.last_used = time.monotonic()
         if tensor is None:
             raise StageError("bad_request", "step frame without tensor", None)
+        info = self.sessions.get(sid)
+        if info is None or info.plan_version != order.plan_version:
+            info = self.sessions[sid] = _SessionInfo(order.plan_version, time.monotonic())
+        info.last_used = time.monotonic()
         try:
             output = await asyncio.get_running_loop().run_in_executor(
                 self.executor, self._compute, runner, sid, header["start"], tensor
@@ -157,11 +189,12 @@ class Worker:
                     params = {k: v for k, v in (header.get("params") or {}).items() if k in SAMPLING_FIELDS}
                     try:
                         info.sampler = Sampler(SamplingParams(**params))
-                    except ShardsError as error:
+                    except (ShardsError, TypeError) as error:
                         raise StageError("bad_request", str(error), None) from None
                 token = int(info.sampler.sample(output[0, -1]))
             return {"kind": "result", "sid": sid, "seq": seq, "token": token}, None
         next_node = order.next_after(hop.layers.last)
+        assert next_node is not None
         forward = dict(header, layer=hop.layers.last + 1)
         forward.pop("tensor", None)
         return await self.forward_to(order, next_node, forward, output)
@@ -178,27 +211,27 @@ class Worker:
             raise error_from_header(result)
         return result, None
 
-    async def close_session(self, sid: str, layer: int) -> None:
-        """Free ``sid`` on my hop starting at ``layer`` and pass the close down the route."""
-        order = self.order
+    def _free(self, sid: str) -> None:
         self.sessions.pop(sid, None)
         for runner in self.runners.values():
             if sid in runner.sessions():
                 runner.close_session(sid)
-        if order is None:
+
+    async def close_session(self, sid: str, layer: int, plan_version: int | None = None) -> None:
+        """Free ``sid`` here and pass the close down the route of the plan it used."""
+        info = self.sessions.get(sid)
+        order = self.orders.get(plan_version if plan_version is not None else (info.plan_version if info else -1)) or self.current
+        self._free(sid)
+        self._retire()
+        hop = order.hop_starting_at(layer) if order else None
+        next_node = order.next_after(hop.layers.last) if order and hop else None
+        if order is None or hop is None or next_node is None:
             return
-        hop = order.hop_starting_at(layer)
-        if hop is None:
-            return
-        next_node = order.next_after(hop.layers.last)
-        if next_node is None:
-            return
-        header = {"kind": "close", "sid": sid, "layer": hop.layers.last + 1}
         if next_node == self.node_id:
-            await self.close_session(sid, hop.layers.last + 1)
+            await self.close_session(sid, hop.layers.last + 1, order.plan_version)
         else:
             link = await self.links.get(next_node, order.addresses[next_node])
-            await link.send(header)
+            await link.send({"kind": "close", "sid": sid, "layer": hop.layers.last + 1, "plan": order.plan_version})
 
     async def reap_idle_sessions(self) -> None:
         """Free sessions abandoned by their requests (owned by the service's cleanup context)."""
@@ -207,10 +240,8 @@ class Worker:
             cutoff = time.monotonic() - SESSION_IDLE_TIMEOUT_S
             for sid in [s for s, info in self.sessions.items() if info.last_used < cutoff]:
                 log.info("freeing abandoned session %s", sid)
-                self.sessions.pop(sid, None)
-                for runner in self.runners.values():
-                    if sid in runner.sessions():
-                        runner.close_session(sid)
+                self._free(sid)
+            self._retire()
 
     def close(self) -> None:
         for runner in self.runners.values():

@@ -10,8 +10,10 @@ Flavours (one logical model, several graphs):
 - ``"cpu"``: dynamic shapes, fused ``com.microsoft`` ops (GroupQueryAttention with rotary,
   SkipSimplifiedLayerNormalization, MatMulNBits for q4). Inputs ``input_ids`` int64 [1, T]
   or ``hidden_states`` float32 [1, T, hidden], ``past_key.L`` / ``past_value.L`` float32
-  [1, kv_heads, P, head_dim]; outputs ``logits`` [1, T, vocab] or ``hidden_states``, plus
+  [1, kv_heads, P, head_dim]; outputs ``logits`` [1, T, vocab] or ``hidden_states_out``, plus
   ``present_key.L`` / ``present_value.L`` [1, kv_heads, P + T, head_dim].
+- ``"portable"``: the same inputs/outputs as "cpu" but plain opset-17 ops only (MatMulNBits
+  stays for q4): for GPU providers that lack the fused float32 kernels.
 - ``"static"``: plain opset-17 ops and fixed shapes for NPUs: T == prefill_chunk, the KV
   inputs have max_context positions, plus ``past_length`` int64 [1]; outputs ``new_key.L`` /
   ``new_value.L`` [1, kv_heads, T, head_dim] (the caller writes them into its fixed cache).
@@ -41,8 +43,8 @@ from shards.store import MANIFEST_FILE
 from shards.tensorfile import read_tensors
 
 log = logging.getLogger(__name__)
-FLAVOURS = ("cpu", "static")
-BUILDER_VERSION = 5
+FLAVOURS = ("cpu", "portable", "static")
+BUILDER_VERSION = 7
 ONNX_FILE = "fragment.onnx"
 DATA_FILE = "fragment.onnx.data"
 MS = "com.microsoft"
@@ -62,16 +64,23 @@ class FragmentSpec:
     max_context: int
     prefill_chunk: int  # 0 for dynamic flavours
 
+    def __post_init__(self) -> None:
+        if self.flavour not in FLAVOURS:
+            raise FragmentError(f"unknown flavour {self.flavour!r} (known: {', '.join(FLAVOURS)})")
+        if not 0 <= self.first_layer <= self.last_layer:
+            raise FragmentError(f"bad layer range {self.first_layer}..{self.last_layer}")
+        if self.max_context <= 0 or self.prefill_chunk < 0:
+            raise FragmentError("max_context must be positive and prefill_chunk not negative")
+        if self.flavour == "static" and not 0 < self.prefill_chunk <= self.max_context:
+            raise FragmentError("the static flavour needs 0 < prefill_chunk <= max_context")
+
     def validate(self, m: Manifest) -> None:
+        """Checks that need the model: the range and the context length."""
         if not (0 <= self.first_layer <= self.last_layer < m.n_layers):
             raise FragmentError(f"bad layer range {self.first_layer}..{self.last_layer} "
                                 f"for a model with {m.n_layers} layers")
-        if self.flavour not in FLAVOURS:
-            raise FragmentError(f"unknown flavour {self.flavour!r} (known: {', '.join(FLAVOURS)})")
-        if not 0 < self.max_context <= m.context_length:
+        if self.max_context > m.context_length:
             raise FragmentError(f"max_context {self.max_context} must be in 1..{m.context_length}")
-        if self.flavour == "static" and not 0 < self.prefill_chunk <= self.max_context:
-            raise FragmentError("the static flavour needs 0 < prefill_chunk <= max_context")
 
 
 def load_manifest(model_dir: Path) -> Manifest:
@@ -201,13 +210,13 @@ class _Builder:
 
     # --- norms ----------------------------------------------------------------------------
     def rms(self, x: str, w: np.ndarray, label: str) -> str:
+        """RMS norm from plain ops (the "cpu" flavour uses the fused add_rms everywhere)."""
         g, eps = self.g, float(self.m.rms_norm_eps)
         wn = g.const(label, w.astype(np.float32))
-        if self.s.flavour == "cpu":
-            return g.op1("SimplifiedLayerNormalization", [x, wn], axis=-1, epsilon=eps, stash_type=1)
         sq = g.op1("Mul", [x, x])
         ms = g.op1("ReduceMean", [sq], axes=[-1], keepdims=1)
-        inv = g.op1("Reciprocal", [g.op1("Sqrt", [g.op1("Add", [ms, g.const(self.g.name("eps"), np.array(eps, np.float32))])])])
+        eps_c = g.const("rms_eps", np.array(eps, np.float32))
+        inv = g.op1("Reciprocal", [g.op1("Sqrt", [g.op1("Add", [ms, eps_c])])])
         return g.op1("Mul", [g.op1("Mul", [x, inv]), wn])
 
     def add_rms(self, x: str, residual: str, w: np.ndarray, label: str) -> tuple[str, str]:
@@ -253,6 +262,26 @@ class _Builder:
         mask = g.op1("Concat", [past_mask, g.const("causal", causal)], axis=1)
         return {"cos": cos_p, "sin": sin_p, "mask": mask}
 
+    def prologue_portable(self, x: str, past0: str) -> dict[str, str]:
+        """Dynamic T and P: positions P..P+T-1, mask [T, P+T] (key j visible to row i iff j <= P+i)."""
+        g = self.g
+        t_len = g.op1("Squeeze", [g.op1("Shape", [x], start=1, end=2)])
+        p_len = g.op1("Squeeze", [g.op1("Shape", [past0], start=2, end=3)])
+        total = g.op1("Add", [p_len, t_len])
+        one = g.const("one_s_i64", np.array(1, np.int64))
+        pos = g.op1("Range", [p_len, total, one])
+        kpos = g.op1("Range", [g.const("zero_s_i64", np.array(0, np.int64)), total, one])
+        ax = g.const("one_ax", np.array([1], np.int64))
+        visible = g.op1("LessOrEqual", [g.op1("Unsqueeze", [kpos, g.const("zero_ax", np.array([0], np.int64))]),
+                                        g.op1("Unsqueeze", [pos, ax])])
+        mask = g.op1("Where", [visible, g.const("zero_f", np.array(0.0, np.float32)),
+                               g.const("neg_f", np.array(_NEG, np.float32))])
+        cos, sin = rope_tables(self.m, self.s.max_context)
+        cos_full = g.const("rope.cos", np.concatenate([cos, cos], axis=1))
+        sin_full = g.const("rope.sin", np.concatenate([sin, sin], axis=1))
+        return {"cos": g.op1("Gather", [cos_full, pos], axis=0), "sin": g.op1("Gather", [sin_full, pos], axis=0),
+                "mask": mask}
+
     # --- attention ----------------------------------------------------------------------------
     def attention_cpu(self, xn: str, t: dict[str, np.ndarray], li: int, pro: dict[str, str]) -> tuple[str, str, str]:
         g, m = self.g, self.m
@@ -274,7 +303,7 @@ class _Builder:
         y = self.linear(xn, t, [name], f"l{li}.{name}")
         if m.attention_bias:
             y = g.op1("Add", [y, g.const(f"l{li}.{bias}", t[bias].astype(np.float32))])
-        y = g.op1("Reshape", [y, g.const(g.name("shape"), np.array([1, self.s.prefill_chunk, n_heads, m.head_dim], np.int64))])
+        y = g.op1("Reshape", [y, g.const(f"heads_shape_{n_heads}", np.array([1, -1, n_heads, m.head_dim], np.int64))])
         return g.op1("Transpose", [y], perm=[0, 2, 1, 3])
 
     def _rotate(self, x: str, pro: dict[str, str]) -> str:
@@ -283,26 +312,31 @@ class _Builder:
         rot = g.op1("Concat", [g.op1("Neg", [x2]), x1], axis=-1)
         return g.op1("Add", [g.op1("Mul", [x, pro["cos"]]), g.op1("Mul", [rot, pro["sin"]])])
 
-    def attention_static(self, xn: str, t: dict[str, np.ndarray], li: int, pro: dict[str, str]) -> tuple[str, str, str]:
-        g, m, c, mc = self.g, self.m, self.s.prefill_chunk, self.s.max_context
+    def attention_plain(self, xn: str, t: dict[str, np.ndarray], li: int, pro: dict[str, str]) -> tuple[str, str, str]:
+        """Attention from plain ops; returns (output, key out, value out) per the flavour's KV contract."""
+        g, m, static = self.g, self.m, self.s.flavour == "static"
         kvh, hd, grp = m.n_kv_heads, m.head_dim, m.group_size
         q = self._rotate(self._proj_heads(xn, t, "q_proj", "q_bias", m.n_heads, li), pro)
-        k_out = g.op("Identity", [self._rotate(self._proj_heads(xn, t, "k_proj", "k_bias", kvh, li), pro)],
-                     out=[f"new_key.{li}"])[0]
-        v = g.op("Identity", [self._proj_heads(xn, t, "v_proj", "v_bias", kvh, li)], out=[f"new_value.{li}"])[0]
-        k_all = g.op1("Concat", [f"past_key.{li}", k_out], axis=2)
-        v_all = g.op1("Concat", [f"past_value.{li}", v], axis=2)
-        qg = g.op1("Reshape", [q, g.const("q_group_shape", np.array([1, kvh, grp * c, hd], np.int64))])
+        k = self._rotate(self._proj_heads(xn, t, "k_proj", "k_bias", kvh, li), pro)
+        v = self._proj_heads(xn, t, "v_proj", "v_bias", kvh, li)
+        if static:  # the caller writes the chunk's keys/values into its fixed-size cache
+            k_out = g.op("Identity", [k], out=[f"new_key.{li}"])[0]
+            v_out = g.op("Identity", [v], out=[f"new_value.{li}"])[0]
+            k_all = g.op1("Concat", [f"past_key.{li}", k_out], axis=2)
+            v_all = g.op1("Concat", [f"past_value.{li}", v_out], axis=2)
+        else:
+            k_all = k_out = g.op("Concat", [f"past_key.{li}", k], out=[f"present_key.{li}"], axis=2)[0]
+            v_all = v_out = g.op("Concat", [f"past_value.{li}", v], out=[f"present_value.{li}"], axis=2)[0]
+        # group the query heads of each KV head: [1, kvh, grp * T, hd] (head h uses KV head h // grp)
+        qg = g.op1("Reshape", [q, g.const("q_group_shape", np.array([1, kvh, -1, hd], np.int64))])
         sc = g.op1("MatMul", [qg, g.op1("Transpose", [k_all], perm=[0, 1, 3, 2])])
         sc = g.op1("Mul", [sc, g.const("attn_scale", np.array(1.0 / np.sqrt(hd), np.float32))])
-        sc = g.op1("Reshape", [sc, g.const("score5_shape", np.array([1, kvh, grp, c, mc + c], np.int64))])
-        p = g.op1("Softmax", [g.op1("Add", [sc, pro["mask"]])], axis=-1)
-        p = g.op1("Reshape", [p, g.const("score4_shape", np.array([1, kvh, grp * c, mc + c], np.int64))])
+        p = g.op1("Softmax", [g.op1("Add", [sc, pro["mask_grouped"]])], axis=-1)
         o = g.op1("MatMul", [p, v_all])
-        o = g.op1("Reshape", [o, g.const("o_heads_shape", np.array([1, m.n_heads, c, hd], np.int64))])
+        o = g.op1("Reshape", [o, g.const("o_heads_shape", np.array([1, m.n_heads, -1, hd], np.int64))])
         o = g.op1("Transpose", [o], perm=[0, 2, 1, 3])
-        o = g.op1("Reshape", [o, g.const("o_flat_shape", np.array([1, c, m.n_heads * hd], np.int64))])
-        return o, k_out, v
+        o = g.op1("Reshape", [o, g.const("o_flat_shape", np.array([1, -1, m.n_heads * hd], np.int64))])
+        return o, k_out, v_out
 
     def mlp(self, xn: str, t: dict[str, np.ndarray], li: int) -> str:
         g, f = self.g, self.m.intermediate_size
@@ -333,23 +367,28 @@ class _Builder:
         if static:
             inputs.append(helper.make_tensor_value_info("past_length", TensorProto.INT64, [1]))
             pro = self.prologue_static()
+        elif s.flavour == "portable":
+            pro = self.prologue_portable(x, f"past_key.{s.first_layer}")
         else:
             pro = self.prologue_cpu(x, f"past_key.{s.first_layer}")
+        if "mask" in pro:  # rows of grouped query heads repeat the mask grp times
+            tile = g.const("mask_tile", np.array([m.group_size, 1], np.int64))
+            pro["mask_grouped"] = g.op1("Tile", [pro["mask"], tile])
         residual, pending = x, None
         for li in range(s.first_layer, s.last_layer + 1):
             for kind in ("key", "value"):
                 inputs.append(helper.make_tensor_value_info(f"past_{kind}.{li}", TensorProto.FLOAT, kv_shape))
             t = self._load(layer_key(li))
-            if pending is None and not static:
+            if pending is None and s.flavour == "cpu":
                 # Same fused kernel as between layers (skip = 0 is exact): chains stay bit-exact.
                 zeros = g.op1("ConstantOfShape", [g.op1("Shape", [residual])],
                               value=helper.make_tensor("zero", TensorProto.FLOAT, [1], [0.0]))
                 xn, residual = self.add_rms(zeros, residual, t["input_norm"], f"l{li}.input_norm")
             elif pending is None:
-                xn = self.rms(residual, t["input_norm"], f"l{li}.input_norm")
+                xn = self.rms(residual, t["input_norm"], f"l{li}.input_norm")  # plain flavours
             else:
                 xn, residual = self.add_rms(pending, residual, t["input_norm"], f"l{li}.input_norm")
-            att = self.attention_static if static else self.attention_cpu
+            att = self.attention_cpu if s.flavour == "cpu" else self.attention_plain
             a, k_out, v_out = att(xn, t, li, pro)
             o = self.linear(a, t, ["o_proj"], f"l{li}.o_proj")
             xn2, residual = self.add_rms(o, residual, t["post_norm"], f"l{li}.post_norm")
@@ -395,7 +434,8 @@ def build_fragment(model_dir: Path, first_layer: int, last_layer: int, *, flavou
     spec.validate(m)
     key = fragment_key(m, spec)
     root = Path(cache_dir) if cache_dir is not None else model_dir / "fragments"
-    final = root / f"{m.name}-{spec.first_layer:03d}-{spec.last_layer:03d}-{flavour}-{key[:20]}"
+    prefix = f"{m.name}-{spec.first_layer:03d}-{spec.last_layer:03d}-{flavour}-c{mc}-p{pc}-"
+    final = root / (prefix + key[:20])
     if (final / ONNX_FILE).is_file():
         return final / ONNX_FILE
     root.mkdir(parents=True, exist_ok=True)
@@ -418,5 +458,8 @@ def build_fragment(model_dir: Path, first_layer: int, last_layer: int, *, flavou
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    for stale in root.glob(prefix + "*"):  # same fragment from older weights or builder
+        if stale != final:
+            shutil.rmtree(stale, ignore_errors=True)
     log.info("built fragment %s", final.name)
     return final / ONNX_FILE

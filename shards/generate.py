@@ -20,12 +20,19 @@ import time
 import uuid
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from shards.errors import RunnerError, SamplingError, ShardsError
 from shards.sampling import Sampler, SamplingParams
 from shards.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    from shards.manifest import Manifest
+    from shards.runner import FragmentRunner
+    from shards.store import ModelStore
 
 log = logging.getLogger(__name__)
 
@@ -93,9 +100,10 @@ class TextStream:
 
     Never emits a stop string or anything after it, and never loses text that turned out
     not to start a stop string. When stop strings overlap, the one whose last character
-    comes first ends the text, independent of how the text was cut into tokens. ``push`` returns the text that may be shown now;
-    ``finish_reason`` becomes "stop" (end-of-generation token or stop string) or "length"
-    (``max_tokens`` reached) and then ``done`` is true.
+    comes first ends the text, independent of how the text was cut into tokens.
+    ``push`` returns the text that may be shown now; ``finish_reason`` becomes "stop"
+    (end-of-generation token or stop string) or "length" (``max_tokens`` reached) and then
+    ``done`` is true.
     """
 
     def __init__(self, tokenizer: Tokenizer, params: SamplingParams,
@@ -104,7 +112,7 @@ class TextStream:
         self.eos_token_ids = frozenset(tokenizer.eos_token_ids if eos_token_ids is None else eos_token_ids)
         self._decoder = tokenizer.stream_decoder(skip_special_tokens=skip_special_tokens)
         self._held = ""
-        self.completion_tokens = 0
+        self.token_ids: list[int] = []  # every sampled id, EOS included (for KV replay)
         self.finish_reason: str | None = None
         self.text = ""  # everything emitted so far
 
@@ -112,11 +120,15 @@ class TextStream:
     def done(self) -> bool:
         return self.finish_reason is not None
 
+    @property
+    def completion_tokens(self) -> int:
+        return len(self.token_ids)
+
     def push(self, token_id: int) -> str:
         """Feed one sampled token; returns the text that is now safe to emit."""
         if self.done:
             raise SamplingError("the generation is already finished")
-        self.completion_tokens += 1
+        self.token_ids.append(int(token_id))
         if token_id in self.eos_token_ids:
             return self._finish(FINISH_STOP, self._decoder.flush())
         piece = self._decoder.push(token_id)
@@ -177,7 +189,7 @@ def _check_prompt(prompt_ids: Sequence[int], vocab_size: int) -> np.ndarray:
     return ids
 
 
-def prefill(runners: Sequence, session_id: str, prompt_ids: np.ndarray,
+def prefill(runners: Sequence[FragmentRunner], session_id: str, prompt_ids: np.ndarray,
             chunk_tokens: int = DEFAULT_PREFILL_CHUNK_TOKENS) -> np.ndarray:
     """Run the prompt through the chain in chunks; returns the last position's logits."""
     from shards.runner import chain_forward
@@ -191,7 +203,7 @@ def prefill(runners: Sequence, session_id: str, prompt_ids: np.ndarray,
     return np.asarray(logits)[0, -1]
 
 
-def decode_step(runners: Sequence, session_id: str, token_id: int) -> np.ndarray:
+def decode_step(runners: Sequence[FragmentRunner], session_id: str, token_id: int) -> np.ndarray:
     """Run one new token through the chain; returns its logits row."""
     from shards.runner import chain_forward
 
@@ -199,13 +211,13 @@ def decode_step(runners: Sequence, session_id: str, token_id: int) -> np.ndarray
     return np.asarray(logits)[0, -1]
 
 
-def chain_context_tokens(runners: Sequence) -> int | None:
+def chain_context_tokens(runners: Sequence[FragmentRunner]) -> int | None:
     """Most positions every runner of the chain can hold (None when none says)."""
     limits = [int(r.max_context) for r in runners if getattr(r, "max_context", None)]
     return min(limits) if limits else None
 
 
-def generate(runners: Sequence, tokenizer: Tokenizer, prompt_ids: Sequence[int], params: SamplingParams,
+def generate(runners: Sequence[FragmentRunner], tokenizer: Tokenizer, prompt_ids: Sequence[int], params: SamplingParams,
              session_id: str | None = None, *, prefill_chunk_tokens: int = DEFAULT_PREFILL_CHUNK_TOKENS,
              skip_special_tokens: bool = True) -> Iterator[GenerationEvent]:
     """Stream a completion of ``prompt_ids`` over ``runners`` (head first, tail last).
@@ -240,7 +252,8 @@ def generate(runners: Sequence, tokenizer: Tokenizer, prompt_ids: Sequence[int],
             piece = stream.push(token)
             if piece:
                 yield GenerationEvent(text=piece, token_id=token)
-            if not stream.done and context_tokens is not None and len(ids) + stream.completion_tokens >= context_tokens:
+            context_full = context_tokens is not None and len(ids) + stream.completion_tokens >= context_tokens
+            if not stream.done and context_full:
                 piece = stream.finish(FINISH_LENGTH)  # the KV cache is full
                 if piece:
                     yield GenerationEvent(text=piece)
@@ -279,16 +292,17 @@ def prompt_ids_for(tokenizer: Tokenizer, prompt: str, *, raw: bool = False, syst
 class LocalModel:
     """A stored model opened on this machine as one chain of runners, plus its tokenizer."""
 
-    def __init__(self, model_dir, manifest, *, cuts: Sequence[tuple[int, int]] | None = None, **runner_kw) -> None:
+    def __init__(self, model_dir: Path, manifest: Manifest, *, cuts: Sequence[tuple[int, int]] | None = None,
+                 **runner_kw: Any) -> None:
         from shards.runner import open_chain
 
         self.manifest = manifest
-        self.model_dir = model_dir
+        self.model_dir = Path(model_dir)
         self.tokenizer = Tokenizer.from_model_dir(model_dir)
         self.runners = open_chain(model_dir, list(cuts or [(0, manifest.n_layers - 1)]), **runner_kw)
 
     @classmethod
-    def open(cls, name: str, store=None, **kw) -> LocalModel:
+    def open(cls, name: str, store: ModelStore | None = None, **kw: Any) -> LocalModel:
         """Open model ``name`` of ``store`` (the default store when None)."""
         from shards.store import ModelStore
 
@@ -296,7 +310,7 @@ class LocalModel:
         manifest = store.manifest(name)
         return cls(store.model_dir(name), manifest, **kw)
 
-    def generate(self, prompt_ids: Sequence[int], params: SamplingParams, **kw) -> Iterator[GenerationEvent]:
+    def generate(self, prompt_ids: Sequence[int], params: SamplingParams, **kw: Any) -> Iterator[GenerationEvent]:
         return generate(self.runners, self.tokenizer, prompt_ids, params, **kw)
 
     def close(self) -> None:
@@ -306,7 +320,7 @@ class LocalModel:
     def __enter__(self) -> LocalModel:
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
 

@@ -95,10 +95,17 @@ class GgufSource:
         head_dim = int(self._field(f"{a}.attention.key_length", 0)) or hidden // n_heads
         rope_dim = int(self._field(f"{a}.rope.dimension_count", head_dim))
         if rope_dim != head_dim:
-            raise UnsupportedArchitectureError(f"{self.path.name}: partial rotary ({rope_dim} of {head_dim}) is not supported")
+            raise UnsupportedArchitectureError(
+                f"{self.path.name}: partial rotary ({rope_dim} of {head_dim}) is not supported")
         ff = None
-        if "rope_freqs.weight" in self.tensors:
+        if "rope_freqs.weight" in self.tensors:  # llama3-style per-frequency divisors
             ff = tuple(float(x) for x in self._tensor("rope_freqs.weight").reshape(-1))
+        kind = self._field(f"{a}.rope.scaling.type", "none")
+        if kind == "linear":
+            factor = float(self._field(f"{a}.rope.scaling.factor", 1.0))
+            ff = tuple(f * factor for f in (ff or (1.0,) * (head_dim // 2)))
+        elif kind not in ("none", ""):
+            raise UnsupportedArchitectureError(f"{self.path.name}: rope scaling {kind!r} is not supported")
         kv = self._field(f"{a}.attention.head_count_kv", n_heads)
         return {
             "architecture": a,

@@ -75,7 +75,18 @@ class HfSource:
         self.arch = mt
         if not (self.path / "tokenizer.json").is_file():
             raise TokenizerError(f"{self.path.name}: tokenizer.json is missing")
-        files = sorted(self.path.glob("*.safetensors"))
+        index_file = self.path / "model.safetensors.index.json"
+        if index_file.is_file():  # sharded checkpoint: only the files the index names
+            try:
+                names = sorted(set(json.loads(index_file.read_text(encoding="utf-8"))["weight_map"].values()))
+            except (ValueError, KeyError, TypeError, AttributeError) as e:
+                raise ModelFormatError(f"{index_file.name}: malformed ({e})") from e
+            files = [self.path / n for n in names]
+            missing = [f.name for f in files if not f.is_file()]
+            if missing:
+                raise ModelFormatError(f"{self.path.name}: weight shard(s) missing: {', '.join(missing[:3])}")
+        else:
+            files = sorted(self.path.glob("*.safetensors"))
         if not files:
             raise ModelFormatError(f"{self.path.name}: no *.safetensors weight files")
         self.files = files
@@ -105,6 +116,8 @@ class HfSource:
                 kind = rs.get("rope_type", rs.get("type"))
                 if kind == "llama3":
                     ff = llama3_freq_factors(head_dim, theta, rs)
+                elif kind == "linear":
+                    ff = (float(rs["factor"]),) * (head_dim // 2)
                 elif kind not in (None, "default"):
                     raise UnsupportedArchitectureError(f"{self.path.name}: rope scaling {kind!r} is not supported")
             tied = bool(c.get("tie_word_embeddings", False)) or "lm_head.weight" not in self.index

@@ -16,7 +16,7 @@ from __future__ import annotations
 import hashlib
 import logging
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 from tqdm import tqdm
@@ -32,7 +32,24 @@ LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_
 WEIGHTS_DIR = "weights"
 
 
-def open_source(path: Path) -> Any:
+class ModelSource(Protocol):
+    """What the importer needs from a checkpoint (GgufSource, HfSource): float32 tensors in
+    the Hugging Face layout (linear weights [out, in]) under ncm's canonical names."""
+
+    params: dict[str, Any]  # Manifest fields describing the model's shape
+
+    def layer(self, i: int) -> dict[str, np.ndarray]: ...
+
+    def embed(self) -> np.ndarray: ...
+
+    def head(self) -> dict[str, np.ndarray]: ...  # {"norm", "lm_head"}
+
+    def tokenizer_spec(self) -> Any: ...
+
+    def digest(self) -> str: ...
+
+
+def open_source(path: Path) -> ModelSource:
     """A GgufSource or HfSource for ``path`` (ModelFormatError if it is neither)."""
     path = Path(path)
     if path.is_dir():

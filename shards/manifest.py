@@ -6,7 +6,7 @@ import json
 import math
 import re
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, fields
 from types import MappingProxyType
 from typing import Any
 
@@ -81,7 +81,6 @@ class Manifest:
     rope_freq_factors: tuple[float, ...] | None = None
     source: str = ""
     version: int = MANIFEST_VERSION
-    extra: Mapping[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if not valid_model_name(self.name):
@@ -122,7 +121,6 @@ class Manifest:
         if not all(isinstance(f, WeightFile) for f in files.values()):
             raise ModelFormatError("manifest: files must be WeightFile entries")
         object.__setattr__(self, "files", MappingProxyType(files))
-        object.__setattr__(self, "extra", MappingProxyType(dict(self.extra)))
 
     # --- sizes -------------------------------------------------------------------------
     @property
@@ -167,7 +165,6 @@ class Manifest:
     def to_dict(self) -> dict[str, Any]:
         d = {f.name: getattr(self, f.name) for f in fields(self)}
         d["files"] = {k: asdict(v) for k, v in self.files.items()}
-        d["extra"] = dict(self.extra)
         d["rope_freq_factors"] = list(self.rope_freq_factors) if self.rope_freq_factors else None
         return d
 
@@ -178,6 +175,7 @@ class Manifest:
     def from_dict(cls, d: Mapping[str, Any]) -> "Manifest":
         try:
             d = dict(d)
+            d.pop("extra", None)  # written by early development builds; never used
             files = {k: WeightFile(**v) for k, v in dict(d.pop("files")).items()}
             ff = d.pop("rope_freq_factors", None)
             return cls(files=files, rope_freq_factors=tuple(ff) if ff else None, **d)

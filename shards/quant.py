@@ -28,8 +28,23 @@ def _blocks(w: np.ndarray) -> np.ndarray:
     return w.reshape(n, k // BLOCK, BLOCK)
 
 
+def _by_rows(fn, w: np.ndarray, rows: int = 4096) -> dict[str, np.ndarray]:
+    """Apply ``fn`` to row slices of ``w`` (bounds temporaries for huge matrices such as lm_head)."""
+    parts = [fn(w[r:r + rows]) for r in range(0, w.shape[0], rows)]
+    return {k: np.concatenate([p[k] for p in parts], axis=0) for k in parts[0]}
+
+
 def quantize_q4(w: np.ndarray) -> dict[str, np.ndarray]:
     """4-bit: {"qweight", "scales", "offsets"} for ``w`` [N, K]."""
+    return _by_rows(_q4, w)
+
+
+def quantize_q8(w: np.ndarray) -> dict[str, np.ndarray]:
+    """8-bit: {"qweight", "scales", "zeros"} for ``w`` [N, K]."""
+    return _by_rows(_q8, w)
+
+
+def _q4(w: np.ndarray) -> dict[str, np.ndarray]:
     b = _blocks(w)
     lo, hi = b.min(axis=2), b.max(axis=2)
     scale = ((hi - lo) / 15.0).astype(np.float32)
@@ -40,8 +55,7 @@ def quantize_q4(w: np.ndarray) -> dict[str, np.ndarray]:
     return {"qweight": packed, "scales": scale, "offsets": offsets}
 
 
-def quantize_q8(w: np.ndarray) -> dict[str, np.ndarray]:
-    """8-bit: {"qweight", "scales", "zeros"} for ``w`` [N, K]."""
+def _q8(w: np.ndarray) -> dict[str, np.ndarray]:
     b = _blocks(w)
     lo, hi = np.minimum(b.min(axis=2), 0.0), np.maximum(b.max(axis=2), 0.0)
     scale = ((hi - lo) / 255.0).astype(np.float32)

@@ -30,8 +30,18 @@ PROVIDER_PREFERENCE = (
     "CoreMLExecutionProvider",
     "CPUExecutionProvider",
 )
-# Providers that run the fused com.microsoft "cpu" flavour well; all others get "static".
-_FUSED_OK = ("CPUExecutionProvider",)
+# NPU providers that need fixed shapes get the "static" flavour; CPU gets the fused "cpu"
+# flavour; every other provider gets "portable" (plain ops, dynamic shapes).
+_STATIC_PROVIDERS = ("QNNExecutionProvider",)
+# onnxruntime device names for OrtValues kept on the accelerator (IOBinding).
+_DEVICES = {"CUDAExecutionProvider": "cuda", "TensorrtExecutionProvider": "cuda", "DmlExecutionProvider": "dml"}
+
+
+def default_flavour(provider: str) -> str:
+    """The fragment flavour a provider runs best (pure)."""
+    if provider == "CPUExecutionProvider":
+        return "cpu"
+    return "static" if provider in _STATIC_PROVIDERS else "portable"
 
 
 class FragmentRunner(abc.ABC):
@@ -47,6 +57,7 @@ class FragmentRunner(abc.ABC):
     is_head: bool
     is_tail: bool
     provider: str
+    max_context: int  # most positions one session can hold
 
     @abc.abstractmethod
     def open_session(self, session_id: str) -> None:
@@ -94,28 +105,35 @@ def choose_providers(available: Sequence[str], forced: Sequence[str] | None = No
 
 
 class _Session:
-    """KV cache of one session: per layer key/value arrays and the cached length."""
+    """KV cache of one session: per layer key/value arrays (numpy or OrtValue) and the cached length."""
 
-    def __init__(self, kv: dict[str, np.ndarray]) -> None:
+    def __init__(self, kv: dict[str, Any]) -> None:
         self.kv = kv
         self.length = 0
 
     def nbytes(self) -> int:
-        return sum(a.nbytes for a in self.kv.values())
+        total = 0
+        for a in self.kv.values():
+            total += a.nbytes if isinstance(a, np.ndarray) else 4 * int(np.prod(a.shape()))
+        return total
 
 
 class OrtFragmentRunner(FragmentRunner):
-    """An onnxruntime session over one fragment, KV caches kept as numpy arrays.
+    """An onnxruntime session over one fragment, with a KV cache per session.
 
-    ``flavour`` defaults to "cpu" (fused, dynamic shapes) on the CPU provider and "static"
-    (plain ops, fixed shapes: ``max_context`` KV slots and ``prefill_chunk`` tokens per run,
-    inputs padded) on accelerators. ``provider`` is the provider onnxruntime actually used.
+    ``flavour`` defaults by provider (see :func:`default_flavour`): "cpu" (fused, dynamic
+    shapes) on CPU, "static" (plain ops, fixed shapes: ``max_context`` KV slots and
+    ``prefill_chunk`` tokens per run, inputs padded) on NPU providers, "portable" (plain ops,
+    dynamic shapes) elsewhere. ``provider`` is the provider onnxruntime actually used.
+    With dynamic flavours on GPU providers the KV cache stays on the device as OrtValues
+    bound with IOBinding (``io_binding`` forces it on or off; on CPU plain numpy is faster).
     """
 
     def __init__(self, model_dir: Path, first_layer: int, last_layer: int, *,
                  providers: list[str] | None = None, threads: int | None = None,
                  flavour: str | None = None, max_context: int | None = None,
-                 prefill_chunk: int | None = None, cache_dir: Path | None = None) -> None:
+                 prefill_chunk: int | None = None, cache_dir: Path | None = None,
+                 io_binding: bool | None = None) -> None:
         import onnxruntime as ort
 
         self.model_dir = Path(model_dir)
@@ -124,7 +142,7 @@ class OrtFragmentRunner(FragmentRunner):
         self.is_head = self.first_layer == 0
         self.is_tail = self.last_layer == m.n_layers - 1
         chosen = choose_providers(ort.get_available_providers(), providers)
-        self.flavour = flavour or ("cpu" if chosen[0] in _FUSED_OK else "static")
+        self.flavour = flavour or default_flavour(chosen[0])
         self.max_context = int(max_context or m.context_length)
         if self.flavour == "static":
             self.prefill_chunk = int(prefill_chunk or min(64, self.max_context))
@@ -144,6 +162,9 @@ class OrtFragmentRunner(FragmentRunner):
         except Exception as e:  # onnxruntime raises its own exception types
             raise RunnerError(f"cannot load fragment {self.path.name} on {chosen[0]}: {e}") from e
         self.provider = self._sess.get_providers()[0]
+        if io_binding is None:
+            io_binding = self.provider in _DEVICES
+        self._io_device = _DEVICES.get(self.provider, "cpu") if io_binding and self.flavour != "static" else None
         self._in_name = "input_ids" if self.is_head else "hidden_states"
         self._out_names = [o.name for o in self._sess.get_outputs()]
         self._layers = list(range(self.first_layer, self.last_layer + 1))
@@ -163,7 +184,14 @@ class OrtFragmentRunner(FragmentRunner):
             if session_id in self._sessions:
                 raise RunnerError(f"session {session_id!r} is already open")
             shape = self._kv_shape()
-            kv = {f"past_{kind}.{li}": np.zeros(shape, np.float32) for li in self._layers for kind in ("key", "value")}
+            names = [f"past_{kind}.{li}" for li in self._layers for kind in ("key", "value")]
+            if self._io_device is not None:
+                import onnxruntime as ort
+
+                kv = {n: ort.OrtValue.ortvalue_from_numpy(np.zeros(shape, np.float32), self._io_device, 0)
+                      for n in names}
+            else:
+                kv = {n: np.zeros(shape, np.float32) for n in names}
             self._sessions[session_id] = _Session(kv)
 
     def _get(self, session_id: str) -> _Session:
@@ -216,12 +244,30 @@ class OrtFragmentRunner(FragmentRunner):
                 raise RunnerError(f"context overflow: {s.length} + {t} positions > max_context {self.max_context}")
             if self.flavour == "static":
                 return self._forward_static(s, x)
+            if self._io_device is not None:
+                return self._forward_bound(s, x)
             feeds: dict[str, Any] = {self._in_name: x, **s.kv}
             outs = self._sess.run(self._out_names, feeds)
             for name, val in zip(self._out_names[1:], outs[1:]):
                 s.kv[name.replace("present_", "past_")] = val
             s.length += t
             return outs[0]
+
+    def _forward_bound(self, s: _Session, x: np.ndarray) -> np.ndarray:
+        """Dynamic flavour with IOBinding: the KV cache never leaves the device."""
+        io = self._sess.io_binding()
+        io.bind_cpu_input(self._in_name, x)
+        for name, val in s.kv.items():
+            io.bind_ortvalue_input(name, val)
+        io.bind_output(self._out_names[0], "cpu")
+        for name in self._out_names[1:]:
+            io.bind_output(name, self._io_device, 0)
+        self._sess.run_with_iobinding(io)
+        outs = io.get_outputs()
+        for name, val in zip(self._out_names[1:], outs[1:]):
+            s.kv[name.replace("present_", "past_")] = val
+        s.length += x.shape[1]
+        return outs[0].numpy()
 
     def _forward_static(self, s: _Session, x: np.ndarray) -> np.ndarray:
         c, t = self.prefill_chunk, x.shape[1]

@@ -18,7 +18,9 @@ GGUF conventions followed (those of llama.cpp, which writes these files):
 * ``tokenizer.ggml.model == "llama"``: sentencepiece-style BPE. Merges are implied by the
   token scores (a merge ranks by the score of the token it produces), spaces are spelled
   ``"\u2581"``, unknown bytes fall back to ``<0xXX>`` tokens, and a space is put in front of
-  the text when ``tokenizer.ggml.add_space_prefix`` says so (the default).
+  the text, and after every special token, when ``tokenizer.ggml.add_space_prefix`` says so
+  (the default). Like llama.cpp, and unlike transformers' reading of such a GGUF, text that
+  already starts with a space still gets one more.
 * ``token_type`` 3 (control) tokens become special added tokens, 4 (user defined) plain
   added tokens: both are matched whole in the input text.
 * End-of-generation ids are the EOS id, the EOT id, and control tokens llama.cpp also
@@ -35,6 +37,7 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from functools import cached_property
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any
 
 from shards.errors import TokenizerError
@@ -138,7 +141,10 @@ class TokenizerSpec:
             raise TokenizerError("add_bos is set but bos_token_id is None")
         if self.add_eos and not self.eos_token_ids:
             raise TokenizerError("add_eos is set but there is no EOS id")
-        object.__setattr__(self, "special_tokens", dict(self.special_tokens))
+        names = dict(self.special_tokens)
+        if not all(isinstance(k, str) and isinstance(v, str) for k, v in names.items()):
+            raise TokenizerError("special_tokens must map names (bos_token...) to token strings")
+        object.__setattr__(self, "special_tokens", MappingProxyType(names))
 
 
 # ---------------------------------------------------------------------------------------
@@ -185,9 +191,11 @@ def _gguf_backend(model: str, pre: str, tokens: list[str], token_types: list[int
                   merges: list[str] | None, scores: list[float] | None,
                   add_space_prefix: bool, unk_token_id: int | None):
     """A ``tokenizers.Tokenizer`` for GGUF vocabulary arrays."""
-    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
 
-    special = {i for i, t in enumerate(token_types) if t == TOKEN_TYPE_CONTROL}
+    # control tokens, and sentencepiece's <unk>, are matched whole and count as special
+    special = {i for i, t in enumerate(token_types)
+               if t == TOKEN_TYPE_CONTROL or (t == TOKEN_TYPE_UNKNOWN and model == "llama")}
     user_defined = {i for i, t in enumerate(token_types) if t == TOKEN_TYPE_USER_DEFINED}
     vocab: dict[str, int] = {}
     for i, token in enumerate(tokens):
@@ -225,8 +233,11 @@ def _gguf_backend(model: str, pre: str, tokens: list[str], token_types: list[int
         unk = tokens[unk_token_id] if unk_token_id is not None and unk_token_id < len(tokens) else None
         backend = Tokenizer(models.BPE(vocab=vocab, merges=pairs, unk_token=unk,
                                        fuse_unk=True, byte_fallback=True))
-        backend.pre_tokenizer = pre_tokenizers.Metaspace(
-            replacement=SPACE_MARK, prepend_scheme="first" if add_space_prefix else "never", split=False)
+        # llama.cpp puts a space in front of every stretch of text that starts the input or
+        # follows a special token, even one that already starts with a space.
+        spaces = [normalizers.Replace(" ", SPACE_MARK)]
+        backend.normalizer = normalizers.Sequence(
+            ([normalizers.Prepend(SPACE_MARK)] if add_space_prefix else []) + spaces)
         steps = [decoders.Replace(SPACE_MARK, " "), decoders.ByteFallback(), decoders.Fuse()]
         if add_space_prefix:
             steps.append(decoders.Strip(content=" ", left=1, right=0))
@@ -333,7 +344,9 @@ def _post_processor_adds_bos(document: dict, bos_token: str | None) -> bool:
             single = node.get("single") or []
             first = single[0] if single else {}
             special = first.get("SpecialToken") if isinstance(first, dict) else None
-            return bool(special) and (bos_token is None or special.get("id") == bos_token)
+            if not isinstance(special, dict):
+                return False
+            return bos_token is None or special.get("id") == bos_token
         stack.extend(node.get("processors") or [])
     return False
 
@@ -474,24 +487,26 @@ def _byte_level_alphabet() -> dict[str, int]:
     return {chr(c): b for b, c in zip(printable, chars, strict=True)}
 
 
-def _decoder_kind(document: dict) -> tuple[str, bool]:
-    """How token strings map to bytes (from the decoder section), and whether one leading
-    space of the decoded text is dropped (sentencepiece's added prefix)."""
+def _decoder_kind(document: dict) -> tuple[str, bool, bool]:
+    """How token strings map to bytes (from the decoder section): the kind, whether one
+    leading space of the decoded text is dropped (sentencepiece's added prefix), and whether
+    ``<0xXX>`` tokens stand for single bytes (byte fallback)."""
     decoder = document.get("decoder") or {}
     steps = decoder.get("decoders", [decoder]) if decoder.get("type") == "Sequence" else [decoder]
     types = [step.get("type") for step in steps if isinstance(step, dict)]
     if types == ["ByteLevel"]:
-        return _DECODE_BYTE_LEVEL, False
-    if types and types[0] == "Metaspace" and len(types) == 1:
-        scheme = steps[0].get("prepend_scheme", "always" if steps[0].get("add_prefix_space", True) else "never")
-        return _DECODE_SENTENCEPIECE, scheme != "never"
+        return _DECODE_BYTE_LEVEL, False, False
+    if types in (["Metaspace"], ["ByteFallback", "Metaspace"]):
+        meta = steps[types.index("Metaspace")]
+        scheme = meta.get("prepend_scheme", "always" if meta.get("add_prefix_space", True) else "never")
+        return _DECODE_SENTENCEPIECE, scheme != "never", "ByteFallback" in types
     replaces_mark = any(step.get("type") == "Replace" and step.get("content") == " "
                         and (step.get("pattern") or {}).get("String") == SPACE_MARK for step in steps)
     if replaces_mark and set(types) <= {"Replace", "ByteFallback", "Fuse", "Strip"}:
         strips = any(step.get("type") == "Strip" and step.get("content") == " " and step.get("start") == 1
                      for step in steps)
-        return _DECODE_SENTENCEPIECE, strips
-    return _DECODE_GENERIC, False
+        return _DECODE_SENTENCEPIECE, strips, "ByteFallback" in types
+    return _DECODE_GENERIC, False, False
 
 
 class Tokenizer:
@@ -513,7 +528,7 @@ class Tokenizer:
             if value >= self.vocab_size:
                 raise TokenizerError(f"EOS id {value} is outside the vocabulary of {self.vocab_size}")
         document = json.loads(spec.tokenizer_json)
-        self._decode_kind, self._strip_first_space = _decoder_kind(document)
+        self._decode_kind, self._strip_first_space, self._byte_fallback = _decoder_kind(document)
         added = self._backend.get_added_tokens_decoder()
         self._added_text: dict[int, str] = {i: token.content for i, token in added.items()}
         self._special_ids: frozenset[int] = frozenset(i for i, token in added.items() if token.special)
@@ -580,7 +595,7 @@ class Tokenizer:
                     table.append(bytes(alphabet[c] for c in token))
                 else:
                     table.append(token.encode("utf-8"))
-            elif len(token) == 6 and token.startswith("<0x") and token.endswith(">"):
+            elif self._byte_fallback and len(token) == 6 and token.startswith("<0x") and token.endswith(">"):
                 try:
                     table.append(bytes([int(token[3:5], 16)]))
                 except ValueError:
@@ -671,7 +686,7 @@ class StreamDecoder:
             text = self._utf8.decode(b"", final=True) + added
             self._utf8.reset()
             return self._strip(text)
-        return self._strip(self._utf8.decode(tok._byte_table[token_id]))
+        return self._strip(self._utf8.decode(tok._byte_table[token_id] or b""))
 
     def flush(self) -> str:
         """End of stream: whatever is held back (an unfinished character becomes U+FFFD)."""

@@ -8,6 +8,7 @@ Workers refuse orders from an older epoch than the newest they have obeyed.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any, Mapping
 
 from agent.core.errors import WireError
@@ -27,6 +28,7 @@ class RoutingOrder:
     weight_sources: tuple[str, ...] = ()
     plan: Mapping[str, Any] = field(default_factory=dict)
     degraded: bool = False
+    standby: Mapping[str, tuple[LayerRange, ...]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.epoch < 1 or self.plan_version < 1:
@@ -36,19 +38,32 @@ class RoutingOrder:
         missing = [n for n in self.route.nodes if n not in self.addresses]
         if missing:
             raise WireError(f"routing order: no address for {', '.join(missing)}")
+        for node, ranges in self.standby.items():
+            if any(r.last >= self.total_layers for r in ranges):
+                raise WireError(f"routing order: standby range of {node} is beyond the last layer")
 
     def hops_of(self, node_id: str) -> list[Hop]:
         return [hop for hop in self.route.hops if hop.node_id == node_id]
 
+    def ranges_for(self, node_id: str) -> set[tuple[int, int]]:
+        """Layer ranges ``node_id`` must hold: its hops, and the standby ranges for failover."""
+        ranges = {(hop.layers.first, hop.layers.last) for hop in self.hops_of(node_id)}
+        return ranges | {(r.first, r.last) for r in self.standby.get(node_id, ())}
+
+    @cached_property
+    def _hops_by_first_layer(self) -> dict[int, Hop]:
+        return {hop.layers.first: hop for hop in self.route.hops}
+
+    @cached_property
+    def _forwarding(self) -> dict[int, str | None]:
+        return forwarding_table(self.route)
+
     def hop_starting_at(self, layer: int) -> Hop | None:
-        for hop in self.route.hops:
-            if hop.layers.first == layer:
-                return hop
-        return None
+        return self._hops_by_first_layer.get(layer)
 
     def next_after(self, last_layer: int) -> str | None:
-        """Node serving ``last_layer + 1`` (None after the tail)."""
-        return forwarding_table(self.route).get(last_layer)
+        """Node serving ``last_layer + 1`` (None after the tail): the per-layer forwarding table."""
+        return self._forwarding.get(last_layer)
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -62,6 +77,7 @@ class RoutingOrder:
             "weight_sources": list(self.weight_sources),
             "plan": dict(self.plan),
             "degraded": self.degraded,
+            "standby": {node: [r.to_list() for r in ranges] for node, ranges in self.standby.items()},
         }
 
     @classmethod
@@ -82,6 +98,10 @@ class RoutingOrder:
                 weight_sources=tuple(str(u) for u in data.get("weight_sources", [])),
                 plan=dict(data.get("plan", {})),
                 degraded=bool(data.get("degraded", False)),
+                standby={
+                    str(node): tuple(LayerRange(int(a), int(b)) for a, b in ranges)
+                    for node, ranges in dict(data.get("standby", {})).items()
+                },
             )
         except WireError:
             raise

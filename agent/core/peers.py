@@ -1,6 +1,7 @@
 """The peer table: who is out there, who answers, who is dead. Pure state, `now` passed in.
 
-Peers are found by mDNS, static configuration or gossip (another peer's table). Liveness
+Peers are found by mDNS, static configuration, gossip (another peer's table) or by their
+own contact (inbound). Liveness
 comes only from contact (describe / health checks), never from mDNS, whose records can stay
 cached long after a device died: a peer is alive after a successful contact and dead after
 ``failure_threshold`` consecutive failures. Entries found by mDNS or gossip that are neither
@@ -13,7 +14,7 @@ from dataclasses import dataclass, field
 
 from agent.core.advert import NodeAdvert
 
-SOURCES = ("static", "mdns", "gossip")
+SOURCES = ("static", "mdns", "gossip", "inbound")
 
 
 @dataclass

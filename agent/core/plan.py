@@ -268,6 +268,7 @@ class ShardingPlan:
             "replica_count": self.replica_count,
             "min_layers_per_node": self.min_layers_per_node,
             "pipeline": self.nodes(),
+            "replicas": [[node_id, layers.to_list()] for node_id, layers in self.replicas],
             "nodes": [
                 {
                     "id": node_id,
@@ -280,6 +281,26 @@ class ShardingPlan:
                 for node_id in self.all_nodes()
             ],
         }
+
+
+def plan_from_dict(data: Any) -> ShardingPlan:
+    """Rebuild a plan from :meth:`ShardingPlan.to_dict` (what workers report); ShardingError if unusable."""
+    try:
+        nodes = data["nodes"]
+        primaries = sorted(
+            ((n["id"], LayerRange(*n["primary"])) for n in nodes if n["primary"]), key=lambda item: item[1].first
+        )
+        return ShardingPlan(
+            total_layers=int(data["total_layers"]),
+            primaries=tuple(primaries),
+            replicas=tuple((node_id, LayerRange(*layers)) for node_id, layers in data["replicas"]),
+            scores=tuple((n["id"], float(n["score"])) for n in nodes),
+            replicate_head_ratio=float(data["replicate_head_ratio"]),
+            replica_count=data["replica_count"],
+            min_layers_per_node=int(data["min_layers_per_node"]),
+        )
+    except (KeyError, TypeError, ValueError) as error:
+        raise ShardingError(f"malformed plan: {error}") from None
 
 
 def make_plan(

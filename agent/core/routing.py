@@ -282,3 +282,23 @@ def failover(
         model=fallback_model,
         survivors=survivors,
     )
+
+
+def standby_hops(
+    plan: ShardingPlan, route: Route, alive: Iterable[str], telemetry: Mapping[str, Telemetry] | None = None
+) -> dict[str, set[LayerRange]]:
+    """Layer ranges each node would serve if any single node of ``route`` died.
+
+    Workers build these fragments ahead of time, so that a failover needs no fragment build:
+    only the replay of the request's tokens. Failures that would degrade add nothing.
+    """
+    alive_set = set(alive)
+    standby: dict[str, set[LayerRange]] = {}
+    for victim in route.nodes:
+        try:
+            decision = failover(route, [victim], plan, alive_set - {victim}, telemetry, allow_fallback=False)
+        except RoutingFailure:
+            continue
+        for hop in decision.route.hops:
+            standby.setdefault(hop.node_id, set()).add(hop.layers)
+    return standby

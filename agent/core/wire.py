@@ -32,7 +32,14 @@ SCHEMAS: dict[str, dict[str, str]] = {
     "error": {"sid": _STR, "seq": _INT, "code": _STR, "message": _STR, "node": _OPT_STR},
 }
 TENSOR_KINDS = frozenset({"step"})
-OPTIONAL_FIELDS: dict[str, dict[str, str]] = {"step": {"params": _MAP}, "result": {"stage_ms": _MAP}}
+# "cid" correlates a result with its step on one link (a node may appear twice on a route,
+# so the same session and step can cross one link twice, nested).
+OPTIONAL_FIELDS: dict[str, dict[str, str]] = {
+    "step": {"params": _MAP, "cid": _INT},
+    "result": {"cid": _INT},
+    "error": {"cid": _INT},
+    "close": {"plan": _INT},
+}
 
 
 def _check_type(kind: str, name: str, value: Any, expected: str) -> None:
@@ -80,7 +87,7 @@ def encode_frame(header: dict[str, Any], tensor: np.ndarray | None = None) -> by
     packed = msgpack.packb(header, use_bin_type=True)
     parts: list[Any] = [MAGIC, _LENGTH.pack(len(packed)), packed]
     if tensor is not None:
-        parts.append(memoryview(tensor).cast("B"))
+        parts.append(tensor.reshape(-1).view(np.uint8) if tensor.size else b"")
     return b"".join(parts)
 
 

@@ -21,6 +21,8 @@ image/build debian-generic [options]
   --extra-packages LIST  more Debian packages, comma-separated (e.g. openssh-server)
   --authorized-keys FILE SSH public keys for root (needs openssh-server)
   --keep-rootfs          keep the root directory next to the image (rootfs-ARCH/)
+  --rootfs-only          only the root directory (out/rootfs-ARCH/), without kernel,
+                         boot loader or image: quick, for checking the agent under emulation
   --xz                   also write a compressed .img.xz
   --dry-run              print the steps, write nothing
 EOF
@@ -28,7 +30,7 @@ EOF
 
 profile_main() {
     local arch=amd64 suite=bookworm mirror="" out="$PWD/ncm-images" work="${XDG_CACHE_HOME:-$HOME/.cache}/ncm-image"
-    local root_size=3G esp_size=256M setup="" extra_packages="" authorized_keys="" keep_rootfs=no xz=no
+    local root_size=3G esp_size=256M setup="" extra_packages="" authorized_keys="" keep_rootfs=no xz=no rootfs_only=no
     while [ $# -gt 0 ]; do
         case "$1" in
             --arch) arch="$2"; shift 2 ;;
@@ -43,6 +45,7 @@ profile_main() {
             --extra-packages) extra_packages="$2"; shift 2 ;;
             --authorized-keys) authorized_keys="$2"; shift 2 ;;
             --keep-rootfs) keep_rootfs=yes; shift ;;
+            --rootfs-only) rootfs_only=yes; shift ;;
             --xz) xz=yes; shift ;;
             --dry-run) DRY_RUN=yes; shift ;;
             -h|--help) profile_usage; exit 0 ;;
@@ -69,7 +72,10 @@ profile_main() {
 
     local packages="systemd,systemd-sysv,systemd-resolved,systemd-timesyncd,udev,dbus,libpam-systemd,kmod"
     packages+=",iproute2,iputils-ping,ca-certificates,python3,python3-venv,e2fsprogs,dosfstools"
-    packages+=",initramfs-tools,systemd-boot-efi,less,nano,$kernel_pkg"
+    # avahi answers for the device's name (ncm-xxxxxx.local) and nss-mdns resolves the
+    # peers' names; the agent does its own service discovery next to it.
+    packages+=",avahi-daemon,libnss-mdns,less,nano"
+    [ "$rootfs_only" = yes ] || packages+=",initramfs-tools,systemd-boot-efi,$kernel_pkg"
     [ -z "$extra_packages" ] || packages+=",$extra_packages"
 
     local name="ncm-debian-$suite-$arch"
@@ -80,7 +86,7 @@ profile_main() {
         log "dry run: $img from Debian $suite/$arch, root $root_size, ESP $esp_size"
     else
         need_root "debian-generic"
-        need_tools mmdebstrap systemd-repart "$HOST_PYTHON"
+        need_tools mmdebstrap systemd-repart mkfs.fat mcopy mkfs.ext4 "$HOST_PYTHON"
         if [ "$arch" != "$(dpkg --print-architecture 2>/dev/null || echo amd64)" ]; then
             need_tools arch-test
             arch-test "$arch" >/dev/null 2>&1 \
@@ -116,6 +122,13 @@ profile_main() {
     esp_uuid=$(cat /proc/sys/kernel/random/uuid)
     if [ "$DRY_RUN" = yes ]; then
         log "would write fstab, hostname, network and boot settings into $rootfs"
+    elif [ "$rootfs_only" = yes ]; then
+        finish_rootfs "$rootfs" "$root_uuid" "$esp_uuid" "$root_type" "$authorized_keys"
+        rm -f "$rootfs/boot/efi/ncm-setup.txt"
+        rm -rf "$out/rootfs-$arch"
+        mv "$rootfs" "$out/rootfs-$arch"
+        log "done in $((SECONDS - started)) s: $out/rootfs-$arch"
+        return 0
     else
         stage_esp "$rootfs" "$esp" "$efi_name" "$root_uuid" "$console"
         finish_rootfs "$rootfs" "$root_uuid" "$esp_uuid" "$root_type" "$authorized_keys"
@@ -125,13 +138,17 @@ profile_main() {
     log "writing $img"
     run rm -f "$img"
     if [ "$DRY_RUN" = yes ]; then
-        log "would run systemd-repart: ESP $esp_size (vfat) + $root_type $root_size (ext4)"
+        log "would make the file systems (mkfs.fat + mcopy, mkfs.ext4 -d) and lay them out with systemd-repart:"
+        log "  ESP $esp_size (vfat) + $root_type $root_size (ext4), no Minimize="
     else
-        write_repart_definitions "$build/repart.d" "$esp" "$esp_uuid" "$esp_size" "$rootfs" "$root_uuid" "$root_type" "$root_size"
+        make_filesystems "$build" "$esp" "$esp_size" "$rootfs" "$root_size"
+        write_repart_definitions "$build/repart.d" "$build/esp.vfat" "$esp_uuid" "$esp_size" \
+            "$build/root.ext4" "$root_uuid" "$root_type" "$root_size"
         systemd-repart --empty=create --size=auto --dry-run=no --no-pager \
             --definitions="$build/repart.d" "$img" >"$build/repart.log" 2>&1 \
             || { cat "$build/repart.log" >&2; die "systemd-repart failed"; }
-        rm -rf "$esp"
+        rm -rf "$esp" "$build/esp.vfat" "$build/root.ext4"
+        fallocate --dig-holes "$img" 2>/dev/null || true  # sparse: unused space takes no room
         [ "$keep_rootfs" = yes ] && { rm -rf "$out/rootfs-$arch"; mv "$rootfs" "$out/rootfs-$arch"; } || rm -rf "$rootfs"
         if [ "$xz" = yes ]; then
             log "compressing"
@@ -197,19 +214,32 @@ EOF
     mv "$root/boot/efi/ncm-setup.txt" "$esp/ncm-setup.txt"
 }
 
+# make_filesystems BUILD ESP_DIR ESP_SIZE ROOT_DIR ROOT_SIZE: the two file systems as
+# plain files, filled without mounting anything (mtools for FAT, mkfs.ext4 -d for ext4),
+# so the build needs neither loop devices nor a vfat driver on the host.
+make_filesystems() {
+    local build="$1" esp="$2" esp_size="$3" root="$4" root_size="$5"
+    rm -f "$build/esp.vfat" "$build/root.ext4"
+    truncate -s "$esp_size" "$build/esp.vfat"
+    mkfs.fat -F 32 -n NCMBOOT "$build/esp.vfat" >/dev/null
+    (cd "$esp" && mcopy -s -Q -i "$build/esp.vfat" ./* ::/)
+    truncate -s "$root_size" "$build/root.ext4"
+    mkfs.ext4 -q -F -L ncm-root -E root_owner=0:0 -d "$root" "$build/root.ext4"
+}
+
 write_repart_definitions() {
-    local dir="$1" esp="$2" esp_uuid="$3" esp_size="$4" root="$5" root_uuid="$6" root_type="$7" root_size="$8"
+    local dir="$1" esp_image="$2" esp_uuid="$3" esp_size="$4" root_image="$5" root_uuid="$6" root_type="$7" root_size="$8"
     rm -rf "$dir"
     mkdir -p "$dir"
     # Explicit, equal minimum and maximum sizes: systemd 252 silently truncates with
-    # Minimize=, so nothing is left to guessing.
+    # Minimize=, so nothing is left to guessing. The file systems are made beforehand
+    # (make_filesystems) and copied block by block.
     cat >"$dir/10-esp.conf" <<EOF
 [Partition]
 Type=esp
 Label=NCMBOOT
 UUID=$esp_uuid
-Format=vfat
-CopyFiles=$esp:/
+CopyBlocks=$esp_image
 SizeMinBytes=$esp_size
 SizeMaxBytes=$esp_size
 EOF
@@ -218,8 +248,7 @@ EOF
 Type=$root_type
 Label=ncm-root
 UUID=$root_uuid
-Format=ext4
-CopyFiles=$root:/
+CopyBlocks=$root_image
 SizeMinBytes=$root_size
 SizeMaxBytes=$root_size
 EOF

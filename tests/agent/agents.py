@@ -19,9 +19,9 @@ REPO = Path(__file__).resolve().parents[2]
 CLUSTER_KEY = "test-cluster-key-0123456789"
 FAST_TIMING = {
     "NCM_HEALTH_INTERVAL_S": "0.3",
-    "NCM_PEER_TIMEOUT_S": "1.0",
+    "NCM_PEER_TIMEOUT_S": "2.0",
     "NCM_DISCOVERY_GRACE_S": "0.6",
-    "NCM_FAILURE_THRESHOLD": "2",
+    "NCM_FAILURE_THRESHOLD": "3",
 }
 
 
@@ -120,7 +120,8 @@ class Agent:
         return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
 
 
-def make_agents(tmp: Path, model_home: Path, count: int, *, extra_env: dict[str, str] | None = None) -> list[Agent]:
+def make_agents(tmp: Path, model_home: Path, count: int, *, extra_env: dict[str, str] | None = None,
+                start: bool = True) -> list[Agent]:
     """``count`` agents on loopback with static peers; the first uses ``model_home`` as its store."""
     ports = free_ports(count)
     agents = []
@@ -141,8 +142,9 @@ def make_agents(tmp: Path, model_home: Path, count: int, *, extra_env: dict[str,
             **(extra_env or {}),
         }
         agents.append(Agent(f"agent-{index}", port, home, state, tmp / f"agent-{index}.log", env=env))
-    for agent in agents:
-        agent.start([f"--peer={other.url}" for other in agents if other is not agent])
+    if start:
+        for agent in agents:
+            agent.start([f"--peer={other.url}" for other in agents if other is not agent])
     return agents
 
 

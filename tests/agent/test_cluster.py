@@ -125,20 +125,20 @@ def test_sessions_are_freed_on_every_stage_after_a_request(cluster):
 
 
 def _describe(agent, headers):
-    return http("GET", agent.url + "/internal/describe", headers=headers, timeout_s=5)
+    return http("POST", agent.url + "/internal/describe", raw=b"{}", headers=headers, timeout_s=5)
 
 
 def test_internal_endpoints_need_the_cluster_key_and_reject_replays(cluster):
     agent = cluster[0]
     status, body = _describe(agent, {})
     assert status == 401 and "cluster key" in body["error"]["message"]
-    wrong = sign(b"not-the-cluster-key-at-all", "GET", "/internal/describe", b"", now=time.time(),
+    wrong = sign(b"not-the-cluster-key-at-all", "POST", "/internal/describe", b"{}", now=time.time(),
                  nonce=secrets.token_hex(12), node_id="intruder")
     assert _describe(agent, wrong)[0] == 401
-    stale = sign(CLUSTER_KEY.encode(), "GET", "/internal/describe", b"", now=time.time() - 3600,
+    stale = sign(CLUSTER_KEY.encode(), "POST", "/internal/describe", b"{}", now=time.time() - 3600,
                  nonce=secrets.token_hex(12), node_id="tester")
     assert _describe(agent, stale)[0] == 401
-    good = sign(CLUSTER_KEY.encode(), "GET", "/internal/describe", b"", now=time.time(),
+    good = sign(CLUSTER_KEY.encode(), "POST", "/internal/describe", b"{}", now=time.time(),
                 nonce=secrets.token_hex(12), node_id="tester")
     status, body = _describe(agent, good)
     assert status == 200 and body["advert"]["cluster"] == "test"

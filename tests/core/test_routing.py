@@ -228,3 +228,16 @@ def test_forwarding_table_links_every_hop_to_the_next_layer(case):
             assert last == plan.total_layers - 1
         else:
             assert route.node_for_layer(last + 1) == next_node
+
+
+def test_standby_hops_are_the_hops_of_every_single_failover():
+    from agent.core.routing import standby_hops
+
+    plan = make_plan({"A": 40.0, "B": 27.0, "C": 20.0, "D": 13.0}, 30, replica_count=1, replicate_head_ratio=0.4)
+    route = choose_route(plan, "ABCD")
+    standby = standby_hops(plan, route, "ABCD")
+    assert LayerRange(0, 11) in standby["D"]  # D takes the head if A dies
+    # B, C and D have no replica: their death degrades, so nothing is prepared for it.
+    for node_id, ranges in standby.items():
+        for layers in ranges:
+            assert all(node_id in plan.holders(layer) for layer in range(layers.first, layers.last + 1))

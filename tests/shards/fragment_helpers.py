@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections import OrderedDict
 from pathlib import Path
 
 import numpy as np
@@ -12,14 +13,21 @@ from shards.runner import FragmentRunner, chain_forward, open_chain
 SMOLLM2 = "smollm2-135m"
 SMOLLM2_Q4 = "smollm2-135m-q4"
 PROMPT_IDS = np.array([1, 504, 3575, 282, 4649, 314, 253, 1345, 28, 198], np.int64)
-_CHAINS: dict[tuple, list[FragmentRunner]] = {}
+_CHAINS: OrderedDict[tuple, list[FragmentRunner]] = OrderedDict()
+_KEEP_CHAINS = 3  # each chain of the real model holds ~650 MB of fp32 weights
 
 
 def chain(model_dir: Path, cuts: list[tuple[int, int]], **kw) -> list[FragmentRunner]:
-    """A chain of runners, opened once per test session for the same arguments."""
+    """A chain of runners, reused across tests for the same arguments (the least recently
+    used ones are closed so the suite's memory stays bounded)."""
     key = (str(model_dir), tuple(cuts), tuple(sorted(kw.items())))
-    if key not in _CHAINS:
-        _CHAINS[key] = open_chain(model_dir, cuts, **kw)
+    if key in _CHAINS:
+        _CHAINS.move_to_end(key)
+        return _CHAINS[key]
+    while len(_CHAINS) >= _KEEP_CHAINS:
+        for r in _CHAINS.popitem(last=False)[1]:
+            r.close()
+    _CHAINS[key] = open_chain(model_dir, cuts, **kw)
     return _CHAINS[key]
 
 
@@ -77,3 +85,69 @@ def make_hf_checkpoint(folder: Path, arch: str, *, seed: int = 0):
     model.save_pretrained(folder)
     write_word_tokenizer(folder, common["vocab_size"])
     return model
+
+
+def write_gguf_from_hf(model, path: Path, arch: str) -> Path:
+    """Write ``model`` (a tiny transformers llama / qwen2) as a GGUF the way llama.cpp's
+    converter does: llama Q/K rows permuted for interleaved rotary, tied lm_head omitted,
+    llama3 rope factors as ``rope_freqs.weight``, plus a small gpt2-style tokenizer."""
+    import gguf
+
+    from shards.hf_import import llama3_freq_factors
+
+    cfg = model.config
+    sd = {k: v.detach().float().numpy() for k, v in model.state_dict().items()}
+    n_heads, n_kv = cfg.num_attention_heads, cfg.num_key_value_heads
+    hd = cfg.hidden_size // n_heads
+
+    def permute(w: np.ndarray, heads: int) -> np.ndarray:
+        return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_block_count(cfg.num_hidden_layers)
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_head_count(n_heads)
+    w.add_head_count_kv(n_kv)
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    rope = getattr(cfg, "rope_parameters", None) or {}
+    theta = float(rope.get("rope_theta", getattr(cfg, "rope_theta", 10000.0)))
+    w.add_rope_freq_base(theta)
+    w.add_vocab_size(cfg.vocab_size)
+    tokens = ["<unk>", "<s>", "</s>", "ab"] + [chr(c) for c in range(33, 33 + cfg.vocab_size - 4)]
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("default")
+    w.add_token_list(tokens)
+    w.add_token_types([3, 3, 3] + [1] * (len(tokens) - 3))
+    w.add_token_merges(["a b"])
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    w.add_tensor("token_embd.weight", sd["model.embed_tokens.weight"])
+    w.add_tensor("output_norm.weight", sd["model.norm.weight"])
+    if not cfg.tie_word_embeddings:
+        w.add_tensor("output.weight", sd["lm_head.weight"])
+    if rope.get("rope_type") == "llama3":
+        w.add_tensor("rope_freqs.weight", np.array(llama3_freq_factors(hd, theta, rope), np.float32))
+    names = {"input_layernorm.weight": "attn_norm.weight", "post_attention_layernorm.weight": "ffn_norm.weight",
+             "self_attn.q_proj.weight": "attn_q.weight", "self_attn.k_proj.weight": "attn_k.weight",
+             "self_attn.v_proj.weight": "attn_v.weight", "self_attn.o_proj.weight": "attn_output.weight",
+             "self_attn.q_proj.bias": "attn_q.bias", "self_attn.k_proj.bias": "attn_k.bias",
+             "self_attn.v_proj.bias": "attn_v.bias", "mlp.gate_proj.weight": "ffn_gate.weight",
+             "mlp.up_proj.weight": "ffn_up.weight", "mlp.down_proj.weight": "ffn_down.weight"}
+    for i in range(cfg.num_hidden_layers):
+        for hf, gg in names.items():
+            key = f"model.layers.{i}.{hf}"
+            if key not in sd:
+                continue
+            t = sd[key]
+            if arch == "llama" and gg.startswith("attn_q."):
+                t = permute(t, n_heads)
+            elif arch == "llama" and gg.startswith("attn_k."):
+                t = permute(t, n_kv)
+            w.add_tensor(f"blk.{i}.{gg}", np.ascontiguousarray(t))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import shutil
+
 import numpy as np
 import onnx
 import pytest
@@ -59,6 +61,19 @@ def test_static_flavour_equals_dynamic(model_dir, whole) -> None:
     assert tokens == whole[1]
 
 
+@pytest.mark.parametrize("io_binding", [False, True])
+def test_portable_flavour_equals_cpu(model_dir, whole, io_binding) -> None:
+    runners = chain(model_dir, SPLITS[3], flavour="portable", io_binding=io_binding, threads=2)
+    rows, tokens = greedy(runners, "portable", PROMPT_IDS, DECODE_STEPS)
+    assert np.abs(rows - whole[0]).max() <= 1e-4
+    assert tokens == whole[1]
+
+
+def test_portable_graph_has_plain_ops(model_dir) -> None:
+    m = onnx.load(build_fragment(model_dir, 29, 29, flavour="portable"), load_external_data=False)
+    assert {n.domain for n in m.graph.node} <= {"", "ai.onnx"}
+
+
 def test_static_graph_has_fixed_shapes_and_plain_ops(model_dir) -> None:
     path = build_fragment(model_dir, 10, 19, flavour="static", max_context=64, prefill_chunk=8)
     m = onnx.load(path, load_external_data=False)
@@ -83,6 +98,10 @@ def test_fragments_are_cached_and_keyed_by_shape(model_dir, tmp_path) -> None:
     b = build_fragment(model_dir, 3, 4, cache_dir=tmp_path, max_context=128)
     c = build_fragment(model_dir, 3, 4, cache_dir=tmp_path, flavour="static", max_context=128, prefill_chunk=16)
     assert len({a, b, c}) == 3
+    stale = a.parent.with_name(a.parent.name[:-20] + "0" * 20)  # as left by an older builder
+    stale.mkdir()
+    shutil.rmtree(a.parent)  # force a rebuild
+    assert build_fragment(model_dir, 3, 4, cache_dir=tmp_path) == a and not stale.exists()
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temp dirs left
 
 

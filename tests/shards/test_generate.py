@@ -62,7 +62,9 @@ def test_eos_ends_with_stop_and_flushes_held_text(smollm2_tokenizer) -> None:
     out = "".join(stream.push(i) for i in smollm2_tokenizer.encode("x ab"))
     out += stream.push(smollm2_tokenizer.eos_token_ids[0])
     assert out == "x ab"
-    assert stream.finish_reason == FINISH_STOP and stream.completion_tokens == len(smollm2_tokenizer.encode("x ab")) + 1
+    assert stream.finish_reason == FINISH_STOP
+    assert stream.token_ids == [*smollm2_tokenizer.encode("x ab"), smollm2_tokenizer.eos_token_ids[0]]
+    assert stream.completion_tokens == len(stream.token_ids)
     with pytest.raises(SamplingError):
         stream.push(5)
 

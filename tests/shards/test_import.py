@@ -10,10 +10,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from fragment_helpers import SMOLLM2, make_hf_checkpoint
+from fragment_helpers import PROMPT_IDS, SMOLLM2, chain, make_hf_checkpoint
 from shards.errors import ModelFormatError, TokenizerError, UnsupportedArchitectureError
 from shards.gguf_import import unpermute_rope_rows
 from shards.importer import default_name, import_model
+from shards.runner import chain_forward, open_chain
 from shards.store import ModelStore
 from shards.tensorfile import read_tensors
 
@@ -65,12 +66,19 @@ def test_weight_files_match_their_checksums(smollm2_store) -> None:
     assert (d / "tokenizer.json").is_file()
 
 
-def test_f16_import_halves_the_linear_weights(smollm2_gguf, tmp_path) -> None:
+def test_f16_import_halves_the_linear_weights(smollm2_gguf, smollm2_store, tmp_path) -> None:
     store = ModelStore(tmp_path)
     m = import_model(smollm2_gguf, name="smol-f16", weights="f16", store=store, progress=False)
     layer = read_tensors(store.model_dir("smol-f16") / m.files["layer.0"].path)
     assert layer["q_proj"].dtype == np.float16 and layer["input_norm"].dtype == np.float32
     assert m.weight_format == "f16"
+    # fragments cast f16 weights to f32 when built: same predictions as the f32 import
+    f16 = chain_forward(open_chain(store.model_dir("smol-f16"), [(0, 29)], threads=2), "s", PROMPT_IDS)[0]
+    ref = chain(smollm2_store.model_dir(SMOLLM2), [(0, 29)], threads=2)
+    f32 = chain_forward(ref, "f16cmp", PROMPT_IDS)[0]
+    ref[0].close_session("f16cmp")
+    assert (f16.argmax(-1) == f32.argmax(-1)).all()
+    assert np.abs(f16 - f32).max() < 0.5
 
 
 def test_unpermute_inverts_llama_cpp_permutation() -> None:

@@ -64,7 +64,10 @@ def test_bfloat16_checkpoint(tmp_path) -> None:
     runners = open_chain(ModelStore(tmp_path / "home").model_dir(m.name), [(0, 2)], threads=1)
     ids = np.arange(3, 40, dtype=np.int64)
     ours = chain_forward(runners, "s", ids)[0]
-    np.testing.assert_allclose(ours, torch_logits(model.float(), ids), atol=1e-4, rtol=0)
+    from transformers import Qwen2ForCausalLM
+
+    ref = Qwen2ForCausalLM.from_pretrained(tmp_path / "src", dtype=torch.float32).eval()  # bf16 values, fp32 math
+    np.testing.assert_allclose(ours, torch_logits(ref, ids), atol=1e-4, rtol=0)
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
@@ -74,3 +77,16 @@ def test_static_flavour_matches_transformers(checkpoints, arch) -> None:
     runners = open_chain(model_dir, [(0, 1), (2, 2)], flavour="static", max_context=64, prefill_chunk=8, threads=1)
     rows, _ = greedy(runners, "s", ids, 0)
     np.testing.assert_allclose(rows[0], torch_logits(model, ids)[-1], atol=1e-4, rtol=0)
+
+
+def test_sharded_checkpoint_with_index(tmp_path) -> None:
+    model = make_hf_checkpoint(tmp_path / "src", "llama", seed=5)
+    model.save_pretrained(tmp_path / "src", max_shard_size="100KB")
+    assert (tmp_path / "src" / "model.safetensors.index.json").is_file()
+    (tmp_path / "src" / "model.safetensors").unlink(missing_ok=True)  # the unsharded copy
+    (tmp_path / "src" / "stray.safetensors").write_bytes(b"not part of the model")
+    store = ModelStore(tmp_path / "home")
+    m = import_model(tmp_path / "src", name="sharded", store=store, progress=False)
+    ids = np.arange(3, 30, dtype=np.int64)
+    ours = chain_forward(open_chain(store.model_dir(m.name), [(0, 2)], threads=1), "s", ids)[0]
+    np.testing.assert_allclose(ours, torch_logits(model, ids), atol=1e-4, rtol=0)

@@ -7,7 +7,8 @@ import pytest
 
 from fragment_helpers import PROMPT_IDS, SMOLLM2, chain
 from shards.errors import RunnerError
-from shards.runner import FragmentRunner, OrtFragmentRunner, chain_forward, choose_providers, open_chain
+from shards.runner import (FragmentRunner, OrtFragmentRunner, chain_forward, choose_providers, default_flavour,
+                           open_chain)
 
 
 @pytest.fixture(scope="module")
@@ -122,6 +123,26 @@ def test_sessions_are_independent(model_dir) -> None:
     for s in ("x", "y", "z"):
         runners[0].close_session(s)
     np.testing.assert_allclose(np.concatenate([a1, a2], axis=1), alone, atol=1e-4, rtol=0)
+
+
+def test_io_binding_keeps_kv_as_ortvalues(model_dir) -> None:
+    r = OrtFragmentRunner(model_dir, 2, 3, max_context=32, threads=1, io_binding=True)
+    plain = OrtFragmentRunner(model_dir, 2, 3, max_context=32, threads=1)
+    base = r.memory_bytes()
+    x = np.random.default_rng(0).standard_normal((1, 5, 576)).astype(np.float32)
+    for runner in (r, plain):
+        runner.open_session("s")
+    np.testing.assert_array_equal(r.forward("s", x), plain.forward("s", x))
+    np.testing.assert_array_equal(r.forward("s", x[:, :1]), plain.forward("s", x[:, :1]))
+    assert r.memory_bytes() == base + 2 * 2 * 3 * 64 * 4 * 6
+    r.close_session("s")
+    assert r.memory_bytes() == base
+
+
+def test_default_flavours() -> None:
+    assert default_flavour("CPUExecutionProvider") == "cpu"
+    assert default_flavour("QNNExecutionProvider") == "static"
+    assert default_flavour("CUDAExecutionProvider") == "portable"
 
 
 def test_choose_providers() -> None:

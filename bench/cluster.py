@@ -1,0 +1,116 @@
+"""Decode speed of the default model on 1 agent and on 3 agents on loopback, from one run.
+
+    python bench/cluster.py [--tokens 96] [--threads 1]
+
+Prints decode tokens/s for each cluster size, their ratio (aim >= 0.9), the per-hop overhead
+derived from the two (extra time per token / extra network hops per token), and the raw
+round trip of one data-plane hop (a decode-size hidden state over a WebSocket on loopback).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from agent.demo import _ensure_model, start_local_cluster, stop_processes, wait_ready  # noqa: E402
+
+PROMPT = "Write a long story about a lighthouse keeper who finds a map."
+
+
+def stream_timings(url: str, tokens: int) -> tuple[int, float]:
+    """(tokens received, seconds between the first and the last token) of one streamed request."""
+    body = json.dumps({"messages": [{"role": "user", "content": PROMPT}], "temperature": 0,
+                       "max_tokens": tokens, "stream": True}).encode()
+    request = urllib.request.Request(url + "/v1/chat/completions", data=body, headers={"Content-Type": "application/json"})
+    stamps = []
+    with urllib.request.urlopen(request, timeout=600) as response:
+        for line in response:
+            if line.startswith(b"data: {") and b'"content"' in line and b'"content": ""' not in line:
+                stamps.append(time.perf_counter())
+    return len(stamps), stamps[-1] - stamps[0]
+
+
+def measure(nodes: int, port: int, tokens: int, threads: int) -> dict:
+    with tempfile.TemporaryDirectory(prefix="ncm-bench-") as base:
+        processes = start_local_cluster(nodes, port, Path(base), "smollm2-135m", env={"NCM_THREADS": str(threads)},
+                                        log_dir=Path(base) / "logs")
+        try:
+            status = wait_ready(f"http://127.0.0.1:{port}", processes, 600)
+            url = f"http://127.0.0.1:{port}"
+            stream_timings(url, 8)  # warm-up
+            count, seconds = stream_timings(url, tokens)
+            hops = len(status["route"]) - 1 + (status["orchestrator"] != status["route"][0]["node"])
+            return {"nodes": nodes, "tokens": count, "tok_per_s": (count - 1) / seconds,
+                    "ms_per_token": 1000 * seconds / (count - 1), "hops": hops}
+        finally:
+            stop_processes(processes)
+
+
+async def hop_round_trip_ms(rounds: int = 2000) -> float:
+    """A step frame with a [1, 1, 576] float32 hidden state there, a result frame back."""
+    from aiohttp import WSMsgType, web, ClientSession
+
+    from agent.core.wire import decode_frame, encode_frame
+
+    async def echo(request):
+        ws = web.WebSocketResponse(max_msg_size=0)
+        await ws.prepare(request)
+        async for message in ws:
+            if message.type == WSMsgType.BINARY:
+                header, _ = decode_frame(message.data)
+                await ws.send_bytes(encode_frame({"kind": "result", "sid": header["sid"], "seq": header["seq"], "token": 1}))
+        return ws
+
+    app = web.Application()
+    app.router.add_get("/s", echo)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]
+    hidden = np.random.default_rng(0).standard_normal((1, 1, 576)).astype(np.float32)
+    async with ClientSession() as session:
+        async with session.ws_connect(f"http://127.0.0.1:{port}/s", max_msg_size=0) as ws:
+            started = 0.0
+            for index in range(rounds + 100):
+                if index == 100:
+                    started = time.perf_counter()
+                header = {"kind": "step", "sid": "b", "seq": index, "layer": 10, "start": index, "sample": True, "epoch": 1, "plan": 1}
+                await ws.send_bytes(encode_frame(header, hidden))
+                decode_frame((await ws.receive()).data)
+            elapsed = time.perf_counter() - started
+    await runner.cleanup()
+    return 1000 * elapsed / rounds
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tokens", type=int, default=96)
+    parser.add_argument("--threads", type=int, default=1, help="onnxruntime threads per agent")
+    parser.add_argument("--port", type=int, default=18600)
+    args = parser.parse_args()
+    _ensure_model("smollm2-135m")
+    one = measure(1, args.port, args.tokens, args.threads)
+    three = measure(3, args.port + 10, args.tokens, args.threads)
+    for row in (one, three):
+        print(f"{row['nodes']} agent(s): {row['tok_per_s']:6.1f} tok/s  ({row['ms_per_token']:.2f} ms/token, "
+              f"{row['tokens']} tokens, {row['hops']} network hop(s) per token)")
+    print(f"ratio 3 agents / 1 agent: {three['tok_per_s'] / one['tok_per_s']:.3f}  (aim >= 0.9)")
+    extra_hops = three["hops"] - one["hops"]
+    if extra_hops > 0:
+        print(f"per-hop overhead, end to end: {(three['ms_per_token'] - one['ms_per_token']) / extra_hops:.3f} ms  (aim <= 0.3 ms)")
+    print(f"one data-plane hop round trip (576 floats out, a token back): {asyncio.run(hop_round_trip_ms()):.3f} ms")
+
+
+if __name__ == "__main__":
+    main()

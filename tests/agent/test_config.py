@@ -1,0 +1,61 @@
+from pathlib import Path
+
+import pytest
+
+from agent.config import AgentConfig, ConfigError, load_config
+from agent.identity import load_or_create_node_id
+
+
+def write(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "agent.toml"
+    path.write_text(text)
+    return path
+
+
+def test_file_then_environment_then_flags(tmp_path):
+    path = write(tmp_path, 'port = 9000\ncluster_name = "attic"\npeers = ["http://a:1"]\nmdns = true\n')
+    config = load_config(path, environ={"NCM_PORT": "9100", "NCM_MDNS": "off", "NCM_PEERS": "http://b:1, http://c:1"},
+                         overrides={"port": 9200, "model": None})
+    assert config.port == 9200  # flag beats environment beats file
+    assert config.mdns is False
+    assert config.peers == ("http://b:1", "http://c:1")
+    assert config.cluster_name == "attic"
+
+
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("port = 'high'\n", "port (from config file"),
+        ("colour = 'blue'\n", "unknown setting 'colour'"),
+        ("peers = ['ftp://x']\n", "peers: 'ftp://x' is not an http"),
+        ("cluster_key = 'short'\n", "cluster_key must be at least 16"),
+        ("failure_threshold = 0\n", "failure_threshold must be >= 1"),
+        ("port = [\n", "not valid TOML"),
+    ],
+)
+def test_bad_values_name_the_field(tmp_path, text, message):
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace("[", r"\[")):
+        load_config(write(tmp_path, text), environ={})
+
+
+def test_bad_environment_value_names_the_variable_source(tmp_path):
+    with pytest.raises(ConfigError, match=r"port \(from environment NCM_\*\) must be an integer"):
+        load_config(None, environ={"NCM_PORT": "eighty"})
+
+
+def test_agent_table_is_accepted_and_missing_file_is_clear(tmp_path):
+    assert load_config(write(tmp_path, "[agent]\nport = 1234\n"), environ={}).port == 1234
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(tmp_path / "nope.toml", environ={})
+
+
+def test_node_id_is_created_once_and_kept(tmp_path):
+    first = load_or_create_node_id(tmp_path / "state")
+    assert len(first) == 32 and first == load_or_create_node_id(tmp_path / "state")
+    (tmp_path / "state" / "node-id").write_text("../../etc\n")
+    with pytest.raises(ConfigError, match="malformed node id"):
+        load_or_create_node_id(tmp_path / "state")
+
+
+def test_defaults_are_valid():
+    assert AgentConfig().port == 8080

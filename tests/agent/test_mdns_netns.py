@@ -1,0 +1,146 @@
+"""mDNS discovery with real multicast: three agents in their own network namespaces, joined by
+veth pairs to a bridge, given no peers at all, find each other, elect one orchestrator and
+serve a request. Needs root (ip netns); skipped with the reason elsewhere."""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.agent.agents import CLUSTER_KEY, FAST_TIMING, REPO, wait_for
+
+pytestmark = pytest.mark.slow
+SUBNET = "10.213.77"
+PORT = 8080
+
+
+def ip(*args: str) -> None:
+    subprocess.run(["ip", *args], check=True, capture_output=True, timeout=30)
+
+
+def ns_http(ns: str, method: str, url: str, body: object = None, timeout_s: float = 120.0) -> tuple[int, object]:
+    """An HTTP call made from inside namespace ``ns``."""
+    script = (
+        "import json, sys, urllib.request, urllib.error\n"
+        "method, url, body, timeout = sys.argv[1], sys.argv[2], sys.argv[3], float(sys.argv[4])\n"
+        "req = urllib.request.Request(url, data=body.encode() if body else None, method=method,"
+        " headers={'Content-Type': 'application/json'})\n"
+        "try:\n"
+        "    r = urllib.request.urlopen(req, timeout=timeout); print(r.status); print(r.read().decode())\n"
+        "except urllib.error.HTTPError as e:\n"
+        "    print(e.code); print(e.read().decode())\n"
+    )
+    result = subprocess.run(
+        ["ip", "netns", "exec", ns, sys.executable, "-c", script, method, url, json.dumps(body) if body is not None else "", str(timeout_s)],
+        capture_output=True, text=True, timeout=timeout_s + 30,
+    )
+    if result.returncode != 0:
+        raise ConnectionError(result.stderr.strip().splitlines()[-1:] or "request failed")
+    status, _, text = result.stdout.partition("\n")
+    return int(status), json.loads(text)
+
+
+@pytest.fixture
+def namespaces():
+    if os.geteuid() != 0 or shutil.which("ip") is None:
+        pytest.skip("needs root and iproute2 to create network namespaces")
+    tag = secrets.token_hex(3)
+    bridge_ns = f"ncm-br-{tag}"
+    nodes = [f"ncm-n{i}-{tag}" for i in range(3)]
+    try:
+        ip("netns", "add", bridge_ns)
+    except subprocess.CalledProcessError as error:
+        pytest.skip(f"cannot create network namespaces here: {error.stderr.decode().strip()}")
+    created = [bridge_ns]
+    try:
+        ip("-n", bridge_ns, "link", "add", "br0", "type", "bridge")
+        ip("-n", bridge_ns, "link", "set", "br0", "up")
+        for index, ns in enumerate(nodes):
+            ip("netns", "add", ns)
+            created.append(ns)
+            inner, outer = f"nv{tag}{index}a", f"nv{tag}{index}b"
+            ip("link", "add", inner, "type", "veth", "peer", "name", outer)
+            ip("link", "set", inner, "netns", ns)
+            ip("link", "set", outer, "netns", bridge_ns)
+            ip("-n", ns, "link", "set", inner, "name", "eth0")
+            ip("-n", ns, "addr", "add", f"{SUBNET}.{index + 1}/24", "dev", "eth0")
+            ip("-n", ns, "link", "set", "eth0", "up")
+            ip("-n", ns, "link", "set", "lo", "up")
+            ip("-n", ns, "route", "add", "224.0.0.0/4", "dev", "eth0")
+            ip("-n", bridge_ns, "link", "set", outer, "master", "br0")
+            ip("-n", bridge_ns, "link", "set", outer, "up")
+        yield nodes
+    finally:
+        for ns in reversed(created):
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=30)
+
+
+def test_agents_without_peers_find_each_other_by_mdns_and_serve(namespaces, smollm2_store, tmp_path):
+    processes = []
+    logs = []
+    try:
+        for index, ns in enumerate(namespaces):
+            state = tmp_path / f"agent-{index}"
+            env = {
+                **os.environ,
+                "NCM_HOME": str(smollm2_store.root if index == 0 else state / "home"),
+                "NCM_STATE_DIR": str(state),
+                "NCM_CLUSTER_KEY": CLUSTER_KEY,
+                "NCM_CLUSTER_NAME": "netns",
+                "NCM_MDNS": "true",
+                "NCM_THREADS": "1",
+                **FAST_TIMING,
+                "NCM_DISCOVERY_GRACE_S": "3",
+            }
+            log_path = tmp_path / f"agent-{index}.log"
+            logs.append(log_path)
+            with log_path.open("wb") as log:
+                processes.append(subprocess.Popen(
+                    ["ip", "netns", "exec", ns, sys.executable, "-m", "agent.cli", "serve", "--port", str(PORT)],
+                    cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT,
+                ))
+        first = f"http://{SUBNET}.1:{PORT}"
+
+        def three_alive():
+            status, view = ns_http(namespaces[0], "GET", first + "/cluster/nodes", timeout_s=5)
+            return status == 200 and sum(1 for n in view["nodes"] if n["alive"]) == 3 and view
+
+        view = wait_for(three_alive, timeout_s=90, what="3 agents to discover each other over mDNS", interval_s=0.5)
+        assert {n["source"] for n in view["nodes"] if n["alive"] and not n["self"]} == {"mdns"}
+
+        def one_orchestrator():
+            seen = set()
+            for index, ns in enumerate(namespaces):
+                _, nodes = ns_http(ns, "GET", f"http://{SUBNET}.{index + 1}:{PORT}/cluster/nodes", timeout_s=5)
+                seen.add(nodes["orchestrator"])
+            return len(seen) == 1 and None not in seen
+
+        wait_for(one_orchestrator, timeout_s=30, what="all three agents to name the same orchestrator", interval_s=0.5)
+
+        def serving():
+            status, body = ns_http(namespaces[2], "GET", f"http://{SUBNET}.3:{PORT}/cluster/status", timeout_s=5)
+            return status == 200 and body["state"] == "ok" and len(body["nodes_alive"]) == 3
+
+        wait_for(serving, timeout_s=300, what="the cluster to serve", interval_s=1.0)
+        status, body = ns_http(namespaces[1], "POST", f"http://{SUBNET}.2:{PORT}/v1/chat/completions",
+                               {"messages": [{"role": "user", "content": "What is the capital of France?"}],
+                                "temperature": 0, "max_tokens": 16})
+        assert status == 200, body
+        assert "Paris" in body["choices"][0]["message"]["content"]
+    finally:
+        for process in processes:
+            process.terminate()
+        for process in processes:
+            try:
+                process.wait(timeout=40)
+            except subprocess.TimeoutExpired:
+                process.kill()
+        for log_path in logs:
+            print(f"--- {log_path.name} ---\n{log_path.read_text(errors='replace')[-3000:]}")
