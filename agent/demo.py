@@ -13,6 +13,7 @@ import json
 import logging
 import os
 import secrets
+import signal
 import subprocess
 import sys
 import time
@@ -122,6 +123,7 @@ def run(args: argparse.Namespace) -> int:
         raise NcmError("--nodes must be between 1 and 16")
     _ensure_model(args.model)
     processes: list[subprocess.Popen] = []
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # stop the agents on SIGTERM too
     try:
         processes = start_local_cluster(args.nodes, args.port, args.dir or ncm_home() / "demo", args.model)
         url = f"http://127.0.0.1:{args.port}"
@@ -136,7 +138,7 @@ def run(args: argparse.Namespace) -> int:
         print("Call it like the OpenAI API, for example:")
         print(f"  curl {url}/v1/chat/completions -H 'Content-Type: application/json' \\")
         print(f"    -d '{{\"model\": \"{args.model}\", \"messages\": [{{\"role\": \"user\", \"content\": \"Hello!\"}}]}}'")
-        print(f"  ncm status --remote {url}")
+        print(f"  {sys.argv[0]} status --remote {url}")
         print("Press Ctrl-C to stop.", flush=True)
         while all(process.poll() is None for process in processes):
             time.sleep(1.0)

@@ -308,7 +308,7 @@ class Orchestrator:
                     log.info("no longer the orchestrator")
                 was_orchestrator = False
                 self.active = None
-                self._set_state("follower", "another node is the orchestrator")
+                self.state, self.message = "follower", "another node is the orchestrator"
                 continue
             await asyncio.sleep(SETTLE_S)  # let a burst of changes settle
             changes.clear()

@@ -34,7 +34,9 @@ from agent.membership import DESCRIBE_PATH, Membership
 from agent.orchestrator import ROUTING_PATH, Orchestrator
 from agent.peer_client import PeerClient
 from agent.sd_notify import SystemdNotifier, format_status, run_watchdog, watchdog_interval_s
-from agent.service_keys import CLIENT, CONFIG, LINKS, MEMBERSHIP, NODE_ID, ORCHESTRATOR, REPLAY_GUARD, STORE, WORKER
+from agent.service_keys import (
+    CLIENT, CONFIG, DATA_PLANE_SOCKETS, LINKS, MEMBERSHIP, NODE_ID, ORCHESTRATOR, REPLAY_GUARD, STORE, WORKER,
+)
 from agent.weights import complete_models, describe_model_files, resolve_model_file
 from agent.worker import StaleOrderError, Worker
 from shards.errors import ShardsError
@@ -151,6 +153,8 @@ async def stream(request: web.Request) -> web.WebSocketResponse:
     ws = web.WebSocketResponse(max_msg_size=0, compress=False)
     await ws.prepare(request)
     worker = request.app[WORKER]
+    sockets = request.app[DATA_PLANE_SOCKETS]
+    sockets.add(ws)
 
     async def run_step(header: dict[str, Any], tensor: Any) -> None:
         try:
@@ -179,7 +183,16 @@ async def stream(request: web.Request) -> web.WebSocketResponse:
                 steps.create_task(run_step(header, tensor))
             elif header["kind"] == "close":
                 steps.create_task(worker.close_session(header["sid"], header["layer"], header.get("plan")))
+    sockets.discard(ws)
     return ws
+
+
+async def close_data_plane(app: web.Application) -> None:
+    """On shutdown: data-plane sockets never end by themselves, so close them (steps in
+    flight fail with a clear error at their orchestrator) and the links to other stages."""
+    for ws in list(app[DATA_PLANE_SOCKETS]):
+        await ws.close(code=aiohttp.WSCloseCode.GOING_AWAY, message=b"agent stopping")
+    await app[LINKS].close()
 
 
 # --- the application -------------------------------------------------------------------------------
@@ -189,6 +202,8 @@ def build_app(config: AgentConfig, *, node_id: str, store: ModelStore, api_port:
     app[NODE_ID] = node_id
     app[STORE] = store
     app[REPLAY_GUARD] = ReplayGuard()
+    app[DATA_PLANE_SOCKETS] = set()
+    app.on_shutdown.append(close_data_plane)
     app.add_routes(internal)
     app.add_routes(api.routes)
 

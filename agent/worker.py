@@ -33,6 +33,10 @@ SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "seed")
 RunnerKey = tuple[str, int, int]  # model, first layer, last layer
 
 
+def _ranges(keys: set[RunnerKey]) -> str:
+    return ", ".join(f"{a}-{b}" for _, a, b in sorted(keys))
+
+
 class StaleOrderError(StageError):
     def __init__(self, message: str) -> None:
         super().__init__("stale_order", message, None)
@@ -103,10 +107,9 @@ class Worker:
             self.current = order
             self._retire()
             self.state, self.error = "ready", None
-            log.info("plan %d (epoch %d): %s layers %s%s", order.plan_version, order.epoch, order.model,
-                     ", ".join(f"{a}-{b}" for _, a, b in sorted(self._keys(order, with_standby=False))) or "none",
-                     f"; standby {', '.join(f'{a}-{b}' for a, b in sorted(order.ranges_for(self.node_id) - {(k[1], k[2]) for k in self._keys(order, with_standby=False)}))}"
-                     if order.standby.get(self.node_id) else "")
+            serving = self._keys(order, with_standby=False)
+            log.info("plan %d (epoch %d): %s layers %s; standby %s", order.plan_version, order.epoch, order.model,
+                     _ranges(serving) or "none", _ranges(wanted - serving) or "none")
             return self.status()
 
     def _retire(self) -> None:
@@ -132,6 +135,7 @@ class Worker:
 
     def status(self) -> dict[str, Any]:
         current = self.current
+        serving = self._keys(current, with_standby=False) if current else set()
         return {
             "state": self.state,
             "error": self.error,
@@ -139,12 +143,10 @@ class Worker:
             "plan_version": current.plan_version if current else None,
             "epoch": self.newest_epoch,
             "fragments": [
-                {"layers": [a, b], "provider": r.provider, "memory_bytes": r.memory_bytes()}
-                for (model, a, b), r in sorted(self.runners.items())
-                if current is not None and model == current.model and (a, b) in {(h.layers.first, h.layers.last) for h in current.hops_of(self.node_id)}
+                {"layers": [a, b], "provider": runner.provider, "memory_bytes": runner.memory_bytes()}
+                for (model, a, b), runner in sorted(self.runners.items()) if (model, a, b) in serving
             ],
-            "standby": [[a, b] for (model, a, b) in sorted(self.runners)
-                        if current is None or (a, b) not in {(h.layers.first, h.layers.last) for h in current.hops_of(self.node_id)} or model != current.model],
+            "standby": [[a, b] for (model, a, b) in sorted(self.runners) if (model, a, b) not in serving],
             "sessions": len(self.sessions),
             "order": current.to_json() if current else None,
         }

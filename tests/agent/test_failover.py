@@ -261,14 +261,31 @@ def test_a_new_node_given_one_peer_joins_and_the_model_is_rebalanced_over_it(cha
     newcomer.env.update(NCM_VRAM_GIB="8")
     newcomer.start([f"--peer={agents[2].url}"])  # knows one peer only
     try:
+        newcomer_id = wait_for(lambda: newcomer.node_id(), timeout_s=60, what="the new agent to start")
+
         def rebalanced():
             status = status_of(agents[0])
-            return status.get("state") == "ok" and len(status.get("nodes_alive", [])) == 4 and status
+            return (status.get("state") == "ok" and newcomer_id in [hop["node"] for hop in status["route"] or []]
+                    and status)
 
         status = wait_for(rebalanced, timeout_s=180, what="the cluster to re-plan over the new node")
-        assert newcomer.node_id() in status["nodes_alive"]
+        assert sorted(status["nodes_alive"]) == sorted(node_ids(agents) + [newcomer_id])
         plan = agents[0].get("/cluster/plan")[1]
-        assert newcomer.node_id() in [hop["node"] for hop in plan["route"]]
+        assert {node["id"] for node in plan["plan"]["nodes"]} == set(status["nodes_alive"])
         assert reference(newcomer) == undisturbed  # it fetched its layers and serves them
     finally:
         newcomer.stop()
+
+
+def test_without_fallback_a_lost_layer_fails_requests_clearly(chaos, monkeypatch):
+    monkeypatch.setitem(CHAOS_ENV, "NCM_ALLOW_FALLBACK", "false")
+    agents = chaos(orchestrator=0)
+    stream = Stream(agents[1])
+    stream.wait_pieces(4)
+    agents[2].kill()  # the tail: layers nobody else holds
+    stream.join()
+    assert stream.errors and not stream.done  # RoutingFailure: an error event, never a hang
+    status = status_of(agents[0])
+    assert status["state"] == "failed" and "no live holder" in status["message"]
+    code, body = agents[1].post("/v1/chat/completions", {"messages": QUESTION, "max_tokens": 4})
+    assert code == 503 and body["error"]["code"] == "cluster_unavailable"
