@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from agent.demo import stop_processes
 from tests.agent.agents import CLUSTER_KEY, FAST_TIMING, REPO, wait_for
 
 pytestmark = pytest.mark.slow
@@ -135,12 +136,6 @@ def test_agents_without_peers_find_each_other_by_mdns_and_serve(namespaces, smol
         assert status == 200, body
         assert "Paris" in body["choices"][0]["message"]["content"]
     finally:
-        for process in processes:
-            process.terminate()
-        for process in processes:
-            try:
-                process.wait(timeout=40)
-            except subprocess.TimeoutExpired:
-                process.kill()
+        stop_processes(processes)
         for log_path in logs:
             print(f"--- {log_path.name} ---\n{log_path.read_text(errors='replace')[-3000:]}")
