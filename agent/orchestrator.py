@@ -29,7 +29,7 @@ from agent.core.plan import ShardingPlan, make_plan, plan_from_dict
 from agent.core.routing import Route, Telemetry, choose_route, describe_layers, failover, standby_hops
 from agent.dataplane import StageError
 from agent.membership import Membership
-from agent.peer_client import PeerClient, PeerError
+from agent.peer_client import PeerClient
 from agent.weights import complete_models, ensure_model_files
 from agent.worker import Worker
 from shards.errors import ShardsError

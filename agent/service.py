@@ -15,7 +15,6 @@ import logging
 import secrets
 import signal
 import time
-from pathlib import Path
 from typing import Any, AsyncIterator
 
 import aiohttp
@@ -39,7 +38,6 @@ from agent.service_keys import (
 )
 from agent.weights import complete_models, describe_model_files, resolve_model_file
 from agent.worker import StaleOrderError, Worker
-from shards.errors import ShardsError
 from shards.store import ModelStore
 
 log = logging.getLogger(__name__)

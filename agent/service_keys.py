@@ -2,20 +2,9 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from aiohttp import web
 
 from agent.config import AgentConfig
-
-if TYPE_CHECKING:
-    from agent.core.auth import ReplayGuard
-    from agent.dataplane import Links
-    from agent.membership import Membership
-    from agent.orchestrator import Orchestrator
-    from agent.peer_client import PeerClient
-    from agent.worker import Worker
-    from shards.store import ModelStore
 
 CONFIG = web.AppKey("config", AgentConfig)
 NODE_ID = web.AppKey("node_id", str)

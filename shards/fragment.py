@@ -315,7 +315,7 @@ class _Builder:
     def attention_plain(self, xn: str, t: dict[str, np.ndarray], li: int, pro: dict[str, str]) -> tuple[str, str, str]:
         """Attention from plain ops; returns (output, key out, value out) per the flavour's KV contract."""
         g, m, static = self.g, self.m, self.s.flavour == "static"
-        kvh, hd, grp = m.n_kv_heads, m.head_dim, m.group_size
+        kvh, hd = m.n_kv_heads, m.head_dim
         q = self._rotate(self._proj_heads(xn, t, "q_proj", "q_bias", m.n_heads, li), pro)
         k = self._rotate(self._proj_heads(xn, t, "k_proj", "k_bias", kvh, li), pro)
         v = self._proj_heads(xn, t, "v_proj", "v_bias", kvh, li)

@@ -9,7 +9,6 @@ import time
 import pytest
 
 from agent.core.auth import sign
-from agent.core.capacity import NodeCapacity, score
 from agent.core.plan import make_plan
 from shards.generate import LocalModel, generate
 from shards.sampling import SamplingParams

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.agent.agents import Agent, cluster_ready, http, make_agents, wait_for
+from tests.agent.agents import Agent, cluster_ready, make_agents, wait_for
 
 pytestmark = pytest.mark.slow
 MAIN, FALLBACK = "smollm2-135m", "smollm2-135m-q4"

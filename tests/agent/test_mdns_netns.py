@@ -10,7 +10,6 @@ import secrets
 import shutil
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 

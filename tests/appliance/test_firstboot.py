@@ -79,7 +79,7 @@ def test_join_string() -> None:
         ("just some words\n", "key = value"),
         ("model = a\nmodel = b\n", "already set on line 1"),
         ("pull = yes\n", "needs a model"),
-        (f"join = http://x:8080\n", "cluster key after '#' is missing"),
+        ("join = http://x:8080\n", "cluster key after '#' is missing"),
         (f"join = http://x:8080#{KEY}\ncluster_key = another-key-of-enough-length\n", "two different cluster keys"),
         ("cluster_name = 'home\n", "unterminated quote"),
     ],

@@ -1,11 +1,10 @@
 """§2–§5 of the redundancy design: split, contiguous blocks, head replication, redundancy map."""
 
 import math
-import random
 from fractions import Fraction
 
 import pytest
-from hypothesis import assume, given, settings
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from agent.core.errors import ShardingError

@@ -5,7 +5,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from agent.core.errors import ClusterError, RoutingFailure
-from agent.core.plan import LayerRange, head_size, make_plan
+from agent.core.plan import LayerRange, make_plan
 from agent.core.routing import (
     DEFAULT_CAPACITY_SCORE,
     DEFAULT_LATENCY_MS,
