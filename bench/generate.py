@@ -8,7 +8,7 @@ ratio ncm / llama.cpp from this one run.
     python bench/generate.py                      # pulls the default model's GGUF
     python bench/generate.py --gguf model.gguf --threads 4 --prompt-tokens 256
 
-llama.cpp comes from the ``llama-cpp-python`` package (``pip install llama-cpp-python``);
+llama.cpp comes from the ``llama-cpp-python`` package (the ``reference`` extra: ``pip install -e .[reference]``);
 without it the llama.cpp column is skipped and the script says so.
 """
 
