@@ -242,8 +242,7 @@ def test_a_node_that_comes_back_returns_the_cluster_to_the_main_model(chaos):
     wait_for(lambda: status_of(agents[0]).get("state") == "degraded", timeout_s=30, what="degraded mode")
     assert status_of(agents[0])["model"] == FALLBACK
     agents[2].start([f"--peer={other.url}" for other in agents if other is not agents[2]])
-    assert agents[2].node_id() if wait_for(lambda: agents[2].get("/health", timeout_s=2)[0] == 200, timeout_s=60,
-                                           what="the node to come back") else None
+    wait_for(lambda: agents[2].get("/health", timeout_s=2)[0] == 200, timeout_s=60, what="the node to come back")
 
     def back_to_main():
         status = status_of(agents[0])
