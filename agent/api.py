@@ -6,10 +6,12 @@ OpenAI error shape: {"error": {"message", "type", "param", "code"}}.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import time
 import uuid
+from collections.abc import Callable
 from typing import Any
 
 import aiohttp
@@ -17,15 +19,20 @@ from aiohttp import web
 
 from agent.core.capacity import score
 from agent.core.chat_request import ChatRequest, InvalidRequestError, parse_request
-from agent.core.errors import ClusterError
+from agent.core.errors import ClusterError, PresetError
+from agent.core.model_registry import (
+    CapacityError, ModelLoadError, ModelNotLoadedError, RouterError, UnknownModelError,
+)
 from agent.dataplane import StageError
-from agent.orchestrator import Completion
-from agent.service_keys import CLIENT, CONFIG, MEMBERSHIP, NODE_ID, ORCHESTRATOR, WORKER
+from agent.orchestrator import Completion, Deployment
+from agent.router import ModelBusyError, RequestCancelled
+from agent.service_keys import CLIENT, CONFIG, MEMBERSHIP, NODE_ID, ORCHESTRATOR, ROUTER, WORKER
 from shards.errors import ShardsError
 from shards.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
 PROXY_TIMEOUT = aiohttp.ClientTimeout(total=None, connect=5.0, sock_read=300.0)
+SSE_KEEPALIVE_S = 15.0
 HOP_HEADERS = {"host", "content-length", "transfer-encoding", "connection"}
 
 routes = web.RouteTableDef()
@@ -34,7 +41,7 @@ routes = web.RouteTableDef()
 def error_response(status: int, message: str, *, type_: str | None = None, param: str | None = None,
                    code: str | None = None, headers: dict[str, str] | None = None) -> web.Response:
     kind = type_ or {400: "invalid_request_error", 401: "authentication_error", 404: "invalid_request_error",
-                     503: "service_unavailable"}.get(status, "server_error")
+                     409: "invalid_request_error", 503: "service_unavailable"}.get(status, "server_error")
     return web.json_response({"error": {"message": message, "type": kind, "param": param, "code": code}},
                              status=status, headers=headers)
 
@@ -46,6 +53,10 @@ async def openai_errors(request: web.Request, handler: Any) -> web.StreamRespons
         return await handler(request)
     except InvalidRequestError as error:
         return error_response(error.status, str(error), param=error.param, code=error.code)
+    except RouterError as error:
+        return _router_error(error)
+    except PresetError as error:
+        return error_response(400, f"the model presets are invalid: {error}", code="invalid_presets")
     except ClusterError as error:
         return error_response(503, str(error), code="cluster_unavailable", headers={"Retry-After": "5"})
     except StageError as error:
@@ -56,6 +67,24 @@ async def openai_errors(request: web.Request, handler: Any) -> web.StreamRespons
         if error.status >= 400 and error.content_type != "application/json":
             return error_response(error.status, error.reason or "error", code=str(error.status))
         raise
+
+
+def _router_error(error: RouterError) -> web.Response:
+    if isinstance(error, UnknownModelError):
+        return error_response(404, str(error), param="model", code="model_not_found")
+    if isinstance(error, ModelNotLoadedError):
+        return error_response(400, str(error), param="model", code="model_not_loaded")
+    if isinstance(error, ModelBusyError):
+        return error_response(409, str(error), param="model", code="model_busy")
+    if isinstance(error, CapacityError):
+        headers = {"Retry-After": f"{error.retry_after_s:.0f}"} if error.retry_after_s else None
+        return error_response(503, str(error), code="model_capacity", headers=headers)
+    if isinstance(error, RequestCancelled):
+        return error_response(400, str(error), code="request_cancelled")
+    if isinstance(error, ModelLoadError):
+        return error_response(503, f"{error}; retry the request to load it again", code="model_load_failed",
+                              headers={"Retry-After": "5"})
+    return error_response(503, str(error), code="model_unavailable", headers={"Retry-After": "5"})
 
 
 # --- health and cluster views -------------------------------------------------------------------
@@ -183,10 +212,86 @@ async def cluster_plan(request: web.Request) -> web.StreamResponse:
 
 # --- OpenAI surface ------------------------------------------------------------------------------
 @routes.get("/v1/models")
-async def list_models(request: web.Request) -> web.Response:
-    model = request.app[CONFIG].model
+async def list_models(request: web.Request) -> web.StreamResponse:
+    proxied = await _ask_orchestrator(request)
+    if proxied is not None:
+        return proxied
+    router = request.app[ROUTER]
     return web.json_response({"object": "list", "data": [
-        {"id": model, "object": "model", "created": 0, "owned_by": "ncm"}]})
+        {"id": info["id"], "object": "model", "created": 0, "owned_by": "ncm"} for info in router.models()]})
+
+
+# --- model management (seed 000) -------------------------------------------------------------------
+def _autoload(request: web.Request) -> bool | None:
+    value = request.query.get("autoload")
+    if value is None:
+        return None
+    if value.lower() in ("1", "true", "yes", "on"):
+        return True
+    if value.lower() in ("0", "false", "no", "off"):
+        return False
+    raise InvalidRequestError("autoload must be true or false", "autoload")
+
+
+def _client_gone(request: web.Request) -> Callable[[], bool]:
+    return lambda: request.transport is None or request.transport.is_closing()
+
+
+@routes.get("/models")
+async def models(request: web.Request) -> web.StreamResponse:
+    proxied = await _ask_orchestrator(request)
+    if proxied is not None:
+        return proxied
+    router = request.app[ROUTER]
+    if request.query.get("reload") in ("1", "true"):
+        router.reload()
+    return web.json_response({"object": "list", "data": router.models()})
+
+
+async def _model_body(request: web.Request) -> str:
+    body = await _read_json(request)
+    name = body.get("model") if isinstance(body, dict) else None
+    if not isinstance(name, str) or not name:
+        raise InvalidRequestError("the body must be {\"model\": \"<name or alias>\"}", "model")
+    return request.app[ROUTER].resolve(name)
+
+
+@routes.post("/models/load")
+async def models_load(request: web.Request) -> web.StreamResponse:
+    proxied = await _ask_orchestrator(request)
+    if proxied is not None:
+        return proxied
+    name = await _model_body(request)
+    return web.json_response({"success": True, "model": await request.app[ROUTER].load(name)})
+
+
+@routes.post("/models/unload")
+async def models_unload(request: web.Request) -> web.StreamResponse:
+    proxied = await _ask_orchestrator(request)
+    if proxied is not None:
+        return proxied
+    name = await _model_body(request)
+    return web.json_response({"success": True, "model": await request.app[ROUTER].unload(name)})
+
+
+@routes.get("/models/sse")
+async def models_sse(request: web.Request) -> web.StreamResponse:
+    """Server-Sent Events: the state of every model, then every change (status, progress, memory)."""
+    proxied = await _ask_orchestrator(request)
+    if proxied is not None:
+        return proxied
+    response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+    await response.prepare(request)
+    with request.app[ROUTER].subscribe() as events:
+        while True:
+            try:
+                async with asyncio.timeout(SSE_KEEPALIVE_S):
+                    event = await events.get()
+            except TimeoutError:
+                await response.write(b": keep-alive\n\n")
+                continue
+            kind = event.pop("event")
+            await response.write(f"event: {kind}\ndata: {json.dumps(event)}\n\n".encode())
 
 
 async def _read_json(request: web.Request) -> Any:
@@ -213,15 +318,18 @@ def _sampling(chat: ChatRequest, prompt_tokens: int, max_context: int) -> Sampli
 async def _completion(request: web.Request, *, chat: bool) -> web.StreamResponse:
     body = await _read_json(request)
     parsed = parse_request(body, chat=chat)
-    served = request.app[CONFIG].model
-    if parsed.model is not None and parsed.model != served:
-        raise InvalidRequestError(f"model {parsed.model!r} does not exist; this cluster serves: {served}",
-                                  "model", "model_not_found", status=404)
+    autoload = _autoload(request)
     proxied = await _ask_orchestrator(request)
     if proxied is not None:
         return proxied
+    router = request.app[ROUTER]
+    name = router.resolve(parsed.model)
+    async with router.use(name, autoload=autoload, should_stop=_client_gone(request)) as deployment:
+        return await _generate(request, parsed, deployment, chat=chat)
+
+
+async def _generate(request: web.Request, parsed: ChatRequest, deployment: Deployment, *, chat: bool) -> web.StreamResponse:
     orchestrator = request.app[ORCHESTRATOR]
-    deployment = orchestrator.require_serving()
     tokenizer = deployment.tokenizer
     if chat:
         assert parsed.messages is not None
@@ -232,10 +340,10 @@ async def _completion(request: web.Request, *, chat: bool) -> web.StreamResponse
     else:
         assert parsed.prompt is not None
         prompt_ids = tokenizer.encode(parsed.prompt)
-    params = _sampling(parsed, len(prompt_ids), request.app[CONFIG].max_context)
+    params = _sampling(parsed, len(prompt_ids), deployment.settings.max_context)
     created = int(time.time())
     ident = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
-    events = orchestrator.complete(prompt_ids, params)
+    events = orchestrator.complete(deployment, prompt_ids, params)
 
     if not parsed.stream:
         pieces, last = [], Completion("", deployment.order.model)

@@ -22,6 +22,7 @@ def build_parser() -> argparse.ArgumentParser:
     commands.add_parsers(subparsers)
     demo.add_parser(subparsers)
     shards_cli.register(subparsers)
+    commands.extend_models_parser(subparsers.choices["models"])
     plan_command.add_parser(subparsers)
     firstboot.register(subparsers)
     return parser

@@ -134,3 +134,32 @@ def run_status(args: argparse.Namespace) -> int:
         print(f"{(node['id'] or '?') + (' *' if node.get('self') else ''):<34} {node['url']:<26} "
               f"{'yes' if node['alive'] else 'no':<6} {node.get('role') or '-':<13} {score:>8}  {layers}")
     return 0
+
+
+def run_models_remote(args: argparse.Namespace) -> int:
+    """`ncm models --remote URL`: the cluster's models as its router sees them."""
+    answer = http_json("GET", args.remote.rstrip("/") + "/models" + ("?reload=1" if args.reload else ""), token=args.token)
+    if args.json:
+        json.dump(answer, sys.stdout, indent=2)
+        print()
+        return 0
+    print(f"{'model':<28} {'state':<10} {'busy':>4} {'waiting':>7}  {'memory':>10}  aliases / reason")
+    for model in answer["data"]:
+        memory = model.get("memory") or {}
+        held = sum((memory.get("effective_bytes") or memory.get("min_bytes") or {}).values())
+        note = model.get("reason") or ", ".join(model.get("aliases") or []) or ""
+        if model.get("degraded"):
+            note = f"degraded: serving {model.get('serving')}"
+        print(f"{model['id']:<28} {model['state']:<10} {model['active_requests']:>4} {model['waiters']:>7}  "
+              f"{held / 2**20:>7.0f} MiB  {note}")
+    return 0
+
+
+def extend_models_parser(parser: argparse.ArgumentParser) -> None:
+    """`ncm models` lists the local store; with --remote it asks a running cluster."""
+    local = parser.get_default("func")
+    parser.add_argument("--remote", metavar="URL", help="show the models of the cluster at URL (any agent)")
+    parser.add_argument("--reload", action="store_true", help="with --remote: re-read the cluster's model sources")
+    parser.add_argument("--token", help="API token of the cluster (with --remote)")
+    parser.add_argument("--json", action="store_true", help="with --remote: print the JSON answer")
+    parser.set_defaults(func=lambda args: run_models_remote(args) if args.remote else local(args))

@@ -67,6 +67,14 @@ class AgentConfig:
     fallback_model: str = "ncm-tiny"
     allow_fallback: bool = True
     replan_min_interval_s: float = 10.0
+    models_preset: Path | None = None
+    models_max: int = 0
+    models_memory_margin_mib: int = 256
+    models_autoload: bool = True
+    models_load_timeout_s: float = 600.0
+    sleep_idle_s: float = 0.0
+    # Settings given explicitly (file, environment or flags): they win over model presets.
+    explicit: frozenset[str] = field(default=frozenset(), compare=False)
 
     def __post_init__(self) -> None:
         if not self.cluster_name or len(self.cluster_name) > 63 or not self.cluster_name.replace("-", "").replace("_", "").isalnum():
@@ -104,6 +112,10 @@ class AgentConfig:
             raise ConfigError(f"replan_min_interval_s must be >= 0, got {self.replan_min_interval_s}")
         if not self.fallback_model:
             raise ConfigError("fallback_model must not be empty (set allow_fallback = false to disable it)")
+        if self.models_max < 0 or self.models_memory_margin_mib < 0:
+            raise ConfigError("models_max and models_memory_margin_mib must be >= 0 (models_max 0 = no limit)")
+        if not self.models_load_timeout_s > 0 or self.sleep_idle_s < 0:
+            raise ConfigError("models_load_timeout_s must be > 0 and sleep_idle_s >= 0 (0 = never sleep)")
         if self.max_context < 16 or self.prefill_chunk < 1 or self.prefill_chunk > self.max_context:
             raise ConfigError("max_context must be >= 16 and prefill_chunk in 1..max_context")
 
@@ -121,8 +133,10 @@ _FIELD_TYPES: dict[str, str] = {
     "discovery_grace_s": "float", "replicate_head_ratio": "float", "replica_count": "int?",
     "min_layers_per_node": "int", "max_context": "int", "prefill_chunk": "int",
     "fallback_model": "str", "allow_fallback": "bool", "replan_min_interval_s": "float",
+    "models_preset": "path?", "models_max": "int", "models_memory_margin_mib": "int", "models_autoload": "bool",
+    "models_load_timeout_s": "float", "sleep_idle_s": "float",
 }
-assert set(_FIELD_TYPES) == {f.name for f in fields(AgentConfig)}
+assert set(_FIELD_TYPES) == {f.name for f in fields(AgentConfig)} - {"explicit"}
 
 
 def _coerce(name: str, value: Any, source: str) -> Any:
@@ -228,7 +242,7 @@ def load_config(
     _apply(values, environment_settings(environ), "environment NCM_*")
     _apply(values, {k: v for k, v in (overrides or {}).items() if v is not None}, "command line")
     try:
-        return AgentConfig(**values)
+        return AgentConfig(**values, explicit=frozenset(values))
     except ConfigError:
         raise
     except (TypeError, ValueError) as error:  # pragma: no cover - guarded by _coerce

@@ -9,16 +9,21 @@ going when a device dies (redundancy design §6–§8):
   requests finish on it (degraded); with no survivor the cluster has failed;
 - a device joins or comes back: the model is re-planned over every live node (no more often
   than `replan_min_interval_s`), and requests in flight finish on the plan they started on.
+
+Several models can be deployed at once, each under its router name (see :mod:`agent.router`,
+which decides what is loaded): :meth:`measure` plans a model and works out the memory each
+device needs, :meth:`load` deploys it, :meth:`unload` drops it from every worker.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Callable
 
 import numpy as np
 
@@ -26,6 +31,7 @@ from agent.config import AgentConfig
 from agent.core.errors import ClusterError, NcmError, RoutingFailure
 from agent.core.orders import RoutingOrder
 from agent.core.plan import ShardingPlan, make_plan, plan_from_dict
+from agent.core.presets import ModelPreset, ModelSettings
 from agent.core.routing import Route, Telemetry, choose_route, describe_layers, failover, standby_hops
 from agent.dataplane import StageError
 from agent.membership import Membership
@@ -34,22 +40,22 @@ from agent.weights import complete_models, ensure_model_files
 from agent.worker import Worker
 from shards.errors import ShardsError
 from shards.generate import FINISH_LENGTH, TextStream
+from shards.manifest import Manifest
 from shards.sampling import SamplingParams
 from shards.store import ModelStore
 from shards.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 ROUTING_PATH = "/internal/routing"
+UNLOAD_PATH = "/internal/unload"
+UNLOAD_TIMEOUT_S = 30.0
+RUNTIME_OVERHEAD_BYTES = 24 * 1024 * 1024  # per fragment: the runtime session and its buffers
 DEPLOY_TIMEOUT_S = 900.0
 SETTLE_S = 0.5
 PREFILL_STEP_TIMEOUT_S = 300.0
 DECODE_STEP_TIMEOUT_S = 60.0
 MAX_RECOVERIES_PER_REQUEST = 4
 TINY_ALIAS = "ncm-tiny"
-
-
-class NotServingError(ClusterError):
-    """The cluster has no deployed model right now (starting, re-planning, or failed)."""
 
 
 @dataclass(frozen=True)
@@ -64,10 +70,38 @@ class Completion:
 
 
 @dataclass
-class _Deployment:
+class Deployment:
+    """A model running on the devices under its router ``name`` (``order.model`` may be its fallback)."""
+
+    name: str
     order: RoutingOrder
     plan: ShardingPlan
     tokenizer: Tokenizer
+    settings: ModelSettings
+    effective_bytes: dict[str, int]
+
+
+@dataclass(frozen=True)
+class PlannedModel:
+    """A measured model: its plan over ``members`` and the memory each device needs (minimum)."""
+
+    preset: ModelPreset
+    plan: ShardingPlan
+    route: Route
+    members: frozenset[str]
+    min_bytes: dict[str, int]
+
+
+def min_bytes_per_node(manifest: Manifest, ranges: dict[str, set[tuple[int, int]]], max_context: int) -> dict[str, int]:
+    """Memory each node needs for its layer ranges: weights + one full-context KV cache + runtime."""
+    need = {}
+    for node, node_ranges in ranges.items():
+        files = {key for a, b in node_ranges for key in manifest.fragment_files(a, b)}
+        layers = {layer for a, b in node_ranges for layer in range(a, b + 1)}
+        need[node] = (sum(manifest.files[key].bytes for key in files)
+                      + manifest.kv_bytes_per_token(len(layers)) * max_context
+                      + RUNTIME_OVERHEAD_BYTES * len(node_ranges))
+    return need
 
 
 class Orchestrator:
@@ -79,7 +113,8 @@ class Orchestrator:
         self.worker = worker
         self.client = client
         self.store = store
-        self.active: _Deployment | None = None
+        self.deployments: dict[str, Deployment] = {}
+        self.planned: dict[str, PlannedModel] = {}  # measured, and kept while a model sleeps
         self.plan_version = 0
         self.state = "starting"
         self.message = "waiting for the membership to settle"
@@ -87,8 +122,19 @@ class Orchestrator:
         self._last_replan = -float("inf")
         self._lock = asyncio.Lock()
         self._tokenizers: dict[str, Tokenizer] = {}
+        # The router's hooks: called when this node becomes (or stops being) the orchestrator,
+        # when the members change, and when a deployment changes by itself (failover, loss).
+        self.on_role: Callable[[bool], None] = lambda is_orchestrator: None
+        self.on_members: Callable[[frozenset[str]], None] = lambda members: None
+        self.on_deployment: Callable[[str, Deployment | None, str], None] = lambda name, deployment, reason: None
+        self.preset_of: Callable[[str], ModelPreset | None] = lambda name: None
 
     # --- status ---------------------------------------------------------------------------
+    @property
+    def active(self) -> Deployment | None:
+        """The deployment of the main model (else of any model), for the cluster views."""
+        return self.deployments.get(self.config.model) or next(iter(self.deployments.values()), None)
+
     @property
     def order(self) -> RoutingOrder | None:
         return self.active.order if self.active else None
@@ -108,6 +154,8 @@ class Orchestrator:
             "plan_version": order.plan_version if order else None,
             "epoch": order.epoch if order else None,
             "route": order.route.to_list() if order else None,
+            "models": {name: {"serving": d.order.model, "degraded": d.order.degraded, "plan_version": d.order.plan_version,
+                              "route": d.order.route.to_list()} for name, d in sorted(self.deployments.items())},
         }
 
     def _set_state(self, state: str, message: str) -> None:
@@ -115,8 +163,17 @@ class Orchestrator:
             (log.warning if state in ("degraded", "failed") else log.info)("cluster %s: %s", state, message)
         self.state, self.message = state, message
 
+    def _settle_state(self) -> None:
+        degraded = sorted(n for n, d in self.deployments.items() if d.order.degraded)
+        if degraded:
+            self._set_state("degraded", f"{', '.join(degraded)} served by a fallback")
+        elif self.deployments:
+            self._set_state("ok", f"serving {', '.join(sorted(self.deployments))}")
+        elif self.state not in ("failed", "loading"):
+            self._set_state("idle", "no model is loaded; a request loads one")
+
     # --- what the cluster has -------------------------------------------------------------------
-    def _holdings(self) -> dict[str, dict[str, int]]:
+    def holdings(self) -> dict[str, dict[str, int]]:
         """node id -> {model: bytes} of complete models, for every live node."""
         holdings = {self.node_id: complete_models(self.store)}
         for node_id, extra in self.membership.peer_extras().items():
@@ -151,13 +208,18 @@ class Orchestrator:
             self._tokenizers[model] = await asyncio.to_thread(Tokenizer.from_model_dir, self.store.models_dir / model)
         return self._tokenizers[model]
 
-    # --- deployment ------------------------------------------------------------------------
-    async def _deploy(self, plan: ShardingPlan, route: Route, model: str, *, degraded: bool,
-                      holdings: dict[str, dict[str, int]]) -> _Deployment:
-        """Send a new order to every planned node; the new deployment is active once all hold it."""
+    def _require_orchestrator(self) -> None:
         election = self.membership.election
         if election is None or election.orchestrator != self.node_id:
             raise ClusterError("this node is no longer the orchestrator")
+
+    # --- deployment ------------------------------------------------------------------------
+    async def _deploy(self, name: str, plan: ShardingPlan, route: Route, model: str, settings: ModelSettings, *,
+                      degraded: bool, holdings: dict[str, dict[str, int]]) -> Deployment:
+        """Send a new order to every planned node; the new deployment is active once all hold it."""
+        self._require_orchestrator()
+        election = self.membership.election
+        assert election is not None
         scores = {n: s for n, s in plan.scores if n in self.membership.alive_nodes()}
         alive = set(scores)
         self.plan_version = max(self.plan_version, self._newest_worker_plan()) + 1
@@ -167,10 +229,12 @@ class Orchestrator:
             addresses={n: self.membership.address_of(n) for n in alive},
             weight_sources=tuple(self._sources(model, holdings)), plan=plan.to_dict(), degraded=degraded,
             standby={n: tuple(sorted(r)) for n, r in standby_hops(plan, route, alive, self._telemetry(scores)).items()},
+            name=name, max_context=settings.max_context, prefill_chunk=settings.prefill_chunk,
         )
         await ensure_model_files(self.client, self.store, model, lambda m: [], list(order.weight_sources))
-        results = await asyncio.gather(*(self._send_order(n, order) for n in sorted(alive)), return_exceptions=True)
-        failed = {n: r for n, r in zip(sorted(alive), results) if isinstance(r, BaseException)}
+        nodes = sorted(alive)
+        results = await asyncio.gather(*(self._send_order(n, order) for n in nodes), return_exceptions=True)
+        failed = {n: r for n, r in zip(nodes, results) if isinstance(r, BaseException)}
         if failed:
             for node_id, error in failed.items():
                 log.warning("node %s did not take plan %d: %s", node_id, order.plan_version, error)
@@ -178,10 +242,16 @@ class Orchestrator:
             if route_failures:
                 raise ClusterError(f"node(s) {', '.join(route_failures)} could not take plan {order.plan_version}: "
                                    f"{failed[route_failures[0]]}")
-        deployment = _Deployment(order, plan, await self._tokenizer(model))
-        self.active = deployment
+        effective = {}
+        for node_id, result in zip(nodes, results):
+            if isinstance(result, dict):
+                memory = ((result.get("models") or {}).get(name) or {}).get("memory_bytes")
+                if isinstance(memory, int) and memory > 0:
+                    effective[node_id] = memory
+        deployment = Deployment(name, order, plan, await self._tokenizer(model), settings, effective)
+        self.deployments[name] = deployment
         self._deployed_members = frozenset(alive)
-        log.info("plan %d deployed (%s): %s", order.plan_version, model,
+        log.info("plan %d deployed (%s as %s): %s", order.plan_version, model, name,
                  " -> ".join(f"{h.node_id[:8]}[{h.layers}]" for h in route.hops))
         return deployment
 
@@ -193,45 +263,113 @@ class Orchestrator:
                 versions.append(worker["plan_version"])
         return max(versions)
 
-    async def _send_order(self, node_id: str, order: RoutingOrder) -> None:
+    async def _send_order(self, node_id: str, order: RoutingOrder) -> dict[str, Any]:
         if node_id == self.node_id:
-            await self.worker.apply(order)
-            return
-        await self.client.request_json("POST", order.addresses[node_id], ROUTING_PATH, order.to_json(),
-                                       timeout_s=DEPLOY_TIMEOUT_S)
+            return await self.worker.apply(order)
+        return await self.client.request_json("POST", order.addresses[node_id], ROUTING_PATH, order.to_json(),
+                                              timeout_s=DEPLOY_TIMEOUT_S)
 
-    async def replan(self, reason: str) -> None:
-        """Plan the main model over every live node and deploy it (§8)."""
+    async def measure(self, preset: ModelPreset) -> PlannedModel:
+        """Plan ``preset`` over every live node and work out what each device needs (minimum)."""
+        self._require_orchestrator()
+        holdings = self.holdings()
+        scores = self.membership.scores()
+        manifest = await ensure_model_files(self.client, self.store, preset.store_model, lambda m: [],
+                                            self._sources(preset.store_model, holdings))
+        settings = preset.settings
+        if settings.weights is not None and manifest.weight_format != settings.weights:
+            raise ClusterError(f"the preset of {preset.name} asks for {settings.weights} weights but "
+                               f"{preset.store_model} is stored as {manifest.weight_format}")
+        if settings.max_context > manifest.context_length:
+            raise ClusterError(f"{preset.name}: context {settings.max_context} is beyond what "
+                               f"{preset.store_model} was trained for ({manifest.context_length})")
+        plan = make_plan(scores, manifest.n_layers, replicate_head_ratio=settings.replicate_head_ratio,
+                         replica_count=settings.replica_count, min_layers_per_node=self.config.min_layers_per_node)
+        route = choose_route(plan, scores, self._telemetry(scores))
+        standby = standby_hops(plan, route, set(scores), self._telemetry(scores))
+        ranges: dict[str, set[tuple[int, int]]] = {n: set() for n in scores}
+        for hop in route.hops:
+            ranges[hop.node_id].add((hop.layers.first, hop.layers.last))
+        for node, node_ranges in standby.items():
+            ranges[node] |= {(r.first, r.last) for r in node_ranges}
+        need = min_bytes_per_node(manifest, {n: r for n, r in ranges.items() if r}, settings.max_context)
+        planned = PlannedModel(preset, plan, route, frozenset(scores), need)
+        self.planned[preset.name] = planned
+        return planned
+
+    async def load(self, preset: ModelPreset) -> Deployment:
+        """Deploy a measured model (its kept plan while every node of it is alive, else a new one)."""
         async with self._lock:
-            if not self.membership.is_orchestrator:
-                return
-            model = self.config.model
-            holdings = self._holdings()
-            scores = self.membership.scores()
-            self._set_state("loading", f"planning {model} over {len(scores)} node(s): {reason}")
+            planned = self.planned.get(preset.name)
+            alive = set(self.membership.alive_nodes())
+            if planned is None or planned.preset != preset or not planned.members <= alive:
+                planned = await self.measure(preset)
+            self._set_state("loading", f"loading {preset.name} on {len(planned.route.hops)} stage(s)")
             self._last_replan = time.monotonic()
             try:
-                manifest = await ensure_model_files(self.client, self.store, model, lambda m: [],
-                                                    self._sources(model, holdings))
-                plan = make_plan(scores, manifest.n_layers, replicate_head_ratio=self.config.replicate_head_ratio,
-                                 replica_count=self.config.replica_count,
-                                 min_layers_per_node=self.config.min_layers_per_node)
-                route = choose_route(plan, scores, self._telemetry(scores))
-                await self._deploy(plan, route, model, degraded=False, holdings=holdings)
-            except (NcmError, ShardsError) as error:
-                self._set_state("failed", f"cannot serve {model}: {error}")
-                return
-            self._set_state("ok", f"serving {model} on {len(route.hops)} stage(s)")
+                deployment = await self._deploy(preset.name, planned.plan, planned.route, preset.store_model,
+                                                preset.settings, degraded=False, holdings=self.holdings())
+            except (NcmError, ShardsError):
+                await self._drop_orders(preset.name)
+                self._settle_state()
+                raise
+            self._settle_state()
+            return deployment
 
-    async def recover(self, broken: _Deployment, dead: set[str]) -> _Deployment:
-        """Fail over from ``broken`` after ``dead`` nodes died (§6, §7); returns what to use now."""
+    async def unload(self, name: str, *, keep_plan: bool = False) -> None:
+        """Drop model ``name`` from every worker (sleep: ``keep_plan``, the next load reuses it)."""
         async with self._lock:
-            current = self.active
+            self.deployments.pop(name, None)
+            if not keep_plan:
+                self.planned.pop(name, None)
+            await self._drop_orders(name)
+            self._settle_state()
+
+    async def _drop_orders(self, name: str) -> None:
+        election = self.membership.election
+        epoch = election.epoch if election else self.worker.newest_epoch
+
+        async def drop(node_id: str) -> None:
+            if node_id == self.node_id:
+                await self.worker.unload(name, epoch)
+            else:
+                await self.client.request_json("POST", self.membership.address_of(node_id), UNLOAD_PATH,
+                                               {"name": name, "epoch": epoch}, timeout_s=UNLOAD_TIMEOUT_S)
+
+        nodes = sorted(self.membership.alive_nodes())
+        results = await asyncio.gather(*(drop(n) for n in nodes), return_exceptions=True)
+        for node_id, result in zip(nodes, results):
+            if isinstance(result, BaseException):
+                log.warning("node %s did not unload %s: %s", node_id, name, result)
+
+    async def replan(self, name: str, reason: str) -> None:
+        """Plan a loaded model again over every live node and deploy it (§8)."""
+        async with self._lock:
+            preset = self.preset_of(name)
+            if name not in self.deployments or preset is None or not self.membership.is_orchestrator:
+                return
+            self._last_replan = time.monotonic()
+            try:
+                planned = await self.measure(preset)
+                deployment = await self._deploy(name, planned.plan, planned.route, preset.store_model,
+                                                preset.settings, degraded=False, holdings=self.holdings())
+            except (NcmError, ShardsError) as error:
+                log.warning("cannot re-plan %s (%s); it keeps its plan", name, error)
+                return
+            log.info("re-planned %s: %s", name, reason)
+            self.on_deployment(name, deployment, reason)
+            self._settle_state()
+
+    async def recover(self, broken: Deployment, dead: set[str]) -> Deployment:
+        """Fail over from ``broken`` after ``dead`` nodes died (§6, §7); returns what to use now."""
+        name = broken.name
+        async with self._lock:
+            current = self.deployments.get(name)
             if current is not None and current is not broken and not (set(current.order.route.nodes) & dead):
                 return current  # another request already recovered
             base = current or broken
             alive = set(self.membership.alive_nodes()) - dead
-            holdings = {n: m for n, m in self._holdings().items() if n in alive}
+            holdings = {n: m for n, m in self.holdings().items() if n in alive}
             scores = {n: s for n, s in self.membership.scores().items() if n in alive}
             telemetry = self._telemetry(scores)
             try:
@@ -239,11 +377,10 @@ class Orchestrator:
                     decision = failover(base.order.route, dead, base.plan, alive, telemetry, allow_fallback=False)
                     plan, route, model = base.plan, decision.route, base.order.model
                     degraded = base.order.degraded
-                    message = f"lost {', '.join(sorted(dead))}; replicas took over"
+                    message = f"{name}: lost {', '.join(sorted(dead))}; replicas took over"
                 except RoutingFailure as failure:
                     if not self.config.allow_fallback:
-                        self._set_state("failed", f"{failure}")
-                        raise ClusterError(str(failure)) from None
+                        raise ClusterError(f"{name}: {failure}") from None
                     model = self.resolve_fallback(holdings)
                     manifest = await ensure_model_files(self.client, self.store, model, lambda m: [],
                                                         self._sources(model, holdings))
@@ -252,49 +389,56 @@ class Orchestrator:
                                         survivor_scores=scores)
                     assert decision.plan is not None
                     plan, route, degraded = decision.plan, decision.route, True
-                    message = f"lost {', '.join(sorted(dead))} and layers {describe_layers(list(decision.lost_layers))}; serving {model}"
-                deployment = await self._deploy(plan, route, model, degraded=degraded, holdings=holdings)
-            except ClusterError as error:
-                if "no surviving node" in str(error) or not alive:
-                    self._set_state("failed", str(error))
-                raise
+                    message = (f"{name}: lost {', '.join(sorted(dead))} and layers "
+                               f"{describe_layers(list(decision.lost_layers))}; serving {model}")
+                deployment = await self._deploy(name, plan, route, model, base.settings, degraded=degraded,
+                                                holdings=holdings)
             except (NcmError, ShardsError) as error:
-                self._set_state("failed", f"failover failed: {error}")
-                raise ClusterError(f"failover failed: {error}") from None
+                reason = str(error) if isinstance(error, ClusterError) else f"failover failed: {error}"
+                self.deployments.pop(name, None)
+                self.planned.pop(name, None)
+                self._set_state("failed", reason)
+                self.on_deployment(name, None, reason)
+                raise ClusterError(reason) from None
             self._set_state("degraded" if degraded else "ok", message)
+            self.on_deployment(name, deployment, message)
             return deployment
 
     async def _adopt_after_election(self) -> None:
-        """A new orchestrator rebuilds its view from the orders workers report (newest wins)."""
-        orders: list[RoutingOrder] = []
-        if self.worker.current is not None:
-            orders.append(self.worker.current)
-        for extra in self.membership.peer_extras().values():
-            raw = (extra.get("worker") or {}).get("order")
-            if raw:
+        """A new orchestrator rebuilds its view from the orders workers report (newest per model)."""
+        newest: dict[str, RoutingOrder] = {}
+        reports = [self.worker.status()] + [extra.get("worker") or {} for extra in self.membership.peer_extras().values()]
+        for report in reports:
+            for raw in report.get("orders") or []:
                 try:
-                    orders.append(RoutingOrder.from_json(raw))
+                    order = RoutingOrder.from_json(raw)
                 except NcmError:
                     continue
-        if not orders:
-            await self.replan("first deployment")
-            return
-        newest = max(orders, key=lambda o: o.plan_version)
+                if order.name not in newest or order.plan_version > newest[order.name].plan_version:
+                    newest[order.name] = order
         alive = set(self.membership.alive_nodes())
-        dead = set(newest.route.nodes) - alive
-        log.info("taking over plan %d of epoch %d from the workers' reports", newest.plan_version, newest.epoch)
-        try:
-            adopted = _Deployment(newest, plan_from_dict(newest.plan), await self._tokenizer(newest.model))
-            if dead:
-                await self.recover(adopted, dead)
-            else:
-                async with self._lock:
-                    await self._deploy(adopted.plan, newest.route, newest.model, degraded=newest.degraded,
-                                       holdings=self._holdings())
-                    self._set_state("degraded" if newest.degraded else "ok", f"took over serving {newest.model}")
-        except (NcmError, ShardsError) as error:
-            log.warning("could not take over plan %d (%s); re-planning", newest.plan_version, error)
-            await self.replan("new orchestrator")
+        for name, order in sorted(newest.items()):
+            preset = self.preset_of(name)
+            settings = preset.settings if preset is not None else ModelSettings(
+                max_context=order.max_context or self.config.max_context,
+                prefill_chunk=order.prefill_chunk or self.config.prefill_chunk)
+            log.info("taking over plan %d of %s (epoch %d) from the workers' reports", order.plan_version, name, order.epoch)
+            try:
+                adopted = Deployment(name, order, plan_from_dict(order.plan), await self._tokenizer(order.model),
+                                     settings, {})
+                dead = set(order.route.nodes) - alive
+                if dead:
+                    await self.recover(adopted, dead)
+                else:
+                    async with self._lock:
+                        deployment = await self._deploy(name, adopted.plan, order.route, order.model, settings,
+                                                        degraded=order.degraded, holdings=self.holdings())
+                    self.on_deployment(name, deployment, f"took over serving {order.model}")
+            except (NcmError, ShardsError) as error:
+                log.warning("could not take over %s (%s); it is unloaded", name, error)
+                await self._drop_orders(name)
+                self.on_deployment(name, None, f"could not take over: {error}")
+        self._settle_state()
 
     async def run(self) -> None:
         """React to membership changes while this node is the orchestrator (owned by the app)."""
@@ -306,40 +450,42 @@ class Orchestrator:
             if not self.membership.is_orchestrator:
                 if was_orchestrator:
                     log.info("no longer the orchestrator")
+                    self.on_role(False)
                 was_orchestrator = False
-                self.active = None
+                self.deployments.clear()
+                self.planned.clear()
                 self.state, self.message = "follower", "another node is the orchestrator"
                 continue
             await asyncio.sleep(SETTLE_S)  # let a burst of changes settle
             changes.clear()
             try:
+                members = frozenset(self.membership.alive_nodes())
                 if not was_orchestrator:
                     was_orchestrator = True
+                    self._deployed_members = members
                     await self._adopt_after_election()
+                    self.on_role(True)
                     continue
-                members = frozenset(self.membership.alive_nodes())
-                active = self.active
-                lost = set(active.order.route.nodes) - members if active else set()
-                if active is not None and lost:
-                    await self.recover(active, lost)
-                elif active is None or members - self._deployed_members:
+                for deployment in list(self.deployments.values()):
+                    lost = set(deployment.order.route.nodes) - members
+                    if lost:
+                        with contextlib.suppress(ClusterError):
+                            await self.recover(deployment, lost)
+                self.on_members(members)
+                if self.deployments and members - self._deployed_members:
                     wait_s = self._last_replan + self.config.replan_min_interval_s - time.monotonic()
                     if wait_s > 0:
                         log.info("re-planning in %.1f s (minimum interval between re-plans)", wait_s)
                         await asyncio.sleep(wait_s)
                         changes.set()  # look again after the pause
                         continue
-                    await self.replan("a node joined" if active else "first deployment")
+                    for name in list(self.deployments):
+                        await self.replan(name, "a node joined")
+                self._deployed_members = members
             except ClusterError as error:
                 log.error("%s", error)
 
     # --- requests ---------------------------------------------------------------------------
-    def require_serving(self) -> _Deployment:
-        active = self.active
-        if active is None or self.state not in ("ok", "degraded"):
-            raise NotServingError(f"the cluster is not serving ({self.state}: {self.message})")
-        return active
-
     async def _step(self, order: RoutingOrder, header: dict[str, Any], tensor: np.ndarray, timeout_s: float) -> int | None:
         head = order.route.hops[0].node_id
         try:
@@ -349,9 +495,10 @@ class Orchestrator:
             raise StageError("stage_timeout", f"the pipeline did not answer within {timeout_s:g} s", head) from None
         return result["token"]
 
-    async def _prefill(self, order: RoutingOrder, sid: str, ids: list[int], sampling: dict[str, Any]) -> int:
+    async def _prefill(self, deployment: Deployment, order: RoutingOrder, sid: str, ids: list[int],
+                       sampling: dict[str, Any]) -> int:
         """Feed ``ids`` from position 0 in chunks; the last chunk samples the next token."""
-        chunk = self.config.prefill_chunk
+        chunk = deployment.settings.prefill_chunk
         token: int | None = None
         for seq, start in enumerate(range(0, len(ids), chunk)):
             header = {"kind": "step", "sid": sid, "seq": seq, "layer": 0, "start": start, "epoch": order.epoch,
@@ -360,15 +507,15 @@ class Orchestrator:
         assert token is not None
         return token
 
-    async def complete(self, prompt_ids: list[int], params: SamplingParams) -> AsyncIterator[Completion]:
+    async def complete(self, deployment: Deployment, prompt_ids: list[int], params: SamplingParams) -> AsyncIterator[Completion]:
         """Generate from ``prompt_ids``: yields text pieces, the last event has the finish reason.
 
         When a stage fails, the request continues on what :meth:`recover` returns, after
         replaying its tokens so far (prompt + generated) there: nothing is lost or repeated.
         """
-        deployment = self.require_serving()
-        if len(prompt_ids) + 1 > self.config.max_context:
-            raise ValueError(f"the prompt has {len(prompt_ids)} tokens; this cluster's context is {self.config.max_context}")
+        max_context = deployment.settings.max_context
+        if len(prompt_ids) + 1 > max_context:
+            raise ValueError(f"the prompt has {len(prompt_ids)} tokens; the context of {deployment.name} is {max_context}")
         sampling = {"temperature": params.temperature, "top_k": params.top_k, "top_p": params.top_p, "seed": params.seed}
         stream = TextStream(deployment.tokenizer, params)
         context = list(prompt_ids)  # every token whose KV the stages must hold before the next step
@@ -378,19 +525,20 @@ class Orchestrator:
             token = None
             while True:
                 order = deployment.order
+                served = order.model if order.degraded else order.name
                 try:
                     if token is None:
-                        token = await self._prefill(order, sid, context, sampling)
+                        token = await self._prefill(deployment, order, sid, context, sampling)
                     text = stream.push(token)
                     if stream.done:
-                        yield Completion(text, order.model, stream.finish_reason, len(prompt_ids), stream.completion_tokens)
+                        yield Completion(text, served, stream.finish_reason, len(prompt_ids), stream.completion_tokens)
                         return
-                    if len(context) + 1 >= self.config.max_context:
-                        yield Completion(text + stream.finish(FINISH_LENGTH), order.model, FINISH_LENGTH,
+                    if len(context) + 1 >= max_context:
+                        yield Completion(text + stream.finish(FINISH_LENGTH), served, FINISH_LENGTH,
                                          len(prompt_ids), stream.completion_tokens)
                         return
                     if text:
-                        yield Completion(text, order.model)
+                        yield Completion(text, served)
                     context.append(token)
                     header = {"kind": "step", "sid": sid, "seq": len(context), "layer": 0, "start": len(context) - 1,
                               "epoch": order.epoch, "plan": order.plan_version, "sample": True}
@@ -419,3 +567,4 @@ class Orchestrator:
         elif self.membership.table.url_of(head) is not None:
             link = await self.worker.links.get(head, order.addresses[head])
             await link.send({"kind": "close", "sid": sid, "layer": 0, "plan": order.plan_version})
+

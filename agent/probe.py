@@ -115,3 +115,21 @@ def probe_capacity(node_id: str, *, npu_tops: float | None = None, vram_gib: flo
         latency_ms=round(latency_ms, 1),
         load=round(load, 1),
     )
+
+
+def device_memory(*, vram_gib: float | None, ram_gib: float | None, held_bytes: int) -> dict[str, int]:
+    """The memory fragments live in, for the router's ledger: ``total_bytes`` and
+    ``external_bytes`` (what other programs use). A configured ``vram_gib`` / ``ram_gib`` is a
+    budget the operator reserved for ncm: its external use is 0. Otherwise, on GPUs the total
+    VRAM with nothing external known, and on CPUs the RAM, where external = total − available
+    − the models this agent holds (``held_bytes``; the agent's own runtime counts as external)."""
+    if vram_gib:
+        return {"total_bytes": int(vram_gib * GIB), "external_bytes": 0}
+    if ram_gib:
+        return {"total_bytes": int(ram_gib * GIB), "external_bytes": 0}
+    vram_bytes, _ = nvml_total_vram_bytes()
+    if vram_bytes:
+        return {"total_bytes": vram_bytes, "external_bytes": 0}
+    memory = psutil.virtual_memory()
+    external = memory.total - memory.available - held_bytes
+    return {"total_bytes": memory.total, "external_bytes": max(0, external)}

@@ -30,11 +30,12 @@ from agent.dataplane import STREAM_PATH, Links, StageError
 from agent.discovery import Discovery
 from agent.identity import load_or_create_node_id
 from agent.membership import DESCRIBE_PATH, Membership
-from agent.orchestrator import ROUTING_PATH, Orchestrator
+from agent.orchestrator import ROUTING_PATH, UNLOAD_PATH, Orchestrator
+from agent.router import ModelRouter
 from agent.peer_client import PeerClient
 from agent.sd_notify import SystemdNotifier, format_status, run_watchdog, watchdog_interval_s
 from agent.service_keys import (
-    CLIENT, CONFIG, DATA_PLANE_SOCKETS, LINKS, MEMBERSHIP, NODE_ID, ORCHESTRATOR, REPLAY_GUARD, STORE, WORKER,
+    CLIENT, CONFIG, DATA_PLANE_SOCKETS, LINKS, MEMBERSHIP, NODE_ID, ORCHESTRATOR, REPLAY_GUARD, ROUTER, STORE, WORKER,
 )
 from agent.weights import complete_models, describe_model_files, resolve_model_file
 from agent.worker import StaleOrderError, Worker
@@ -116,6 +117,20 @@ async def set_routing(request: web.Request) -> web.Response:
     except Exception as error:  # noqa: BLE001 - reported to the orchestrator, the agent keeps running
         log.exception("cannot apply plan %d", order.plan_version)
         return web.json_response({"error": f"{type(error).__name__}: {error}"}, status=500)
+
+
+@internal.post(UNLOAD_PATH)
+async def unload_model(request: web.Request) -> web.Response:
+    """The orchestrator drops a model (unloaded, evicted or asleep): free its fragments."""
+    try:
+        body = await request.json()
+        name, epoch = str(body["name"]), int(body["epoch"])
+    except (json.JSONDecodeError, KeyError, TypeError, ValueError):
+        return web.json_response({"error": "expected {\"name\": str, \"epoch\": int}"}, status=400)
+    try:
+        return web.json_response(await request.app[WORKER].unload(name, epoch))
+    except StaleOrderError as error:
+        return web.json_response({"error": str(error)}, status=409)
 
 
 @internal.get("/internal/state")
@@ -213,7 +228,11 @@ def build_app(config: AgentConfig, *, node_id: str, store: ModelStore, api_port:
         app[MEMBERSHIP] = Membership(config, node_id, client, api_port=api_port)
         app[WORKER] = Worker(node_id, config, store, client, app[LINKS])
         app[ORCHESTRATOR] = Orchestrator(node_id, config, app[MEMBERSHIP], app[WORKER], client, store)
-        app[MEMBERSHIP].extra_describe = lambda: {"models": complete_models(store), "worker": app[WORKER].status()}
+        app[ROUTER] = ModelRouter(config, store, app[ORCHESTRATOR], app[MEMBERSHIP])
+        app[MEMBERSHIP].extra_describe = lambda: {
+            "models": complete_models(store), "worker": app[WORKER].status(),
+            "device_memory": app[WORKER].device_memory(),
+        }
         yield
         await app[LINKS].close()
         app[WORKER].close()
@@ -226,6 +245,7 @@ def build_app(config: AgentConfig, *, node_id: str, store: ModelStore, api_port:
         tasks = [
             asyncio.create_task(app[MEMBERSHIP].run(), name="membership"),
             asyncio.create_task(app[ORCHESTRATOR].run(), name="orchestrator"),
+            asyncio.create_task(app[ROUTER].run(), name="model-router"),
             asyncio.create_task(app[WORKER].reap_idle_sessions(), name="session-reaper"),
         ]
         if discovery is not None:

@@ -1,8 +1,9 @@
 """The worker: the layer fragments this node serves, and the step handler of the data plane
 (run my layers, forward to the next stage, sample at the tail).
 
-A worker keeps the newest routing order and every older one that a request in flight still
-uses, so requests finish on the plan they started on; fragments no kept order needs are freed.
+A worker keeps, for every model the router has loaded, the newest routing order, plus every
+older one that a request in flight still uses, so requests finish on the plan they started on;
+fragments no kept order needs are freed. Unloading a model drops its order.
 """
 
 from __future__ import annotations
@@ -16,11 +17,13 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import psutil
 
 from agent.config import AgentConfig
 from agent.core.orders import RoutingOrder
 from agent.dataplane import Links, StageError, error_from_header
 from agent.peer_client import PeerClient
+from agent.probe import device_memory
 from agent.weights import ensure_model_files
 from shards.errors import ShardsError
 from shards.runner import FragmentRunner, OrtFragmentRunner
@@ -30,11 +33,15 @@ from shards.store import ModelStore
 log = logging.getLogger(__name__)
 SESSION_IDLE_TIMEOUT_S = 300.0
 SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "seed")
-RunnerKey = tuple[str, int, int]  # model, first layer, last layer
+RunnerKey = tuple[str, int, int, int, int]  # model, first layer, last layer, max context, prefill chunk
 
 
 def _ranges(keys: set[RunnerKey]) -> str:
-    return ", ".join(f"{a}-{b}" for _, a, b in sorted(keys))
+    return ", ".join(f"{k[1]}-{k[2]}" for k in sorted(keys))
+
+
+def _rss_bytes() -> int:
+    return psutil.Process().memory_info().rss
 
 
 class StaleOrderError(StageError):
@@ -59,7 +66,8 @@ class Worker:
         self.client = client
         self.links = links
         self.orders: dict[int, RoutingOrder] = {}
-        self.current: RoutingOrder | None = None
+        self.serving: dict[str, RoutingOrder] = {}  # router name -> newest order
+        self.memory_bytes: dict[str, int] = {}  # router name -> what loading it took (effective)
         self.newest_epoch = 0
         self.runners: dict[RunnerKey, FragmentRunner] = {}
         self.state = "idle"
@@ -73,18 +81,28 @@ class Worker:
         if epoch < self.newest_epoch:
             raise StaleOrderError(f"order from epoch {epoch} ignored: epoch {self.newest_epoch} is current")
 
+    @property
+    def current(self) -> RoutingOrder | None:
+        """The newest order of any model (None before the first)."""
+        return max(self.serving.values(), key=lambda o: o.plan_version, default=None)
+
+    def _key(self, order: RoutingOrder, first: int, last: int) -> RunnerKey:
+        return (order.model, first, last, order.max_context or self.config.max_context,
+                order.prefill_chunk or self.config.prefill_chunk)
+
     def _keys(self, order: RoutingOrder, *, with_standby: bool) -> set[RunnerKey]:
         ranges = order.ranges_for(self.node_id) if with_standby else {
             (h.layers.first, h.layers.last) for h in order.hops_of(self.node_id)}
-        return {(order.model, a, b) for a, b in ranges}
+        return {self._key(order, a, b) for a, b in ranges}
 
     async def apply(self, order: RoutingOrder) -> dict[str, Any]:
         """`set_routing`: hold the fragments ``order`` gives me (fetching weights first)."""
         self.check_epoch(order.epoch)
         async with self._apply_lock:
             self.check_epoch(order.epoch)
-            if self.current is not None and order.epoch == self.current.epoch and order.plan_version < self.current.plan_version:
-                raise StaleOrderError(f"plan {order.plan_version} is older than plan {self.current.plan_version}")
+            known = self.serving.get(order.name)
+            if known is not None and order.epoch == known.epoch and order.plan_version < known.plan_version:
+                raise StaleOrderError(f"plan {order.plan_version} is older than plan {known.plan_version}")
             self.newest_epoch = order.epoch
             wanted = self._keys(order, with_standby=True)
             missing = sorted(wanted - set(self.runners))
@@ -93,18 +111,23 @@ class Worker:
                 if missing:
                     await ensure_model_files(
                         self.client, self.store, order.model,
-                        lambda m: sorted({k for _, a, b in missing for k in m.fragment_files(a, b)}),
+                        lambda m: sorted({f for k in missing for f in m.fragment_files(k[1], k[2])}),
                         list(order.weight_sources),
                     )
+                rss_before = _rss_bytes()
                 for key in missing:
                     self.runners[key] = await asyncio.get_running_loop().run_in_executor(
-                        self.executor, self._open_runner, self.store.models_dir / order.model, key[1], key[2]
+                        self.executor, self._open_runner, self.store.models_dir / order.model, key
                     )
+                grown = _rss_bytes() - rss_before
             except Exception as error:
                 self.state, self.error = "failed", f"{type(error).__name__}: {error}"
                 raise
+            reported = sum(self.runners[k].memory_bytes() for k in wanted)
+            if missing or order.name not in self.memory_bytes:
+                self.memory_bytes[order.name] = max(reported, grown) + self._kv_budget_bytes(order, wanted)
             self.orders[order.plan_version] = order
-            self.current = order
+            self.serving[order.name] = order
             self._retire()
             self.state, self.error = "ready", None
             serving = self._keys(order, with_standby=False)
@@ -112,43 +135,76 @@ class Worker:
                      _ranges(serving) or "none", _ranges(wanted - serving) or "none")
             return self.status()
 
+    async def unload(self, name: str, epoch: int) -> dict[str, Any]:
+        """Drop the order of model ``name``: its fragments are freed (sessions in flight finish)."""
+        self.check_epoch(epoch)
+        async with self._apply_lock:
+            if self.serving.pop(name, None) is not None:
+                log.info("model %s unloaded", name)
+            self.memory_bytes.pop(name, None)
+            self._retire()
+            return self.status()
+
+    def device_memory(self) -> dict[str, int]:
+        """The device the fragments live in, for the router's memory ledger."""
+        return device_memory(vram_gib=self.config.vram_gib, ram_gib=self.config.ram_gib,
+                             held_bytes=sum(self.memory_bytes.values()))
+
+    def _kv_budget_bytes(self, order: RoutingOrder, keys: set[RunnerKey]) -> int:
+        """KV cache of one session at full context over the layers of ``keys``."""
+        try:
+            manifest = self.store.manifest(order.model)
+        except ShardsError:
+            return 0
+        layers = {layer for k in keys for layer in range(k[1], k[2] + 1)}
+        return manifest.kv_bytes_per_token(len(layers)) * (order.max_context or self.config.max_context)
+
     def _retire(self) -> None:
         """Forget orders no request uses any more, and free the fragments none of the rest needs."""
         in_use = {info.plan_version for info in self.sessions.values()}
+        newest = {order.plan_version for order in self.serving.values()}
         for version in list(self.orders):
-            if self.current is not None and version != self.current.plan_version and version not in in_use:
+            if version not in newest and version not in in_use:
                 del self.orders[version]
         needed: set[RunnerKey] = set()
         for order in self.orders.values():
-            needed |= self._keys(order, with_standby=order is self.current)
+            needed |= self._keys(order, with_standby=order.plan_version in newest)
         for key in [k for k in self.runners if k not in needed]:
             self.runners.pop(key).close()
 
-    def _open_runner(self, model_dir: Path, first: int, last: int) -> FragmentRunner:
+    def _open_runner(self, model_dir: Path, key: RunnerKey) -> FragmentRunner:
+        _, first, last, max_context, prefill_chunk = key
         return OrtFragmentRunner(
             model_dir, first, last,
             providers=list(self.config.providers) or None,
             threads=self.config.threads or None,
-            max_context=self.config.max_context,
-            prefill_chunk=self.config.prefill_chunk,
+            max_context=max_context,
+            prefill_chunk=prefill_chunk,
         )
 
     def status(self) -> dict[str, Any]:
         current = self.current
-        serving = self._keys(current, with_standby=False) if current else set()
+        models = {}
+        for name, order in sorted(self.serving.items()):
+            serving = self._keys(order, with_standby=False)
+            models[name] = {
+                "model": order.model, "plan_version": order.plan_version, "memory_bytes": self.memory_bytes.get(name, 0),
+                "fragments": [{"layers": [k[1], k[2]], "provider": self.runners[k].provider,
+                               "memory_bytes": self.runners[k].memory_bytes()} for k in sorted(serving) if k in self.runners],
+                "standby": [[k[1], k[2]] for k in sorted(self._keys(order, with_standby=True) - serving)],
+            }
         return {
             "state": self.state,
             "error": self.error,
             "model": current.model if current else None,
             "plan_version": current.plan_version if current else None,
             "epoch": self.newest_epoch,
-            "fragments": [
-                {"layers": [a, b], "provider": runner.provider, "memory_bytes": runner.memory_bytes()}
-                for (model, a, b), runner in sorted(self.runners.items()) if (model, a, b) in serving
-            ],
-            "standby": [[a, b] for (model, a, b) in sorted(self.runners) if (model, a, b) not in serving],
+            "fragments": [f for m in models.values() for f in m["fragments"]],
+            "standby": [r for m in models.values() for r in m["standby"]],
+            "models": models,
             "sessions": len(self.sessions),
             "order": current.to_json() if current else None,
+            "orders": [order.to_json() for _, order in sorted(self.serving.items())],
         }
 
     # --- data plane ----------------------------------------------------------------------------
@@ -169,7 +225,7 @@ class Worker:
         if order is None or header["epoch"] != order.epoch:
             raise StageError("stale_plan", f"node {self.node_id} does not know plan {header['plan']} of epoch {header['epoch']}", None)
         hop = order.hop_starting_at(header["layer"])
-        runner = self.runners.get((order.model, hop.layers.first, hop.layers.last)) if hop and hop.node_id == self.node_id else None
+        runner = self.runners.get(self._key(order, hop.layers.first, hop.layers.last)) if hop and hop.node_id == self.node_id else None
         if hop is None or runner is None:
             raise StageError("wrong_stage", f"node {self.node_id} does not serve layers starting at {header['layer']}", None)
         if tensor is None:
@@ -222,7 +278,7 @@ class Worker:
     async def close_session(self, sid: str, layer: int, plan_version: int | None = None) -> None:
         """Free ``sid`` here and pass the close down the route of the plan it used."""
         info = self.sessions.get(sid)
-        order = self.orders.get(plan_version if plan_version is not None else (info.plan_version if info else -1)) or self.current
+        order = self.orders.get(plan_version if plan_version is not None else (info.plan_version if info else -1))
         self._free(sid)
         self._retire()
         hop = order.hop_starting_at(layer) if order else None

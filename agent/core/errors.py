@@ -35,3 +35,7 @@ class WireError(NcmError, ValueError):
 
 class AuthError(WireError):
     """A peer request is not signed with the cluster key, is stale or is a replay."""
+
+
+class PresetError(NcmError):
+    """The presets file or a preset value is invalid."""

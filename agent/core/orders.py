@@ -29,8 +29,15 @@ class RoutingOrder:
     plan: Mapping[str, Any] = field(default_factory=dict)
     degraded: bool = False
     standby: Mapping[str, tuple[LayerRange, ...]] = field(default_factory=dict)
+    name: str = ""  # the router's name of what is served (its fallback model runs under it); "" = model
+    max_context: int = 0  # per-model settings for the fragments; 0 = the worker's configuration
+    prefill_chunk: int = 0
 
     def __post_init__(self) -> None:
+        if not self.name:
+            object.__setattr__(self, "name", self.model)
+        if self.max_context < 0 or self.prefill_chunk < 0 or (self.max_context and self.prefill_chunk > self.max_context):
+            raise WireError("routing order: max_context and prefill_chunk must be >= 0, prefill_chunk <= max_context")
         if self.epoch < 1 or self.plan_version < 1:
             raise WireError("routing order: epoch and plan_version must be >= 1")
         if self.route.total_layers != self.total_layers:
@@ -78,6 +85,9 @@ class RoutingOrder:
             "plan": dict(self.plan),
             "degraded": self.degraded,
             "standby": {node: [r.to_list() for r in ranges] for node, ranges in self.standby.items()},
+            "name": self.name,
+            "max_context": self.max_context,
+            "prefill_chunk": self.prefill_chunk,
         }
 
     @classmethod
@@ -102,6 +112,9 @@ class RoutingOrder:
                     str(node): tuple(LayerRange(int(a), int(b)) for a, b in ranges)
                     for node, ranges in dict(data.get("standby", {})).items()
                 },
+                name=str(data.get("name", "")),
+                max_context=int(data.get("max_context", 0)),
+                prefill_chunk=int(data.get("prefill_chunk", 0)),
             )
         except WireError:
             raise

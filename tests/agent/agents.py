@@ -8,6 +8,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -153,3 +154,33 @@ def cluster_ready(agent: Agent, nodes: int) -> dict | None:
     if status == 200 and body.get("state") == "ok" and len(body.get("nodes_alive", [])) == nodes:
         return body
     return None
+
+
+class ModelEvents:
+    """`GET /models/sse` of an agent, read in a thread: every event, in order."""
+
+    def __init__(self, agent: Agent) -> None:
+        self.events: list[dict[str, Any]] = []
+        self.failure: BaseException | None = None
+        self._response = urllib.request.urlopen(agent.url + "/models/sse", timeout=120)
+        self.thread = threading.Thread(target=self._read, daemon=True)
+        self.thread.start()
+
+    def _read(self) -> None:
+        try:
+            for raw in self._response:
+                line = raw.decode().strip()
+                if line.startswith("data: "):
+                    self.events.append(json.loads(line[len("data: "):]))
+        except Exception as error:  # noqa: BLE001 - reported by wait()
+            self.failure = error
+
+    def wait(self, condition: Callable[[dict[str, Any]], bool], *, after: int = 0, timeout_s: float = 120,
+             what: str = "a model event") -> dict[str, Any]:
+        """The first event from index ``after`` on that meets ``condition``."""
+        def found() -> dict[str, Any] | None:
+            return next((e for e in self.events[after:] if condition(e)), None)
+        return wait_for(found, timeout_s=timeout_s, what=what)
+
+    def close(self) -> None:
+        self._response.close()

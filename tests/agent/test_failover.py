@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.agent.agents import Agent, cluster_ready, make_agents, wait_for
+from tests.agent.agents import Agent, ModelEvents, cluster_ready, make_agents, wait_for
 
 pytestmark = pytest.mark.slow
 MAIN, FALLBACK = "smollm2-135m", "smollm2-135m-q4"
@@ -276,15 +276,24 @@ def test_a_new_node_given_one_peer_joins_and_the_model_is_rebalanced_over_it(cha
         newcomer.stop()
 
 
-def test_without_fallback_a_lost_layer_fails_requests_clearly(chaos, monkeypatch):
+def test_without_fallback_a_lost_layer_fails_the_model_and_the_next_request_reloads_it(chaos, monkeypatch):
     monkeypatch.setitem(CHAOS_ENV, "NCM_ALLOW_FALLBACK", "false")
     agents = chaos(orchestrator=0)
-    stream = Stream(agents[1])
-    stream.wait_pieces(4)
-    agents[2].kill()  # the tail: layers nobody else holds
-    stream.join()
-    assert stream.errors and not stream.done  # RoutingFailure: an error event, never a hang
-    status = status_of(agents[0])
-    assert status["state"] == "failed" and "no live holder" in status["message"]
-    code, body = agents[1].post("/v1/chat/completions", {"messages": QUESTION, "max_tokens": 4})
-    assert code == 503 and body["error"]["code"] == "cluster_unavailable"
+    events = ModelEvents(agents[0])
+    try:
+        stream = Stream(agents[1])
+        stream.wait_pieces(4)
+        agents[2].kill()  # the tail: layers nobody else holds
+        stream.join()
+        assert stream.errors and not stream.done  # RoutingFailure: an error event, never a hang
+        failed = events.wait(lambda e: e["model"] == MAIN and e["state"] == "failed", what="the failed state on SSE")
+        assert "no live holder" in failed["reason"] and failed["memory"]["effective_bytes"] == {}
+        status = status_of(agents[0])
+        assert status["state"] == "failed" and "no live holder" in status["message"]
+        # The model is not lost for good: the next request plans it again over the survivors.
+        code, body = agents[1].post("/v1/chat/completions", {"messages": QUESTION, "max_tokens": 4})
+        assert code == 200 and body["model"] == MAIN, body
+        events.wait(lambda e: e["model"] == MAIN and e["state"] == "ready", after=events.events.index(failed))
+        assert len(status_of(agents[0])["route"]) == 2
+    finally:
+        events.close()

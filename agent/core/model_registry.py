@@ -1,0 +1,385 @@
+"""Bookkeeping of the model router (seed 000, at cluster scale). Pure: time is a parameter.
+
+A model is *loaded* when its fragments are planned and running on the devices. States:
+``unloaded``, ``measuring`` (its per-device memory is being worked out), ``loading``,
+``ready``, ``sleeping`` (plan kept, device memory released) and ``failed`` (with a reason).
+
+Requests waiting for the same model share one queue entry; only the entry at the head of the
+queue may load, and only one loader runs per model (the entry is *claimed*). Capacity has two
+ledgers: ``models_max`` (models loading or ready across the cluster; 0 = no limit) and device
+memory: every device has ``total - external - margin`` bytes for models; a loading model
+reserves its measured minimum, a ready one holds what its workers reported (effective). When a
+load does not fit, the least recently used idle model is evicted, one at a time; a model
+serving a request, loading, being stopped or waited for is never a victim. When nothing can be
+evicted the head entry is refused (the caller answers 503 with Retry-After).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+
+from agent.core.errors import NcmError
+
+STATES = ("unloaded", "measuring", "loading", "ready", "sleeping", "failed")
+RETRY_AFTER_BUSY_S = 10.0
+MIB = 1024 * 1024
+
+
+class RouterError(NcmError):
+    """The model router cannot serve the request."""
+
+
+class UnknownModelError(RouterError):
+    def __init__(self, name: str, known: Iterable[str]) -> None:
+        self.known = tuple(sorted(known))
+        super().__init__(f"model {name!r} does not exist; known models: {', '.join(self.known) or 'none'}")
+
+
+class ModelNotLoadedError(RouterError):
+    """Autoload is off and the model is not loaded."""
+
+
+class CapacityError(RouterError):
+    """The model does not fit now (``retry_after_s`` set) or at all (None)."""
+
+    def __init__(self, message: str, retry_after_s: float | None) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
+class ModelLoadError(RouterError):
+    """Loading (or measuring) the model failed."""
+
+
+@dataclass(frozen=True)
+class DeviceMemory:
+    """What a device has: its total memory and what other programs use of it."""
+
+    total_bytes: int
+    external_bytes: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("total_bytes", "external_bytes"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise RouterError(f"device memory: {name} must be an integer >= 0, got {value!r}")
+
+
+@dataclass
+class ModelEntry:
+    """One model's bookkeeping (mutated only by :class:`ModelRegistry`)."""
+
+    name: str
+    state: str = "unloaded"
+    reason: str | None = None
+    last_used_s: float = 0.0
+    active_requests: int = 0
+    min_bytes: dict[str, int] | None = None  # per node, measured before loading
+    effective_bytes: dict[str, int] | None = None  # per node, reported once loaded
+    stopping: bool = False  # an unload or sleep is under way
+    listed: bool = True  # still in the sources (a model dropped by a reload stays until unloaded)
+    resting_state: str = "unloaded"  # where a measure that did not lead to a load returns
+
+    def held_bytes(self) -> Mapping[str, int]:
+        """Device memory this model counts against: effective when known, else its reservation."""
+        if self.state not in ("loading", "ready"):
+            return {}
+        return self.effective_bytes or self.min_bytes or {}
+
+    def to_dict(self) -> dict[str, object]:
+        return {
+            "state": self.state, "reason": self.reason, "last_used_s": self.last_used_s,
+            "active_requests": self.active_requests, "stopping": self.stopping,
+            "memory": {"min_bytes": dict(self.min_bytes or {}), "effective_bytes": dict(self.effective_bytes or {})},
+        }
+
+
+@dataclass
+class QueueEntry:
+    """Every request waiting for one model. ``outcome`` is set when the entry leaves the queue."""
+
+    model: str
+    waiters: int = 0
+    claimed: bool = False
+    outcome: RouterError | None = None
+    done: bool = False
+
+
+@dataclass(frozen=True)
+class Load:
+    """Claimed: measure the model (``measure``) or load it; then call back the registry."""
+
+    model: str
+    measure: bool
+
+
+@dataclass(frozen=True)
+class Evict:
+    """Unload the idle model ``victim`` to make room for ``model``; then call :meth:`unloaded`."""
+
+    victim: str
+    model: str
+
+
+@dataclass(frozen=True)
+class Refuse:
+    """The head entry was dropped: its waiters get ``error``."""
+
+    model: str
+    error: CapacityError
+
+
+Action = Load | Evict | Refuse
+
+
+@dataclass
+class ModelRegistry:
+    """Models, their states, the wait queue and both capacity ledgers."""
+
+    models_max: int = 0
+    memory_margin_bytes: int = 0
+    entries: dict[str, ModelEntry] = field(default_factory=dict)
+    queue: list[QueueEntry] = field(default_factory=list)
+    devices: dict[str, DeviceMemory] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.models_max < 0 or self.memory_margin_bytes < 0:
+            raise RouterError("models_max and memory_margin_bytes must be >= 0")
+
+    # --- sources ---------------------------------------------------------------------------
+    def set_models(self, names: Iterable[str]) -> None:
+        """The models the sources list now (a reload): new ones are added unloaded; a model that
+        left stays until it is unloaded. Nothing is loaded here."""
+        wanted = set(names)
+        for name in wanted:
+            entry = self.entries.setdefault(name, ModelEntry(name))
+            entry.listed = True
+        for name, entry in list(self.entries.items()):
+            if name not in wanted:
+                entry.listed = False
+                self._drop_if_gone(entry)
+
+    def _drop_if_gone(self, entry: ModelEntry) -> None:
+        if not entry.listed and entry.state in ("unloaded", "failed", "sleeping") and not entry.stopping \
+                and self.find(entry.name) is None:
+            self.entries.pop(entry.name, None)
+
+    def entry(self, name: str) -> ModelEntry:
+        try:
+            return self.entries[name]
+        except KeyError:
+            raise UnknownModelError(name, self.entries) from None
+
+    def set_devices(self, devices: Mapping[str, DeviceMemory]) -> None:
+        self.devices = dict(devices)
+
+    # --- the queue -------------------------------------------------------------------------
+    def find(self, name: str) -> QueueEntry | None:
+        return next((q for q in self.queue if q.model == name), None)
+
+    def join(self, name: str) -> QueueEntry:
+        """A request waits for ``name``; requests for one model share one entry."""
+        self.entry(name)
+        queued = self.find(name)
+        if queued is None:
+            queued = QueueEntry(name)
+            self.queue.append(queued)
+        queued.waiters += 1
+        return queued
+
+    def leave(self, ticket: QueueEntry) -> None:
+        """A waiter is gone (served, failed or disconnected). A claimed load still completes."""
+        ticket.waiters = max(0, ticket.waiters - 1)
+        if ticket.waiters == 0 and not ticket.claimed and not ticket.done:
+            self._pop(ticket, None)
+
+    def _pop(self, ticket: QueueEntry, outcome: RouterError | None) -> None:
+        if ticket in self.queue:
+            self.queue.remove(ticket)
+        ticket.done, ticket.claimed, ticket.outcome = True, False, outcome
+        if ticket.model in self.entries:
+            self._drop_if_gone(self.entries[ticket.model])
+
+    # --- capacity --------------------------------------------------------------------------
+    def loaded_count(self) -> int:
+        return sum(1 for e in self.entries.values() if e.state in ("loading", "ready"))
+
+    def budget_bytes(self, node: str) -> int | None:
+        """Memory of ``node`` usable by models (None: the node never reported, no limit)."""
+        device = self.devices.get(node)
+        if device is None:
+            return None
+        return device.total_bytes - device.external_bytes - self.memory_margin_bytes
+
+    def held_bytes(self, node: str, *, without: Iterable[str] = ()) -> int:
+        skip = set(without)
+        return sum(e.held_bytes().get(node, 0) for e in self.entries.values() if e.name not in skip)
+
+    def shortfall(self, need: Mapping[str, int], *, without: Iterable[str] = ()) -> dict[str, int]:
+        """Per node, how many bytes ``need`` lacks (empty: it fits)."""
+        short = {}
+        for node, need_bytes in need.items():
+            budget = self.budget_bytes(node)
+            if budget is None:
+                continue
+            missing = need_bytes - (budget - self.held_bytes(node, without=without))
+            if missing > 0:
+                short[node] = missing
+        return short
+
+    def _evictable(self) -> list[ModelEntry]:
+        """Idle ready models, least recently used first."""
+        return sorted((e for e in self.entries.values()
+                       if e.state == "ready" and e.active_requests == 0 and not e.stopping and self.find(e.name) is None),
+                      key=lambda e: (e.last_used_s, e.name))
+
+    def _over_count(self, without: Iterable[str] = ()) -> bool:
+        skip = set(without)
+        count = sum(1 for e in self.entries.values() if e.state in ("loading", "ready") and e.name not in skip)
+        return self.models_max > 0 and count >= self.models_max
+
+    def next_action(self) -> Action | None:
+        """What to do for the head of the queue now (None: nothing, or wait for what runs)."""
+        while self.queue:
+            head = self.queue[0]
+            if head.claimed:
+                return None
+            entry = self.entries[head.model]
+            if entry.state == "ready" and not entry.stopping:
+                self._pop(head, None)
+                continue
+            if entry.stopping or any(e.stopping for e in self.entries.values()):
+                return None  # an unload is under way: decide once it has freed its memory
+            if entry.min_bytes is None:
+                head.claimed = True
+                entry.resting_state, entry.state = entry.state, "measuring"
+                return Load(head.model, measure=True)
+            if not self.shortfall(entry.min_bytes) and not self._over_count():
+                head.claimed = True
+                entry.state, entry.reason, entry.effective_bytes = "loading", None, None
+                return Load(head.model, measure=False)
+            victims = self._victims_for(entry)
+            if victims:
+                victims[0].stopping = True
+                return Evict(victims[0].name, head.model)
+            error = self._refusal(entry)
+            self._pop(head, error)
+            return Refuse(head.model, error)
+        return None
+
+    def _victims_for(self, entry: ModelEntry) -> list[ModelEntry]:
+        """The LRU idle models whose unloading makes ``entry`` fit ([] when no such set exists)."""
+        need = entry.min_bytes or {}
+        chosen: list[ModelEntry] = []
+        for candidate in self._evictable():
+            gone = [e.name for e in chosen]
+            if not self.shortfall(need, without=gone) and not self._over_count(gone):
+                break
+            short = self.shortfall(need, without=gone)
+            if self._over_count(gone) or any(candidate.held_bytes().get(n, 0) > 0 for n in short):
+                chosen.append(candidate)
+        gone = [e.name for e in chosen]
+        if self.shortfall(need, without=gone) or self._over_count(gone):
+            return []
+        return chosen
+
+    def _refusal(self, entry: ModelEntry) -> CapacityError:
+        need = entry.min_bytes or {}
+        for node, need_bytes in sorted(need.items()):
+            budget = self.budget_bytes(node)
+            if budget is not None and need_bytes > budget:
+                return CapacityError(
+                    f"model {entry.name!r} needs {need_bytes / MIB:.0f} MiB on node {node}, which has "
+                    f"{max(budget, 0) / MIB:.0f} MiB for models even with nothing else loaded; "
+                    f"add a device or lower the model's context", None)
+        busy = sorted(e.name for e in self.entries.values()
+                      if e.state in ("loading", "ready") and e.name != entry.name)
+        limit = f"models_max={self.models_max} reached" if self._over_count() else "device memory is full"
+        return CapacityError(
+            f"cannot load model {entry.name!r} now: {limit} and every loaded model ({', '.join(busy)}) is "
+            f"serving, loading or waited for; retry later", RETRY_AFTER_BUSY_S)
+
+    # --- outcomes of what the adapter ran -------------------------------------------------------
+    def measured(self, name: str, min_bytes: Mapping[str, int]) -> None:
+        """The measure of the claimed head is in; the next :meth:`next_action` decides the load."""
+        entry = self.entry(name)
+        if any(v < 0 for v in min_bytes.values()):
+            raise RouterError("memory figures must be >= 0")
+        entry.min_bytes = dict(min_bytes)
+        if entry.state == "measuring":
+            entry.state = entry.resting_state
+        head = self.find(name)
+        if head is not None:
+            head.claimed = False
+
+    def forget_measure(self, name: str) -> None:
+        """The devices changed: a model that is not loaded measures again before its next load."""
+        entry = self.entries.get(name)
+        if entry is not None and entry.state in ("unloaded", "sleeping", "failed"):
+            entry.min_bytes = None
+
+    def loaded(self, name: str, effective_bytes: Mapping[str, int], *, now: float) -> None:
+        entry = self.entry(name)
+        entry.state, entry.reason, entry.last_used_s = "ready", None, now
+        entry.effective_bytes = dict(effective_bytes) or None
+        head = self.find(name)
+        if head is not None:
+            self._pop(head, None)
+
+    def failed(self, name: str, reason: str) -> None:
+        """Measuring or loading failed, or a loaded model lost a device it cannot do without."""
+        entry = self.entries.get(name)
+        if entry is None:
+            return
+        entry.state, entry.reason, entry.stopping, entry.effective_bytes = "failed", reason, False, None
+        head = self.find(name)
+        if head is not None and head.claimed:
+            self._pop(head, ModelLoadError(f"model {name!r} failed to load: {reason}"))
+        self._drop_if_gone(entry)
+
+    def update_effective(self, name: str, effective_bytes: Mapping[str, int]) -> None:
+        entry = self.entries.get(name)
+        if entry is not None and entry.state == "ready":
+            entry.effective_bytes = dict(effective_bytes) or None
+
+    def begin_stop(self, name: str) -> bool:
+        """Start unloading or sleeping ``name``; False when it is busy, waited for or not loaded."""
+        entry = self.entries.get(name)
+        if entry is None or entry.state != "ready" or entry.active_requests or entry.stopping or self.find(name):
+            return False
+        entry.stopping = True
+        return True
+
+    def unloaded(self, name: str) -> None:
+        entry = self.entries.get(name)
+        if entry is None:
+            return
+        entry.state, entry.stopping, entry.effective_bytes, entry.reason = "unloaded", False, None, None
+        self._drop_if_gone(entry)
+
+    def slept(self, name: str) -> None:
+        entry = self.entries.get(name)
+        if entry is None:
+            return
+        entry.state, entry.stopping, entry.effective_bytes = "sleeping", False, None
+        self._drop_if_gone(entry)
+
+    def sleep_candidates(self, now: float, idle_s: Mapping[str, float]) -> list[str]:
+        """Idle ready models whose ``idle_s`` (0 = never) has passed since their last use."""
+        return sorted(e.name for e in self._evictable()
+                      if idle_s.get(e.name, 0) > 0 and now - e.last_used_s >= idle_s[e.name])
+
+    # --- requests ----------------------------------------------------------------------------
+    def begin_request(self, name: str, *, now: float) -> None:
+        entry = self.entry(name)
+        if entry.state != "ready" or entry.stopping:
+            raise ModelNotLoadedError(f"model {name!r} is {entry.state}")
+        entry.active_requests += 1
+        entry.last_used_s = now
+
+    def end_request(self, name: str, *, now: float) -> None:
+        entry = self.entries.get(name)
+        if entry is not None and entry.active_requests > 0:
+            entry.active_requests -= 1
+            entry.last_used_s = max(entry.last_used_s, now)

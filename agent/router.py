@@ -1,0 +1,392 @@
+"""The model router: many models behind the one API (seed 000, at cluster scale).
+
+The orchestrator plays llama.cpp's router for the whole cluster: a model is *loaded* when its
+fragments are planned and running on the devices. This module is the I/O around the pure
+bookkeeping of :mod:`agent.core.model_registry`: it reads the sources (the model stores of the
+live nodes and the presets file), runs the loads, evictions and sleeps the registry decides on
+(each as a task it owns), and sends every state change to the `GET /models/sse` subscribers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from agent.config import AgentConfig
+from agent.core.errors import ClusterError, PresetError
+from agent.core.model_registry import (
+    MIB, DeviceMemory, Evict, Load, ModelLoadError, ModelNotLoadedError, ModelRegistry, Refuse, RouterError,
+    UnknownModelError,
+)
+from agent.core.presets import ModelPreset, ModelSettings, PresetFile, build_models, parse_presets, resolve_name
+from agent.membership import Membership
+from agent.orchestrator import Deployment, Orchestrator
+from shards.store import ModelStore
+
+log = logging.getLogger(__name__)
+SLEEP_CHECK_INTERVAL_S = 1.0
+WAIT_POLL_S = 0.5
+SSE_QUEUE_LENGTH = 256
+SETTING_FIELDS = {"max_context": "max_context", "prefill_chunk": "prefill_chunk",
+                  "replicate_head_ratio": "replicate_head_ratio", "replica_count": "replica_count",
+                  "sleep_idle_s": "sleep_idle_s"}  # agent setting -> model setting
+
+
+class RequestCancelled(RouterError):
+    """The client went away while its request waited for a model."""
+
+
+class ModelBusyError(RouterError):
+    """The model cannot be unloaded now: it is serving, loading or waited for."""
+
+
+class ModelRouter:
+    def __init__(self, config: AgentConfig, store: ModelStore, orchestrator: Orchestrator,
+                 membership: Membership) -> None:
+        self.config = config
+        self.store = store
+        self.orchestrator = orchestrator
+        self.membership = membership
+        self.registry = ModelRegistry(models_max=config.models_max,
+                                      memory_margin_bytes=config.models_memory_margin_mib * MIB)
+        self.presets: dict[str, ModelPreset] = {}
+        self.enabled = False  # this node is the orchestrator
+        self._preset_file: PresetFile | None = None
+        self._changed = asyncio.Event()
+        self._subscribers: set[asyncio.Queue[dict[str, Any]]] = set()
+        self._tasks: asyncio.TaskGroup | None = None
+        self._members: frozenset[str] = frozenset()
+        orchestrator.on_role = self._on_role
+        orchestrator.on_members = self._on_members
+        orchestrator.on_deployment = self._on_deployment
+        orchestrator.preset_of = self._preset_of
+
+    # --- sources -----------------------------------------------------------------------------
+    def _read_preset_file(self) -> PresetFile | None:
+        path = self.config.models_preset
+        if path is None:
+            return None
+        try:
+            text = path.read_text(encoding="utf-8")
+        except OSError as error:
+            raise PresetError(f"cannot read the presets file {str(path)!r}: {error.strerror}") from None
+        return parse_presets(text, origin=str(path))
+
+    def reload(self, *, reread_file: bool = True) -> None:
+        """Re-read the sources (stores of the live nodes, presets file); loads nothing new.
+        A bad presets file raises PresetError and keeps what was there."""
+        preset_file = self._read_preset_file() if reread_file else self._preset_file
+        stored = {m.name: m.context_length for m in self.store.list()}
+        for models in self.orchestrator.holdings().values():
+            for name in models:
+                stored.setdefault(name, max(self.config.max_context, 16))
+        overrides = {SETTING_FIELDS[k]: getattr(self.config, k) for k in self.config.explicit if k in SETTING_FIELDS}
+        defaults = ModelSettings(max_context=self.config.max_context, prefill_chunk=self.config.prefill_chunk,
+                                 replicate_head_ratio=self.config.replicate_head_ratio,
+                                 replica_count=self.config.replica_count, sleep_idle_s=self.config.sleep_idle_s)
+        presets = build_models(stored, preset_file, defaults=defaults, overrides=overrides,
+                               startup_models=[self.config.model])
+        self._preset_file, self.presets = preset_file, presets
+        before = set(self.registry.entries)
+        self.registry.set_models(presets)
+        for name in sorted(set(self.registry.entries) ^ before):
+            self._emit(name)
+
+    def _preset_of(self, name: str) -> ModelPreset | None:
+        if not self.presets:
+            with contextlib.suppress(PresetError):
+                self.reload()
+        return self.presets.get(name)
+
+    def resolve(self, name: str | None) -> str:
+        """The canonical name of ``name`` (an alias, or None for the main model)."""
+        wanted = name or self.config.model
+        canonical = resolve_name(self.presets, wanted)
+        if canonical is None:
+            with contextlib.suppress(PresetError):
+                self.reload(reread_file=False)  # a model imported since the last look
+            canonical = resolve_name(self.presets, wanted)
+        if canonical is None or canonical not in self.registry.entries:
+            raise UnknownModelError(wanted, self.presets)
+        return canonical
+
+    # --- hooks from the orchestrator ----------------------------------------------------------
+    def _on_role(self, is_orchestrator: bool) -> None:
+        self.enabled = is_orchestrator
+        if not is_orchestrator:
+            for ticket in list(self.registry.queue):
+                self.registry.queue.remove(ticket)
+                ticket.done, ticket.outcome = True, ModelLoadError("this node stopped being the orchestrator; retry")
+            self.registry.entries.clear()
+            self._notify()
+            return
+        try:
+            self.reload()
+        except PresetError as error:
+            log.error("%s; serving the stored models without presets", error)
+            self.reload(reread_file=False)
+        self._members = frozenset(self.membership.alive_nodes())
+        self._update_devices()
+        for name, deployment in self.orchestrator.deployments.items():
+            self._adopted(name, deployment)
+        for name, preset in self.presets.items():
+            if preset.settings.load_on_startup and self.registry.entries[name].state == "unloaded":
+                self._spawn(self._preload(name), f"preload {name}")
+
+    def _adopted(self, name: str, deployment: Deployment) -> None:
+        if name in self.registry.entries and self.registry.entries[name].state != "ready":
+            self.registry.loaded(name, deployment.effective_bytes, now=time.monotonic())
+            self._emit(name)
+
+    def _on_members(self, members: frozenset[str]) -> None:
+        self._update_devices()
+        if members != self._members:
+            self._members = members
+            for name in list(self.registry.entries):
+                self.registry.forget_measure(name)
+            with contextlib.suppress(PresetError):
+                self.reload(reread_file=False)
+        self._tick()
+
+    def _on_deployment(self, name: str, deployment: Deployment | None, reason: str) -> None:
+        entry = self.registry.entries.get(name)
+        if entry is None:
+            return
+        if deployment is None:
+            self.registry.failed(name, reason)
+        elif entry.state == "ready":
+            self.registry.update_effective(name, deployment.effective_bytes)
+        else:
+            self._adopted(name, deployment)
+        self._emit(name, reason=reason)
+        self._tick()
+
+    def _update_devices(self) -> None:
+        devices = {}
+        reports = {self.orchestrator.node_id: self.orchestrator.worker.device_memory()}
+        reports.update({n: e.get("device_memory") for n, e in self.membership.peer_extras().items()})
+        for node, report in reports.items():
+            if isinstance(report, dict):
+                with contextlib.suppress(RouterError, TypeError):
+                    devices[node] = DeviceMemory(int(report["total_bytes"]), int(report["external_bytes"]))
+        self.registry.set_devices(devices)
+
+    # --- scheduling ----------------------------------------------------------------------------
+    def _spawn(self, coro: Any, name: str) -> None:
+        if self._tasks is None:
+            coro.close()
+            raise ClusterError("the model router is not running")
+        self._tasks.create_task(coro, name=name)
+
+    def _notify(self) -> None:
+        self._changed.set()
+        self._changed = asyncio.Event()
+
+    def _tick(self) -> None:
+        """Carry out what the registry decides for the head of the queue."""
+        while self.enabled:
+            action = self.registry.next_action()
+            if action is None:
+                break
+            if isinstance(action, Load):
+                self._emit(action.model)
+                self._spawn(self._run_load(action), f"load {action.model}")
+            elif isinstance(action, Evict):
+                log.info("evicting %s (least recently used, idle) to load %s", action.victim, action.model)
+                self._spawn(self._run_stop(action.victim, sleep=False, reason=f"evicted for {action.model}"),
+                            f"evict {action.victim}")
+            elif isinstance(action, Refuse):
+                log.warning("%s", action.error)
+                self._emit(action.model, reason=str(action.error))
+        self._notify()
+
+    async def _run_load(self, action: Load) -> None:
+        name = action.model
+        preset = self.presets.get(name)
+        try:
+            if preset is None:
+                raise ModelLoadError(f"model {name!r} is no longer in the sources")
+            if action.measure:
+                planned = await self.orchestrator.measure(preset)
+                self.registry.measured(name, planned.min_bytes)
+                log.info("%s needs %s", name, ", ".join(f"{n[:8]} {b / MIB:.0f} MiB" for n, b in sorted(planned.min_bytes.items())))
+            else:
+                deployment = await self.orchestrator.load(preset)
+                self.registry.loaded(name, deployment.effective_bytes, now=time.monotonic())
+        except asyncio.CancelledError:
+            self.registry.failed(name, "the router stopped")
+            raise
+        except Exception as error:  # noqa: BLE001 - any failure of a load is recorded, the agent goes on
+            reason = str(error) or type(error).__name__
+            log.warning("%s %s failed: %s", "measuring" if action.measure else "loading", name, reason)
+            self.registry.failed(name, reason)
+        self._emit(name)
+        self._tick()
+
+    async def _run_stop(self, name: str, *, sleep: bool, reason: str) -> None:
+        preset = self.presets.get(name)
+        timeout_s = preset.settings.stop_timeout_s if preset else 10.0
+        try:
+            async with asyncio.timeout(timeout_s):
+                await self.orchestrator.unload(name, keep_plan=sleep)
+        except TimeoutError:
+            log.warning("unloading %s took over %g s (stop-timeout); counting it as unloaded", name, timeout_s)
+        except Exception as error:  # noqa: BLE001
+            log.warning("unloading %s: %s", name, error)
+        finally:
+            if sleep:
+                self.registry.slept(name)
+            else:
+                self.registry.unloaded(name)
+            self._emit(name, reason=reason)
+            self._tick()
+
+    async def _preload(self, name: str) -> None:
+        with contextlib.suppress(RouterError, ClusterError):
+            await self._wait_ready(name, autoload=True, should_stop=lambda: False)
+
+    async def run(self) -> None:
+        """Own the loads, evictions and sleeps; put models to sleep when idle (owned by the app)."""
+        async with asyncio.TaskGroup() as tasks:
+            self._tasks = tasks
+            try:
+                while True:
+                    await asyncio.sleep(SLEEP_CHECK_INTERVAL_S)
+                    if not self.enabled:
+                        continue
+                    idle = {name: preset.settings.sleep_idle_s for name, preset in self.presets.items()}
+                    for name in self.registry.sleep_candidates(time.monotonic(), idle):
+                        if self.registry.begin_stop(name):
+                            log.info("%s idle for %g s: sleeping (plan kept)", name, idle[name])
+                            self._spawn(self._run_stop(name, sleep=True, reason="idle"), f"sleep {name}")
+            finally:
+                self._tasks = None
+
+    # --- requests --------------------------------------------------------------------------------
+    async def _wait_ready(self, name: str, *, autoload: bool, should_stop: Callable[[], bool]) -> Deployment:
+        """Wait until ``name`` is ready, loading it if needed; returns its deployment."""
+        if not self.enabled:
+            raise ClusterError("this node is not the orchestrator; the cluster is changing, retry")
+        ticket = None
+        deadline = time.monotonic() + self.config.models_load_timeout_s
+        try:
+            while True:
+                entry = self.registry.entry(name)
+                deployment = self.orchestrator.deployments.get(name)
+                if entry.state == "ready" and not entry.stopping:
+                    if deployment is not None:
+                        return deployment
+                    self.registry.failed(name, "its deployment is gone")
+                if ticket is not None and ticket.done:
+                    self.registry.leave(ticket)
+                    outcome, ticket = ticket.outcome, None
+                    if outcome is not None:
+                        raise outcome
+                    continue
+                if ticket is None:
+                    if not autoload and entry.state not in ("measuring", "loading", "sleeping", "ready"):
+                        raise ModelNotLoadedError(f"model {name!r} is not loaded ({entry.state}) and autoload is off; "
+                                                  f"load it with POST /models/load or pass ?autoload=true")
+                    ticket = self.registry.join(name)
+                    self._tick()
+                    continue
+                if should_stop():
+                    raise RequestCancelled(f"the client left while {name} was loading")
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise ModelLoadError(f"model {name!r} was not ready within {self.config.models_load_timeout_s:g} s")
+                changed = self._changed
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(min(WAIT_POLL_S, remaining)):
+                        await changed.wait()
+        finally:
+            if ticket is not None:
+                self.registry.leave(ticket)
+                self._tick()
+
+    @contextlib.asynccontextmanager
+    async def use(self, name: str, *, autoload: bool | None = None,
+                  should_stop: Callable[[], bool] = lambda: False) -> AsyncIterator[Deployment]:
+        """Serve one inference request on ``name``: wait until it is ready, count it as busy."""
+        autoload = self.config.models_autoload if autoload is None else autoload
+        while True:
+            deployment = await self._wait_ready(name, autoload=autoload, should_stop=should_stop)
+            with contextlib.suppress(ModelNotLoadedError):  # it began stopping in between: wait again
+                self.registry.begin_request(name, now=time.monotonic())
+                break
+        try:
+            yield deployment
+        finally:
+            self.registry.end_request(name, now=time.monotonic())
+            self._tick()
+
+    async def load(self, name: str) -> dict[str, Any]:
+        """`POST /models/load`: load ``name`` (waits until it is ready)."""
+        await self._wait_ready(name, autoload=True, should_stop=lambda: False)
+        return self.model_info(name)
+
+    async def unload(self, name: str) -> dict[str, Any]:
+        """`POST /models/unload`: unload an idle model; a busy one is refused (no preemption)."""
+        entry = self.registry.entry(name)
+        if entry.state == "sleeping":
+            self.orchestrator.planned.pop(name, None)
+            self.registry.unloaded(name)
+            self._emit(name, reason="unloaded on request")
+        elif entry.state in ("unloaded", "failed"):
+            pass
+        elif not self.registry.begin_stop(name):
+            raise ModelBusyError(f"model {name!r} is {entry.state} with {entry.active_requests} request(s) in flight"
+                                 f"{' and requests waiting' if self.registry.find(name) else ''}; retry when it is idle")
+        else:
+            await self._run_stop(name, sleep=False, reason="unloaded on request")
+        return self.model_info(name)
+
+    # --- views and events --------------------------------------------------------------------------
+    def model_info(self, name: str) -> dict[str, Any]:
+        entry = self.registry.entry(name)
+        preset = self.presets.get(name)
+        deployment = self.orchestrator.deployments.get(name)
+        queued = self.registry.find(name)
+        info: dict[str, Any] = {"id": name, "object": "model", "owned_by": "ncm", **entry.to_dict(),
+                                "waiters": queued.waiters if queued else 0}
+        if preset is not None:
+            info.update(aliases=list(preset.aliases), source=preset.source, store_model=preset.store_model,
+                        settings={k: getattr(preset.settings, k) for k in (
+                            "max_context", "prefill_chunk", "replicate_head_ratio", "replica_count",
+                            "load_on_startup", "stop_timeout_s", "sleep_idle_s", "weights")})
+        if deployment is not None:
+            info.update(serving=deployment.order.model, degraded=deployment.order.degraded,
+                        plan_version=deployment.order.plan_version)
+        return info
+
+    def models(self) -> list[dict[str, Any]]:
+        return [self.model_info(name) for name in sorted(self.registry.entries)]
+
+    def _emit(self, name: str, *, reason: str | None = None) -> None:
+        if not self._subscribers or name not in self.registry.entries:
+            return
+        event = {"event": "status_change", "model": name, **self.model_info(name)}
+        if reason is not None:
+            event["detail"] = reason
+        for queue in list(self._subscribers):
+            if queue.full():
+                self._subscribers.discard(queue)  # a reader that stopped reading is dropped
+            else:
+                queue.put_nowait(event)
+
+    @contextlib.contextmanager
+    def subscribe(self) -> Any:
+        """Events of every state change, starting with the state of every model."""
+        models = self.models()
+        queue: asyncio.Queue[dict[str, Any]] = asyncio.Queue(SSE_QUEUE_LENGTH + len(models))
+        for info in models:
+            queue.put_nowait({"event": "status_change", "model": info["id"], **info})
+        self._subscribers.add(queue)
+        try:
+            yield queue
+        finally:
+            self._subscribers.discard(queue)
