@@ -7,6 +7,7 @@ OpenAI error shape: {"error": {"message", "type", "param", "code"}}.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import time
@@ -282,7 +283,7 @@ async def models_sse(request: web.Request) -> web.StreamResponse:
         return proxied
     response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
     await response.prepare(request)
-    with request.app[ROUTER].subscribe() as events:
+    with request.app[ROUTER].subscribe() as events, contextlib.suppress(ConnectionResetError):
         while True:
             try:
                 async with asyncio.timeout(SSE_KEEPALIVE_S):
@@ -292,6 +293,7 @@ async def models_sse(request: web.Request) -> web.StreamResponse:
                 continue
             kind = event.pop("event")
             await response.write(f"event: {kind}\ndata: {json.dumps(event)}\n\n".encode())
+    return response
 
 
 async def _read_json(request: web.Request) -> Any:

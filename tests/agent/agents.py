@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -17,6 +18,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 REPO = Path(__file__).resolve().parents[2]
+MAIN, FALLBACK = "smollm2-135m", "smollm2-135m-q4"
 CLUSTER_KEY = "test-cluster-key-0123456789"
 FAST_TIMING = {
     "NCM_HEALTH_INTERVAL_S": "0.3",
@@ -147,6 +149,13 @@ def make_agents(tmp: Path, model_home: Path, count: int, *, extra_env: dict[str,
         for agent in agents:
             agent.start([f"--peer={other.url}" for other in agents if other is not agent])
     return agents
+
+
+def linked_copy(store_root: Path, dest: Path) -> Path:
+    """Each agent gets the models as hard links (no fragments: each builds its own)."""
+    shutil.copytree(store_root / "models", dest / "models", copy_function=os.link,
+                    ignore=shutil.ignore_patterns("fragments", ".*"))
+    return dest
 
 
 def cluster_ready(agent: Agent, nodes: int) -> dict | None:

@@ -9,8 +9,6 @@ With 30 layers, head ratio 0.8 and one replica, the head owner's layers all have
 from __future__ import annotations
 
 import json
-import os
-import shutil
 import threading
 import time
 import urllib.request
@@ -18,32 +16,14 @@ from pathlib import Path
 
 import pytest
 
-from tests.agent.agents import Agent, ModelEvents, cluster_ready, make_agents, wait_for
+from tests.agent.agents import FALLBACK, MAIN, Agent, ModelEvents, cluster_ready, linked_copy, make_agents, wait_for
 
 pytestmark = pytest.mark.slow
-MAIN, FALLBACK = "smollm2-135m", "smollm2-135m-q4"
 QUESTION = [{"role": "user", "content": "Tell me about the history of Paris, the capital of France, in detail."}]
 TOKENS = 40
 CAPACITY = [{"NCM_VRAM_GIB": "24"}, {"NCM_VRAM_GIB": "8"}, {"NCM_VRAM_GIB": "0"}]
 CHAOS_ENV = {"NCM_REPLICATE_HEAD_RATIO": "0.8", "NCM_REPLICA_COUNT": "1", "NCM_REPLAN_MIN_INTERVAL_S": "2",
              "NCM_RAM_GIB": "4"}
-
-
-@pytest.fixture(scope="session")
-def full_store(smollm2_store, smollm2_gguf):
-    """The model store with the default model in f32 and its q4 copy (the fallback)."""
-    from shards.importer import import_model
-
-    if not smollm2_store.has(FALLBACK):
-        import_model(smollm2_gguf, name=FALLBACK, weights="q4", store=smollm2_store, progress=False)
-    return smollm2_store
-
-
-def linked_copy(store_root: Path, dest: Path) -> Path:
-    """Each agent gets the models as hard links (no fragments: each builds its own)."""
-    shutil.copytree(store_root / "models", dest / "models", copy_function=os.link,
-                    ignore=shutil.ignore_patterns("fragments", ".*"))
-    return dest
 
 
 def start_chaos_cluster(tmp: Path, store_root: Path, orchestrator: int) -> list[Agent]:

@@ -1,0 +1,234 @@
+"""The model router on a real 3-agent cluster with three small models where only two fit.
+
+The models are copies of the q4 SmolLM2 under three names. Every agent has the same memory
+budget (``ram_gib``, no external use counted) and NPU figures that pin the plan: agent-0 is
+the strongest, so it holds the embedding and most layers of every model, and it is the device
+where a third model does not fit. The budget is checked against the measured need in the
+test itself, so the premise cannot drift silently.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+from tests.agent.agents import FALLBACK, Agent, ModelEvents, linked_copy, make_agents, wait_for
+
+pytestmark = pytest.mark.slow
+MODELS = ("alpha", "beta", "gamma")
+BUDGET_GIB = 0.4
+QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+PRESETS = """
+[*]
+context = 1024
+prefill-chunk = 128
+
+[alpha]
+aliases = a, first
+
+[beta]
+context = 512
+
+[gamma]
+context = 4096
+
+[chat]
+model = gamma
+aliases = assistant
+"""
+ROUTER_ENV = {"NCM_VRAM_GIB": "0", "NCM_RAM_GIB": str(BUDGET_GIB), "NCM_REPLICATE_HEAD_RATIO": "0",
+              "NCM_MODELS_MEMORY_MARGIN_MIB": "0", "NCM_MODEL": "alpha", "NCM_PREFILL_CHUNK": "64",
+              "NCM_REPLAN_MIN_INTERVAL_S": "600"}
+NPU_TOPS = ("100", "30", "0")
+
+
+def copy_model(source: Path, target: Path) -> None:
+    """The model in ``source`` under the name of ``target``: weights hard-linked, manifest renamed."""
+    for path in source.rglob("*"):
+        if path.is_file() and path.name != "manifest.json" and "fragments" not in path.relative_to(source).parts:
+            (target / path.relative_to(source)).parent.mkdir(parents=True, exist_ok=True)
+            os.link(path, target / path.relative_to(source))
+    manifest = json.loads((source / "manifest.json").read_text())
+    manifest["name"] = target.name
+    (target / "manifest.json").write_text(json.dumps(manifest))
+
+
+@pytest.fixture(scope="module")
+def cluster(full_store, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("router")
+    models_dir = tmp / "models-source" / "models"
+    models_dir.mkdir(parents=True)
+    for name in MODELS:
+        copy_model(full_store.models_dir / FALLBACK, models_dir / name)
+    presets = tmp / "models.ini"
+    presets.write_text(PRESETS)
+    homes = [linked_copy(models_dir.parent, tmp / f"home-{i}") for i in range(3)]
+    agents = make_agents(tmp, homes[0], 3, extra_env={**ROUTER_ENV, "NCM_MODELS_PRESET": str(presets)}, start=False)
+    for index, agent in enumerate(agents):
+        agent.env.update(NCM_HOME=str(homes[index]), NCM_NPU_TOPS=NPU_TOPS[index])
+    agents[0].env["NCM_ORCHESTRATOR"] = "true"
+    for agent in agents:
+        agent.start([f"--peer={other.url}" for other in agents if other is not agent])
+    wait_for(lambda: state_of(agents[0], "alpha") == "ready" and len(agents[0].get("/cluster/status")[1].get("nodes_alive", [])) == 3,
+             timeout_s=300, what="alpha loaded at start")
+    yield agents, presets
+    for agent in agents:
+        agent.stop()
+    for agent in agents:
+        print(f"--- {agent.name} ---\n{agent.log()[-6000:]}")
+
+
+def models_of(agent: Agent, query: str = "") -> dict[str, dict]:
+    status, body = agent.get("/models" + query)
+    assert status == 200, body
+    return {m["id"]: m for m in body["data"]}
+
+
+def state_of(agent: Agent, name: str) -> str | None:
+    status, body = agent.get("/models")
+    return {m["id"]: m["state"] for m in body["data"]}.get(name) if status == 200 else None
+
+
+def ask(agent: Agent, model: str, max_tokens: int = 2) -> tuple[int, dict]:
+    return agent.post("/v1/chat/completions", {"model": model, "messages": QUESTION, "max_tokens": max_tokens,
+                                               "temperature": 0}, timeout_s=300)
+
+
+def unload_all(agent: Agent) -> None:
+    for name, info in models_of(agent).items():
+        if info["state"] not in ("unloaded", "failed"):
+            status, body = agent.post("/models/unload", {"model": name})
+            assert status == 200, body
+
+
+class LongStream:
+    """A streamed request that keeps its model busy until it ends."""
+
+    def __init__(self, agent: Agent, model: str, max_tokens: int = 160) -> None:
+        self.started = threading.Event()
+        self.result: tuple[int, list[str]] | None = None
+        self.thread = threading.Thread(target=self._run, args=(agent, model, max_tokens), daemon=True)
+        self.thread.start()
+        assert self.started.wait(120), "the stream never started"
+
+    def _run(self, agent: Agent, model: str, max_tokens: int) -> None:
+        import urllib.request
+
+        body = json.dumps({"model": model, "messages": QUESTION, "max_tokens": max_tokens, "stream": True,
+                           "temperature": 0.8, "seed": 1, "stop": []}).encode()
+        request = urllib.request.Request(agent.url + "/v1/chat/completions", data=body,
+                                         headers={"Content-Type": "application/json"})
+        lines: list[str] = []
+        with urllib.request.urlopen(request, timeout=300) as response:
+            for raw in response:
+                if raw.startswith(b"data: "):
+                    lines.append(raw.decode().strip())
+                    self.started.set()
+            self.result = (response.status, lines)
+
+    def join(self) -> tuple[int, list[str]]:
+        self.thread.join(300)
+        assert self.result is not None, "the stream broke"
+        return self.result
+
+
+def test_presets_and_aliases_take_effect_in_the_documented_order(cluster):
+    agents, presets = cluster
+    models = models_of(agents[1])  # any agent answers: this one asks the orchestrator
+    assert set(models) == {*MODELS, "chat"}
+    alpha, beta, gamma, chat = (models[n]["settings"] for n in ("alpha", "beta", "gamma", "chat"))
+    assert alpha["max_context"] == 1024 and chat["max_context"] == 1024  # [*] over the model default (2048)
+    assert beta["max_context"] == 512 and gamma["max_context"] == 4096  # the model's section over [*]
+    assert all(s["prefill_chunk"] == 64 for s in (alpha, beta, gamma, chat))  # the agent's setting over [*]
+    assert alpha["load_on_startup"] and not beta["load_on_startup"]  # the agent's main model
+    assert models["chat"]["store_model"] == "gamma" and models["chat"]["aliases"] == ["assistant"]
+    assert models["alpha"]["aliases"] == ["a", "first"]
+
+    status, body = ask(agents[2], "first")  # an alias resolves to its model
+    assert status == 200 and body["model"] == "alpha", body
+    status, body = ask(agents[2], "nope")
+    assert status == 404 and body["error"]["code"] == "model_not_found"
+    assert "alpha" in body["error"]["message"] and "chat" in body["error"]["message"]
+
+    presets.write_text(PRESETS + "\n[delta]\nmodel = beta\n")
+    assert "delta" not in models_of(agents[0])
+    reloaded = models_of(agents[0], "?reload=1")
+    assert reloaded["delta"]["state"] == "unloaded"  # listed, not loaded
+    assert {n for n, m in reloaded.items() if m["state"] != "unloaded"} <= {"alpha"}
+
+    status, body = agents[0].get("/v1/models")
+    assert status == 200 and {m["id"] for m in body["data"]} == {*MODELS, "chat", "delta"}
+
+
+def test_fifty_requests_for_an_unloaded_model_cause_one_load(cluster):
+    agents, _ = cluster
+    unload_all(agents[0])
+    events = ModelEvents(agents[0])
+    try:
+        with ThreadPoolExecutor(50) as pool:
+            answers = list(pool.map(lambda i: ask(agents[i % 3], "beta"), range(50)))
+        assert all(status == 200 and body["model"] == "beta" for status, body in answers), answers[:3]
+        beta = [e for e in events.events if e["model"] == "beta"]
+        assert [e["state"] for e in beta].count("measuring") == 1
+        assert [e["state"] for e in beta].count("loading") == 1
+        assert models_of(agents[0])["beta"]["state"] == "ready"
+    finally:
+        events.close()
+
+
+def test_a_third_model_evicts_the_idle_lru_never_the_busy_one(cluster):
+    agents, _ = cluster
+    unload_all(agents[0])
+    assert ask(agents[0], "beta")[0] == 200  # beta: used first (the least recently used)
+    assert ask(agents[0], "alpha")[0] == 200  # alpha: used last, idle
+    models = models_of(agents[0])
+    node = agents[0].node_id()
+    budget = BUDGET_GIB * 2**30
+    held = sum(models[n]["memory"]["effective_bytes"][node] for n in ("alpha", "beta"))
+    assert held <= budget, f"premise: alpha and beta fit on {node[:8]} ({held} bytes)"
+
+    events = ModelEvents(agents[0])
+    try:
+        busy = LongStream(agents[1], "beta")  # beta is busy: it must not be the victim
+        status, body = ask(agents[2], "gamma")
+        assert status == 200 and body["model"] == "gamma", body
+        need = models_of(agents[0])["gamma"]["memory"]["min_bytes"][node]
+        assert held + need > budget, f"premise: gamma does not fit next to alpha and beta ({held} + {need})"
+        evicted = events.wait(lambda e: e["model"] == "alpha" and e["state"] == "unloaded", what="alpha evicted")
+        assert evicted["detail"] == "evicted for gamma"
+        assert not any(e["model"] == "beta" and e["state"] != "ready" for e in events.events)
+        status, lines = busy.join()
+        assert status == 200 and lines[-1] == "data: [DONE]"  # the busy model's stream was never cut
+
+        # Both loaded models busy: a fourth load has nothing to evict and is refused clearly.
+        first, second = LongStream(agents[1], "beta"), LongStream(agents[2], "gamma")
+        status, body = ask(agents[0], "alpha")
+        assert status == 503 and body["error"]["code"] == "model_capacity", body
+        assert "retry later" in body["error"]["message"]
+        first.join(), second.join()
+    finally:
+        events.close()
+    models = models_of(agents[0])
+    assert {n for n, m in models.items() if m["state"] == "ready"} == {"beta", "gamma"}
+
+
+def test_autoload_off_and_management_endpoints(cluster):
+    agents, _ = cluster
+    unload_all(agents[0])
+    status, body = agents[1].post("/v1/chat/completions?autoload=false",
+                                  {"model": "beta", "messages": QUESTION, "max_tokens": 2})
+    assert status == 400 and body["error"]["code"] == "model_not_loaded", body
+    status, body = agents[1].post("/models/load", {"model": "a"})
+    assert status == 200 and body["model"]["id"] == "alpha" and body["model"]["state"] == "ready"
+    status, body = agents[1].post("/v1/chat/completions?autoload=false",
+                                  {"model": "alpha", "messages": QUESTION, "max_tokens": 2})
+    assert status == 200, body
+    status, body = agents[1].post("/models/unload", {"model": "alpha"})
+    assert status == 200 and body["model"]["state"] == "unloaded"
+    status, body = agents[1].post("/models/load", {"modle": "alpha"})
+    assert status == 400 and body["error"]["param"] == "model"
