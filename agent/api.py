@@ -325,12 +325,16 @@ async def _completion(request: web.Request, *, chat: bool) -> web.StreamResponse
     if proxied is not None:
         return proxied
     router = request.app[ROUTER]
+    arrived = time.perf_counter()
     name = router.resolve(parsed.model)
     async with router.use(name, autoload=autoload, should_stop=_client_gone(request)) as deployment:
-        return await _generate(request, parsed, deployment, chat=chat)
+        # Server-Timing: how long the router held the request (resolve, load or wake, admission).
+        timing = {"Server-Timing": f"router;dur={1000 * (time.perf_counter() - arrived):.3f}"}
+        return await _generate(request, parsed, deployment, chat=chat, headers=timing)
 
 
-async def _generate(request: web.Request, parsed: ChatRequest, deployment: Deployment, *, chat: bool) -> web.StreamResponse:
+async def _generate(request: web.Request, parsed: ChatRequest, deployment: Deployment, *, chat: bool,
+                    headers: dict[str, str]) -> web.StreamResponse:
     orchestrator = request.app[ORCHESTRATOR]
     tokenizer = deployment.tokenizer
     if chat:
@@ -361,11 +365,12 @@ async def _generate(request: web.Request, parsed: ChatRequest, deployment: Deplo
         else:
             choice["text"] = text_out
         return web.json_response({"id": ident, "object": "chat.completion" if chat else "text_completion",
-                                  "created": created, "model": last.model, "choices": [choice], "usage": usage})
+                                  "created": created, "model": last.model, "choices": [choice], "usage": usage},
+                                 headers=headers)
 
     # Streaming: the first step runs before the headers go out, so early failures are still 4xx/5xx.
     first = await anext(events)
-    response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+    response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache", **headers})
     await response.prepare(request)
     kind = "chat.completion.chunk" if chat else "text_completion"
 

@@ -147,3 +147,39 @@ def test_internal_endpoints_need_the_cluster_key_and_reject_replays(cluster):
     # Routing orders too: unsigned ones never reach the worker.
     status, _ = http("POST", agent.url + "/internal/routing", {"epoch": 99}, timeout_s=5)
     assert status == 401
+
+
+def test_the_official_openai_client_gets_answers_streams_and_clear_errors(cluster):
+    import openai
+
+    client = openai.OpenAI(base_url=cluster[1].url + "/v1", api_key="unused", max_retries=0, timeout=120)
+    assert "smollm2-135m" in [model.id for model in client.models.list()]
+
+    chat = client.chat.completions.create(model="smollm2-135m", messages=QUESTION, max_tokens=16, temperature=0)
+    assert chat.model == "smollm2-135m" and chat.choices[0].finish_reason in ("stop", "length")
+    assert 0 < chat.usage.completion_tokens <= 16 and "Paris" in chat.choices[0].message.content
+
+    pieces, usage = [], None
+    for chunk in client.chat.completions.create(model="smollm2-135m", messages=QUESTION, max_tokens=16, temperature=0,
+                                                stream=True, stream_options={"include_usage": True}):
+        pieces += [choice.delta.content or "" for choice in chunk.choices]
+        usage = chunk.usage or usage
+    assert "".join(pieces) == chat.choices[0].message.content  # greedy: the same answer streamed
+    assert usage is not None and usage.completion_tokens == chat.usage.completion_tokens
+    assert usage.prompt_tokens == chat.usage.prompt_tokens
+
+    text = client.completions.create(model="smollm2-135m", prompt="The capital of France is", max_tokens=12,
+                                     temperature=0, stop=["\n"])
+    assert text.choices[0].finish_reason in ("stop", "length") and "\n" not in text.choices[0].text
+    seeded = [client.chat.completions.create(model="smollm2-135m", messages=QUESTION, max_tokens=8, temperature=0.9,
+                                             top_p=0.9, seed=7).choices[0].message.content for _ in range(2)]
+    assert seeded[0] == seeded[1]
+
+    with pytest.raises(openai.NotFoundError) as unknown:
+        client.chat.completions.create(model="gpt-4o", messages=QUESTION)
+    assert "smollm2-135m" in unknown.value.message  # the error lists the models there are
+    with pytest.raises(openai.BadRequestError) as bad:
+        client.chat.completions.create(model="smollm2-135m", messages=QUESTION, temperature=-1)
+    assert bad.value.body["param"] == "temperature"
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(model="smollm2-135m", messages=QUESTION, n=2)
