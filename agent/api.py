@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import logging
 import time
@@ -179,11 +180,18 @@ async def _ask_orchestrator(request: web.Request) -> web.StreamResponse | None:
     return response
 
 
+def on_orchestrator(handler: Any) -> Any:
+    """Run ``handler`` on the orchestrator: other agents pass the request on to it."""
+    @functools.wraps(handler)
+    async def wrapper(request: web.Request) -> web.StreamResponse:
+        proxied = await _ask_orchestrator(request)
+        return proxied if proxied is not None else await handler(request)
+    return wrapper
+
+
 @routes.get("/cluster/status")
+@on_orchestrator
 async def cluster_status(request: web.Request) -> web.StreamResponse:
-    proxied = await _ask_orchestrator(request)
-    if proxied is not None:
-        return proxied
     orchestrator = request.app[ORCHESTRATOR]
     membership = request.app[MEMBERSHIP]
     return web.json_response({
@@ -194,10 +202,8 @@ async def cluster_status(request: web.Request) -> web.StreamResponse:
 
 
 @routes.get("/cluster/plan")
+@on_orchestrator
 async def cluster_plan(request: web.Request) -> web.StreamResponse:
-    proxied = await _ask_orchestrator(request)
-    if proxied is not None:
-        return proxied
     orchestrator = request.app[ORCHESTRATOR]
     plan, order = orchestrator.plan, orchestrator.order
     if plan is None or order is None:
@@ -213,10 +219,8 @@ async def cluster_plan(request: web.Request) -> web.StreamResponse:
 
 # --- OpenAI surface ------------------------------------------------------------------------------
 @routes.get("/v1/models")
+@on_orchestrator
 async def list_models(request: web.Request) -> web.StreamResponse:
-    proxied = await _ask_orchestrator(request)
-    if proxied is not None:
-        return proxied
     router = request.app[ROUTER]
     return web.json_response({"object": "list", "data": [
         {"id": info["id"], "object": "model", "created": 0, "owned_by": "ncm"} for info in router.models()]})
@@ -239,48 +243,33 @@ def _client_gone(request: web.Request) -> Callable[[], bool]:
 
 
 @routes.get("/models")
+@on_orchestrator
 async def models(request: web.Request) -> web.StreamResponse:
-    proxied = await _ask_orchestrator(request)
-    if proxied is not None:
-        return proxied
     router = request.app[ROUTER]
     if request.query.get("reload") in ("1", "true"):
         router.reload()
     return web.json_response({"object": "list", "data": router.models()})
 
 
-async def _model_body(request: web.Request) -> str:
+@routes.post("/models/load")
+@routes.post("/models/unload")
+@on_orchestrator
+async def models_load_unload(request: web.Request) -> web.StreamResponse:
+    """Body {"model": name or alias}: load it (answers once ready) or unload it."""
     body = await _read_json(request)
     name = body.get("model") if isinstance(body, dict) else None
     if not isinstance(name, str) or not name:
         raise InvalidRequestError("the body must be {\"model\": \"<name or alias>\"}", "model")
-    return request.app[ROUTER].resolve(name)
-
-
-@routes.post("/models/load")
-async def models_load(request: web.Request) -> web.StreamResponse:
-    proxied = await _ask_orchestrator(request)
-    if proxied is not None:
-        return proxied
-    name = await _model_body(request)
-    return web.json_response({"success": True, "model": await request.app[ROUTER].load(name)})
-
-
-@routes.post("/models/unload")
-async def models_unload(request: web.Request) -> web.StreamResponse:
-    proxied = await _ask_orchestrator(request)
-    if proxied is not None:
-        return proxied
-    name = await _model_body(request)
-    return web.json_response({"success": True, "model": await request.app[ROUTER].unload(name)})
+    router = request.app[ROUTER]
+    canonical = router.resolve(name)
+    action = router.load if request.path.endswith("/load") else router.unload
+    return web.json_response({"success": True, "model": await action(canonical)})
 
 
 @routes.get("/models/sse")
+@on_orchestrator
 async def models_sse(request: web.Request) -> web.StreamResponse:
     """Server-Sent Events: the state of every model, then every change (status, progress, memory)."""
-    proxied = await _ask_orchestrator(request)
-    if proxied is not None:
-        return proxied
     response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
     await response.prepare(request)
     with request.app[ROUTER].subscribe() as events, contextlib.suppress(ConnectionResetError):

@@ -127,6 +127,7 @@ class Orchestrator:
         self.on_role: Callable[[bool], None] = lambda is_orchestrator: None
         self.on_members: Callable[[frozenset[str]], None] = lambda members: None
         self.on_deployment: Callable[[str, Deployment | None, str], None] = lambda name, deployment, reason: None
+        self.on_progress: Callable[[str, int, int], None] = lambda name, nodes_done, nodes: None
         self.preset_of: Callable[[str], ModelPreset | None] = lambda name: None
 
     # --- status ---------------------------------------------------------------------------
@@ -233,7 +234,17 @@ class Orchestrator:
         )
         await ensure_model_files(self.client, self.store, model, lambda m: [], list(order.weight_sources))
         nodes = sorted(alive)
-        results = await asyncio.gather(*(self._send_order(n, order) for n in nodes), return_exceptions=True)
+        nodes_done = 0
+
+        async def send(node_id: str) -> dict[str, Any]:
+            nonlocal nodes_done
+            try:
+                return await self._send_order(node_id, order)
+            finally:
+                nodes_done += 1
+                self.on_progress(name, nodes_done, len(nodes))
+
+        results = await asyncio.gather(*(send(n) for n in nodes), return_exceptions=True)
         failed = {n: r for n, r in zip(nodes, results) if isinstance(r, BaseException)}
         if failed:
             for node_id, error in failed.items():

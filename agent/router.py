@@ -60,10 +60,13 @@ class ModelRouter:
         self._subscribers: set[asyncio.Queue[dict[str, Any]]] = set()
         self._tasks: asyncio.TaskGroup | None = None
         self._members: frozenset[str] = frozenset()
+        self._startup: set[str] = set()  # load-on-startup models not loaded yet since this node leads
+        self._progress: dict[str, float] = {}  # share of the nodes holding a loading model's order
         orchestrator.on_role = self._on_role
         orchestrator.on_members = self._on_members
         orchestrator.on_deployment = self._on_deployment
         orchestrator.preset_of = self._preset_of
+        orchestrator.on_progress = self._on_progress
 
     # --- sources -----------------------------------------------------------------------------
     def _read_preset_file(self) -> PresetFile | None:
@@ -133,8 +136,19 @@ class ModelRouter:
         self._update_devices()
         for name, deployment in self.orchestrator.deployments.items():
             self._adopted(name, deployment)
-        for name, preset in self.presets.items():
-            if preset.settings.load_on_startup and self.registry.entries[name].state == "unloaded":
+        self._startup = {self.config.model} | {n for n, p in self.presets.items() if p.settings.load_on_startup}
+        self._load_startup_models()
+
+    def _load_startup_models(self) -> None:
+        """Load what must run from the start; a model whose holder has not joined yet (or
+        whose load failed) is tried again when the members change."""
+        for name in sorted(self._startup):
+            entry = self.registry.entries.get(name)
+            if entry is None or self.registry.find(name) is not None:
+                continue
+            if entry.state == "ready":
+                self._startup.discard(name)
+            elif entry.state in ("unloaded", "failed"):
                 self._spawn(self._preload(name), f"preload {name}")
 
     def _adopted(self, name: str, deployment: Deployment) -> None:
@@ -150,6 +164,7 @@ class ModelRouter:
                 self.registry.forget_measure(name)
             with contextlib.suppress(PresetError):
                 self.reload(reread_file=False)
+            self._load_startup_models()
         self._tick()
 
     def _on_deployment(self, name: str, deployment: Deployment | None, reason: str) -> None:
@@ -164,6 +179,12 @@ class ModelRouter:
             self._adopted(name, deployment)
         self._emit(name, reason=reason)
         self._tick()
+
+    def _on_progress(self, name: str, nodes_done: int, nodes: int) -> None:
+        entry = self.registry.entries.get(name)
+        if entry is not None and entry.state == "loading":
+            self._progress[name] = nodes_done / nodes
+            self._emit(name)
 
     def _update_devices(self) -> None:
         devices = {}
@@ -210,6 +231,7 @@ class ModelRouter:
         try:
             if preset is None:
                 raise ModelLoadError(f"model {name!r} is no longer in the sources")
+            self._progress.pop(name, None)
             if action.measure:
                 planned = await self.orchestrator.measure(preset)
                 self.registry.measured(name, planned.min_bytes)
@@ -246,8 +268,12 @@ class ModelRouter:
             self._tick()
 
     async def _preload(self, name: str) -> None:
-        with contextlib.suppress(RouterError, ClusterError):
+        try:
             await self._wait_ready(name, autoload=True, should_stop=lambda: False)
+        except (RouterError, ClusterError) as error:
+            log.warning("could not load %s at start: %s (trying again when the members change)", name, error)
+        else:
+            self._startup.discard(name)
 
     async def run(self) -> None:
         """Own the loads, evictions and sleeps; put models to sleep when idle (owned by the app)."""
@@ -351,8 +377,9 @@ class ModelRouter:
         preset = self.presets.get(name)
         deployment = self.orchestrator.deployments.get(name)
         queued = self.registry.find(name)
+        progress = {"ready": 1.0, "loading": self._progress.get(name, 0.0)}.get(entry.state)
         info: dict[str, Any] = {"id": name, "object": "model", "owned_by": "ncm", **entry.to_dict(),
-                                "waiters": queued.waiters if queued else 0}
+                                "waiters": queued.waiters if queued else 0, "progress": progress}
         if preset is not None:
             info.update(aliases=list(preset.aliases), source=preset.source, store_model=preset.store_model,
                         settings={k: getattr(preset.settings, k) for k in (

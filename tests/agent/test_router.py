@@ -173,9 +173,9 @@ def test_fifty_requests_for_an_unloaded_model_cause_one_load(cluster):
         with ThreadPoolExecutor(50) as pool:
             answers = list(pool.map(lambda i: ask(agents[i % 3], "beta"), range(50)))
         assert all(status == 200 and body["model"] == "beta" for status, body in answers), answers[:3]
-        beta = [e for e in events.events if e["model"] == "beta"]
-        assert [e["state"] for e in beta].count("measuring") == 1
-        assert [e["state"] for e in beta].count("loading") == 1
+        states = [e["state"] for e in events.events if e["model"] == "beta"]
+        entered = [b for a, b in zip(states, states[1:]) if a != b]  # progress events repeat a state
+        assert entered.count("measuring") == 1 and entered.count("loading") == 1, states
         assert models_of(agents[0])["beta"]["state"] == "ready"
     finally:
         events.close()
@@ -232,3 +232,28 @@ def test_autoload_off_and_management_endpoints(cluster):
     assert status == 200 and body["model"]["state"] == "unloaded"
     status, body = agents[1].post("/models/load", {"modle": "alpha"})
     assert status == 400 and body["error"]["param"] == "model"
+
+
+def test_an_idle_model_sleeps_and_the_next_request_wakes_it_on_the_same_plan(cluster):
+    agents, presets = cluster
+    unload_all(agents[0])
+    presets.write_text(PRESETS.replace("[chat]\n", "[chat]\nsleep-idle-seconds = 1\n"))
+    assert models_of(agents[0], "?reload=1")["chat"]["settings"]["sleep_idle_s"] == 1.0
+    events = ModelEvents(agents[0])
+    try:
+        status, body = ask(agents[0], "assistant")
+        assert status == 200 and body["model"] == "chat", body
+        route = agents[0].get("/cluster/status")[1]["models"]["chat"]["route"]
+        events.wait(lambda e: e["model"] == "chat" and e["state"] == "sleeping", timeout_s=30, what="chat asleep")
+
+        def released() -> bool:
+            nodes = agents[0].get("/cluster/nodes")[1]["nodes"]
+            return all("chat" not in ((n["worker"] or {}).get("models") or {}) for n in nodes if n["alive"])
+        wait_for(released, timeout_s=30, what="every worker to free chat's fragments")
+        assert models_of(agents[0])["chat"]["memory"]["effective_bytes"] == {}
+
+        status, body = ask(agents[1], "chat")  # wakes it
+        assert status == 200 and body["model"] == "chat", body
+        assert agents[0].get("/cluster/status")[1]["models"]["chat"]["route"] == route  # the plan it kept
+    finally:
+        events.close()
