@@ -11,13 +11,15 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 
-from tests.agent.agents import FALLBACK, Agent, ModelEvents, linked_copy, make_agents, wait_for
+from tests.agent.agents import FALLBACK, REPO, Agent, ModelEvents, linked_copy, make_agents, wait_for
 
 pytestmark = pytest.mark.slow
 MODELS = ("alpha", "beta", "gamma")
@@ -257,3 +259,21 @@ def test_an_idle_model_sleeps_and_the_next_request_wakes_it_on_the_same_plan(clu
         assert agents[0].get("/cluster/status")[1]["models"]["chat"]["route"] == route  # the plan it kept
     finally:
         events.close()
+
+
+def test_a_load_whose_client_left_still_completes_and_the_cli_shows_it(cluster):
+    agents, _ = cluster
+    unload_all(agents[0])
+    with pytest.raises(OSError):  # the client gives up at once, while gamma loads
+        agents[1].post("/v1/chat/completions", {"model": "gamma", "messages": QUESTION, "max_tokens": 2}, timeout_s=0.05)
+
+    def loaded() -> bool:
+        gamma = models_of(agents[0])["gamma"]
+        return gamma["state"] == "ready" and gamma["waiters"] == 0
+    wait_for(loaded, timeout_s=120, what="gamma loaded with nobody waiting")
+
+    result = subprocess.run([sys.executable, "-m", "agent.cli", "models", "--remote", agents[2].url],
+                            capture_output=True, text=True, timeout=60, cwd=REPO)
+    assert result.returncode == 0, result.stderr
+    rows = {line.split()[0]: line.split()[1] for line in result.stdout.splitlines()[1:]}
+    assert rows["gamma"] == "ready" and rows["alpha"] == "unloaded" and set(MODELS) <= set(rows)
