@@ -22,9 +22,7 @@ from aiohttp import web
 from agent.core.capacity import score
 from agent.core.chat_request import ChatRequest, InvalidRequestError, parse_request
 from agent.core.errors import ClusterError, PresetError
-from agent.core.model_registry import (
-    CapacityError, ModelLoadError, ModelNotLoadedError, RouterError, UnknownModelError,
-)
+from agent.core.model_registry import CapacityError, ModelLoadError, ModelNotLoadedError, RouterError, UnknownModelError
 from agent.dataplane import StageError
 from agent.orchestrator import Completion, Deployment
 from agent.router import ModelBusyError, RequestCancelled

@@ -31,9 +31,8 @@ log = logging.getLogger(__name__)
 SLEEP_CHECK_INTERVAL_S = 1.0
 WAIT_POLL_S = 0.5
 SSE_QUEUE_LENGTH = 256
-SETTING_FIELDS = {"max_context": "max_context", "prefill_chunk": "prefill_chunk",
-                  "replicate_head_ratio": "replicate_head_ratio", "replica_count": "replica_count",
-                  "sleep_idle_s": "sleep_idle_s"}  # agent setting -> model setting
+# Agent settings that are also model settings: set explicitly, they win over the presets file.
+MODEL_SETTINGS = ("max_context", "prefill_chunk", "replicate_head_ratio", "replica_count", "sleep_idle_s")
 
 
 class RequestCancelled(RouterError):
@@ -87,7 +86,7 @@ class ModelRouter:
         for models in self.orchestrator.holdings().values():
             for name in models:
                 stored.setdefault(name, max(self.config.max_context, 16))
-        overrides = {SETTING_FIELDS[k]: getattr(self.config, k) for k in self.config.explicit if k in SETTING_FIELDS}
+        overrides = {k: getattr(self.config, k) for k in self.config.explicit if k in MODEL_SETTINGS}
         defaults = ModelSettings(max_context=self.config.max_context, prefill_chunk=self.config.prefill_chunk,
                                  replicate_head_ratio=self.config.replicate_head_ratio,
                                  replica_count=self.config.replica_count, sleep_idle_s=self.config.sleep_idle_s)
@@ -121,10 +120,7 @@ class ModelRouter:
     def _on_role(self, is_orchestrator: bool) -> None:
         self.enabled = is_orchestrator
         if not is_orchestrator:
-            for ticket in list(self.registry.queue):
-                self.registry.queue.remove(ticket)
-                ticket.done, ticket.outcome = True, ModelLoadError("this node stopped being the orchestrator; retry")
-            self.registry.entries.clear()
+            self.registry.reset(ModelLoadError("this node stopped being the orchestrator; retry"))
             self._notify()
             return
         try:

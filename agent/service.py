@@ -15,7 +15,8 @@ import logging
 import secrets
 import signal
 import time
-from typing import Any, AsyncIterator
+from collections.abc import AsyncIterator
+from typing import Any
 
 import aiohttp
 from aiohttp import web
@@ -31,11 +32,12 @@ from agent.discovery import Discovery
 from agent.identity import load_or_create_node_id
 from agent.membership import DESCRIBE_PATH, Membership
 from agent.orchestrator import ROUTING_PATH, UNLOAD_PATH, Orchestrator
-from agent.router import ModelRouter
 from agent.peer_client import PeerClient
+from agent.router import ModelRouter
 from agent.sd_notify import SystemdNotifier, format_status, run_watchdog, watchdog_interval_s
 from agent.service_keys import (
-    CLIENT, CONFIG, DATA_PLANE_SOCKETS, LINKS, MEMBERSHIP, NODE_ID, ORCHESTRATOR, REPLAY_GUARD, ROUTER, STORE, WORKER,
+    CLIENT, CONFIG, DATA_PLANE_SOCKETS, LINKS, MEMBERSHIP, NODE_ID, ORCHESTRATOR, REPLAY_GUARD, ROUTER, STORE,
+    WORKER,
 )
 from agent.weights import complete_models, describe_model_files, resolve_model_file
 from agent.worker import StaleOrderError, Worker

@@ -171,6 +171,12 @@ class ModelRegistry:
         except KeyError:
             raise UnknownModelError(name, self.entries) from None
 
+    def reset(self, error: RouterError) -> None:
+        """Forget everything (this node no longer leads): every waiter gets ``error``."""
+        for ticket in list(self.queue):
+            self._pop(ticket, error)
+        self.entries.clear()
+
     def set_devices(self, devices: Mapping[str, DeviceMemory]) -> None:
         self.devices = dict(devices)
 

@@ -48,7 +48,6 @@ def test_seed_example_evicts_the_idle_lru_never_the_busy_one():
     ready(registry, "A", {}, now=100.0)
     registry.begin_request("A", now=100.0)
     registry.join("C")
-    registry.measured("C", {}) if False else None
     assert registry.next_action() == Load("C", measure=True)
     registry.measured("C", {})
     assert registry.next_action() == Evict("B", "C")
@@ -148,6 +147,16 @@ def test_sleep_candidates_are_idle_and_last_use_comes_from_requests_only():
     assert registry.begin_stop("A")
     registry.slept("A")
     assert registry.entry("A").state == "sleeping" and registry.held_bytes("n1") == 0
+
+
+def test_reset_hands_every_waiter_the_error():
+    registry = ModelRegistry()
+    registry.set_models(["A", "B"])
+    tickets = [registry.join("A"), registry.join("B")]
+    registry.next_action()
+    registry.reset(ModelLoadError("no longer the orchestrator"))
+    assert all(t.done and isinstance(t.outcome, ModelLoadError) for t in tickets)
+    assert not registry.entries and not registry.queue
 
 
 class RouterMachine(RuleBasedStateMachine):
