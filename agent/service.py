@@ -113,7 +113,8 @@ async def set_routing(request: web.Request) -> web.Response:
     except (WireError, json.JSONDecodeError) as error:
         return web.json_response({"error": str(error)}, status=400)
     try:
-        return web.json_response(await request.app[WORKER].apply(order))
+        # Shielded: a deployment goes on even if the orchestrator's connection drops meanwhile.
+        return web.json_response(await asyncio.shield(request.app[WORKER].apply(order)))
     except StaleOrderError as error:
         return web.json_response({"error": str(error)}, status=409)
     except Exception as error:  # noqa: BLE001 - reported to the orchestrator, the agent keeps running
@@ -130,7 +131,7 @@ async def unload_model(request: web.Request) -> web.Response:
     except (json.JSONDecodeError, KeyError, TypeError, ValueError):
         return web.json_response({"error": "expected {\"name\": str, \"epoch\": int}"}, status=400)
     try:
-        return web.json_response(await request.app[WORKER].unload(name, epoch))
+        return web.json_response(await asyncio.shield(request.app[WORKER].unload(name, epoch)))
     except StaleOrderError as error:
         return web.json_response({"error": str(error)}, status=409)
 
@@ -284,8 +285,10 @@ async def serve(config: AgentConfig) -> None:
     store = ModelStore(config.models_home)
     key = cluster_key(config)
     notifier = SystemdNotifier.from_env()
+    # handler_cancellation: a client that disconnects cancels its request (a waiting request
+    # leaves the model queue, a generation stops) also when it came through another agent.
     runner = web.AppRunner(build_app(config, node_id=node_id, store=store, api_port=config.port, key=key),
-                           shutdown_timeout=SHUTDOWN_TIMEOUT_S, access_log=None)
+                           shutdown_timeout=SHUTDOWN_TIMEOUT_S, access_log=None, handler_cancellation=True)
     await runner.setup()
     site = web.TCPSite(runner, config.host, config.port, reuse_address=True)
     try:
