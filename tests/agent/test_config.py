@@ -59,3 +59,13 @@ def test_node_id_is_created_once_and_kept(tmp_path):
 
 def test_defaults_are_valid():
     assert AgentConfig().port == 8080
+
+
+def test_router_settings_and_what_was_set_explicitly(tmp_path):
+    path = write(tmp_path, 'max_context = 1024\nmodels_preset = "/etc/ncm/models.ini"\n')
+    config = load_config(path, environ={"NCM_MODELS_MAX": "2", "NCM_SLEEP_IDLE_S": "30"}, overrides={"port": None})
+    assert config.models_max == 2 and config.sleep_idle_s == 30.0 and config.models_preset == Path("/etc/ncm/models.ini")
+    assert config.explicit == {"max_context", "models_preset", "models_max", "sleep_idle_s"}  # they beat presets
+    assert config.models_autoload and config.models_memory_margin_mib == 256
+    with pytest.raises(ConfigError, match="models_max"):
+        load_config(None, environ={"NCM_MODELS_MAX": "-1"})
