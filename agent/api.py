@@ -13,7 +13,6 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import Callable
 from typing import Any
 
 import aiohttp
@@ -25,7 +24,7 @@ from agent.core.errors import ClusterError, PresetError
 from agent.core.model_registry import CapacityError, ModelLoadError, ModelNotLoadedError, RouterError, UnknownModelError
 from agent.dataplane import StageError
 from agent.orchestrator import Completion, Deployment
-from agent.router import ModelBusyError, RequestCancelled
+from agent.router import ModelBusyError
 from agent.service_keys import CLIENT, CONFIG, MEMBERSHIP, NODE_ID, ORCHESTRATOR, ROUTER, WORKER
 from shards.errors import ShardsError
 from shards.sampling import SamplingParams
@@ -79,8 +78,6 @@ def _router_error(error: RouterError) -> web.Response:
     if isinstance(error, CapacityError):
         headers = {"Retry-After": f"{error.retry_after_s:.0f}"} if error.retry_after_s else None
         return error_response(503, str(error), code="model_capacity", headers=headers)
-    if isinstance(error, RequestCancelled):
-        return error_response(400, str(error), code="request_cancelled")
     if isinstance(error, ModelLoadError):
         return error_response(503, f"{error}; retry the request to load it again", code="model_load_failed",
                               headers={"Retry-After": "5"})
@@ -236,10 +233,6 @@ def _autoload(request: web.Request) -> bool | None:
     raise InvalidRequestError("autoload must be true or false", "autoload")
 
 
-def _client_gone(request: web.Request) -> Callable[[], bool]:
-    return lambda: request.transport is None or request.transport.is_closing()
-
-
 @routes.get("/models")
 @on_orchestrator
 async def models(request: web.Request) -> web.StreamResponse:
@@ -314,7 +307,7 @@ async def _completion(request: web.Request, *, chat: bool) -> web.StreamResponse
     router = request.app[ROUTER]
     arrived = time.perf_counter()
     name = router.resolve(parsed.model)
-    async with router.use(name, autoload=autoload, should_stop=_client_gone(request)) as deployment:
+    async with router.use(name, autoload=autoload) as deployment:
         # Server-Timing: how long the router held the request (resolve, load or wake, admission).
         timing = {"Server-Timing": f"router;dur={1000 * (time.perf_counter() - arrived):.3f}"}
         return await _generate(request, parsed, deployment, chat=chat, headers=timing)
@@ -339,7 +332,7 @@ async def _generate(request: web.Request, parsed: ChatRequest, deployment: Deplo
     events = orchestrator.complete(deployment, prompt_ids, params)
 
     if not parsed.stream:
-        pieces, last = [], Completion("", deployment.order.model)
+        pieces, last = [], Completion("", deployment.name)
         async for event in events:
             pieces.append(event.text)
             last = event

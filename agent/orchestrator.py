@@ -333,9 +333,13 @@ class Orchestrator:
         async with self._lock:
             self.deployments.pop(name, None)
             if not keep_plan:
-                self.planned.pop(name, None)
+                self.forget_plan(name)
             await self._drop_orders(name)
             self._settle_state()
+
+    def forget_plan(self, name: str) -> None:
+        """A sleeping model that is unloaded: its next load plans it afresh."""
+        self.planned.pop(name, None)
 
     async def _drop_orders(self, name: str) -> None:
         election = self.membership.election
@@ -408,7 +412,7 @@ class Orchestrator:
             except (NcmError, ShardsError) as error:
                 reason = str(error) if isinstance(error, ClusterError) else f"failover failed: {error}"
                 self.deployments.pop(name, None)
-                self.planned.pop(name, None)
+                self.forget_plan(name)
                 self._set_state("failed", reason)
                 self.on_deployment(name, None, reason)
                 raise ClusterError(reason) from None

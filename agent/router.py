@@ -13,7 +13,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from typing import Any
 
 from agent.config import AgentConfig
@@ -33,10 +33,6 @@ WAIT_POLL_S = 0.5
 SSE_QUEUE_LENGTH = 256
 # Agent settings that are also model settings: set explicitly, they win over the presets file.
 MODEL_SETTINGS = ("max_context", "prefill_chunk", "replicate_head_ratio", "replica_count", "sleep_idle_s")
-
-
-class RequestCancelled(RouterError):
-    """The client went away while its request waited for a model."""
 
 
 class ModelBusyError(RouterError):
@@ -265,7 +261,7 @@ class ModelRouter:
 
     async def _preload(self, name: str) -> None:
         try:
-            await self._wait_ready(name, autoload=True, should_stop=lambda: False)
+            await self._wait_ready(name, autoload=True)
         except (RouterError, ClusterError) as error:
             log.warning("could not load %s at start: %s (trying again when the members change)", name, error)
         else:
@@ -289,8 +285,9 @@ class ModelRouter:
                 self._tasks = None
 
     # --- requests --------------------------------------------------------------------------------
-    async def _wait_ready(self, name: str, *, autoload: bool, should_stop: Callable[[], bool]) -> Deployment:
-        """Wait until ``name`` is ready, loading it if needed; returns its deployment."""
+    async def _wait_ready(self, name: str, *, autoload: bool) -> Deployment:
+        """Wait until ``name`` is ready, loading it if needed; returns its deployment. A request
+        whose client leaves is cancelled here: it leaves the queue, the load goes on."""
         if not self.enabled:
             raise ClusterError("this node is not the orchestrator; the cluster is changing, retry")
         ticket = None
@@ -316,8 +313,6 @@ class ModelRouter:
                     ticket = self.registry.join(name)
                     self._tick()
                     continue
-                if should_stop():
-                    raise RequestCancelled(f"the client left while {name} was loading")
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     raise ModelLoadError(f"model {name!r} was not ready within {self.config.models_load_timeout_s:g} s")
@@ -331,12 +326,11 @@ class ModelRouter:
                 self._tick()
 
     @contextlib.asynccontextmanager
-    async def use(self, name: str, *, autoload: bool | None = None,
-                  should_stop: Callable[[], bool] = lambda: False) -> AsyncIterator[Deployment]:
+    async def use(self, name: str, *, autoload: bool | None = None) -> AsyncIterator[Deployment]:
         """Serve one inference request on ``name``: wait until it is ready, count it as busy."""
         autoload = self.config.models_autoload if autoload is None else autoload
         while True:
-            deployment = await self._wait_ready(name, autoload=autoload, should_stop=should_stop)
+            deployment = await self._wait_ready(name, autoload=autoload)
             with contextlib.suppress(ModelNotLoadedError):  # it began stopping in between: wait again
                 self.registry.begin_request(name, now=time.monotonic())
                 break
@@ -348,14 +342,14 @@ class ModelRouter:
 
     async def load(self, name: str) -> dict[str, Any]:
         """`POST /models/load`: load ``name`` (waits until it is ready)."""
-        await self._wait_ready(name, autoload=True, should_stop=lambda: False)
+        await self._wait_ready(name, autoload=True)
         return self.model_info(name)
 
     async def unload(self, name: str) -> dict[str, Any]:
         """`POST /models/unload`: unload an idle model; a busy one is refused (no preemption)."""
         entry = self.registry.entry(name)
         if entry.state == "sleeping":
-            self.orchestrator.planned.pop(name, None)
+            self.orchestrator.forget_plan(name)
             self.registry.unloaded(name)
             self._emit(name, reason="unloaded on request")
         elif entry.state in ("unloaded", "failed"):

@@ -203,7 +203,6 @@ class Worker:
             "standby": [r for m in models.values() for r in m["standby"]],
             "models": models,
             "sessions": len(self.sessions),
-            "order": current.to_json() if current else None,
             "orders": [order.to_json() for _, order in sorted(self.serving.items())],
         }
 

@@ -261,34 +261,34 @@ class ModelRegistry:
                 head.claimed = True
                 entry.resting_state, entry.state = entry.state, "measuring"
                 return Load(head.model, measure=True)
-            if not self.shortfall(entry.min_bytes) and not self._over_count():
+            if self._fits(entry.min_bytes, []):
                 head.claimed = True
                 entry.state, entry.reason, entry.effective_bytes = "loading", None, None
                 return Load(head.model, measure=False)
             victims = self._victims_for(entry)
             if victims:
-                victims[0].stopping = True
-                return Evict(victims[0].name, head.model)
+                self.entries[victims[0]].stopping = True
+                return Evict(victims[0], head.model)
             error = self._refusal(entry)
             self._pop(head, error)
             return Refuse(head.model, error)
         return None
 
-    def _victims_for(self, entry: ModelEntry) -> list[ModelEntry]:
+    def _fits(self, need: Mapping[str, int], gone: list[str]) -> bool:
+        """Whether ``need`` fits both ledgers once the models ``gone`` are unloaded."""
+        return not self.shortfall(need, without=gone) and not self._over_count(gone)
+
+    def _victims_for(self, entry: ModelEntry) -> list[str]:
         """The LRU idle models whose unloading makes ``entry`` fit ([] when no such set exists)."""
         need = entry.min_bytes or {}
-        chosen: list[ModelEntry] = []
+        gone: list[str] = []
         for candidate in self._evictable():
-            gone = [e.name for e in chosen]
-            if not self.shortfall(need, without=gone) and not self._over_count(gone):
+            if self._fits(need, gone):
                 break
             short = self.shortfall(need, without=gone)
             if self._over_count(gone) or any(candidate.held_bytes().get(n, 0) > 0 for n in short):
-                chosen.append(candidate)
-        gone = [e.name for e in chosen]
-        if self.shortfall(need, without=gone) or self._over_count(gone):
-            return []
-        return chosen
+                gone.append(candidate.name)
+        return gone if self._fits(need, gone) else []
 
     def _refusal(self, entry: ModelEntry) -> CapacityError:
         need = entry.min_bytes or {}

@@ -157,7 +157,8 @@ def test_killing_the_head_owner_hands_over_to_the_replica_with_the_same_tokens(c
     # The workers' forwarding tables follow the new route.
     nodes = agents[1].get("/cluster/nodes")[1]["nodes"]
     me = next(n for n in nodes if n["self"])
-    assert me["worker"]["order"]["route"] == status["route"]
+    order = next(o for o in me["worker"]["orders"] if o["name"] == MAIN)
+    assert order["route"] == status["route"]
     assert reference(agents[1]) == undisturbed
 
 
