@@ -19,7 +19,10 @@ Flavours (one logical model, several graphs):
   ``new_value.L`` [1, kv_heads, T, head_dim] (the caller writes them into its fixed cache).
   Rows past the valid length of a padded chunk are garbage and must be ignored.
 
-Weights go to ONNX external data (``fragment.onnx.data``) so no protobuf limit applies.
+Weights go to ONNX external data so no protobuf limit applies: one file per tensor, named by
+its content hash and hard-linked from the cache's blob pool (``.blobs/``), so fragments that
+share layers (standby ranges, re-plans, other flavours or context lengths) share their bytes
+on disk. Blobs no fragment links to any more are removed when the cache is pruned.
 """
 
 from __future__ import annotations
@@ -44,9 +47,9 @@ from shards.tensorfile import read_tensors
 
 log = logging.getLogger(__name__)
 FLAVOURS = ("cpu", "portable", "static")
-BUILDER_VERSION = 7
+BUILDER_VERSION = 8
 ONNX_FILE = "fragment.onnx"
-DATA_FILE = "fragment.onnx.data"
+BLOB_POOL = ".blobs"
 MS = "com.microsoft"
 _NEG = -1e30
 _INLINE_BYTES = 1024
@@ -113,19 +116,15 @@ def rope_tables(m: Manifest, n_positions: int) -> tuple[np.ndarray, np.ndarray]:
 
 
 class _Graph:
-    """Accumulates nodes and initializers; big initializers go to one external data file."""
+    """Accumulates nodes and initializers; big initializers go to content-addressed files."""
 
-    def __init__(self, data_path: Path) -> None:
+    def __init__(self, out_dir: Path, pool: Path) -> None:
         self.nodes: list[onnx.NodeProto] = []
         self.inits: list[TensorProto] = []
-        self.data_path = data_path
-        self._data = open(data_path, "wb")
+        self.out_dir, self.pool = out_dir, pool
         self._n = 0
         self._consts: set[str] = set()
         self.weight_bytes = 0
-
-    def close(self) -> None:
-        self._data.close()
 
     def name(self, hint: str) -> str:
         self._n += 1
@@ -146,16 +145,37 @@ class _Graph:
         t.name = name
         t.data_type = helper.np_dtype_to_tensor_dtype(arr.dtype)
         t.dims.extend(arr.shape)
-        pad = -self._data.tell() % 64
-        self._data.write(b"\0" * pad)
-        offset = self._data.tell()
-        self._data.write(arr.tobytes())
+        location = self._blob(arr)
         t.data_location = TensorProto.EXTERNAL
-        for k, v in (("location", self.data_path.name), ("offset", str(offset)), ("length", str(arr.nbytes))):
+        for k, v in (("location", location), ("offset", "0"), ("length", str(arr.nbytes))):
             e = t.external_data.add()
             e.key, e.value = k, v
         self.inits.append(t)
         self.weight_bytes += arr.nbytes
+        return name
+
+    def _blob(self, arr: np.ndarray) -> str:
+        """Put ``arr``'s bytes in the fragment as ``<sha256>.bin``, linked from the pool if there."""
+        digest = hashlib.sha256(arr.data.cast("B")).hexdigest()
+        name = digest + ".bin"
+        target, pooled = self.out_dir / name, self.pool / digest
+        if target.exists():  # the same bytes twice in one fragment
+            return name
+        try:
+            if pooled.stat().st_size == arr.nbytes:
+                os.link(pooled, target)
+                return name
+            pooled.unlink()  # cut short (a power loss while it was written): written again below
+        except OSError:  # not pooled yet, or no hard links on this file system: write it
+            pass
+        with open(target, "wb") as f:
+            f.write(arr.data.cast("B"))
+        try:
+            os.link(target, pooled)
+        except FileExistsError:  # another build pooled it meanwhile
+            pass
+        except OSError as error:
+            log.debug("fragment blob %s not pooled: %s", digest[:12], error)
         return name
 
     def op(self, op_type: str, inputs: list[str], n_out: int = 1, domain: str = "", out: list[str] | None = None,
@@ -438,14 +458,11 @@ def build_fragment(model_dir: Path, first_layer: int, last_layer: int, *, flavou
     final = root / (prefix + key[:20])
     if (final / ONNX_FILE).is_file():
         return final / ONNX_FILE
-    root.mkdir(parents=True, exist_ok=True)
+    (root / BLOB_POOL).mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".tmp-frag-", dir=root))
     try:
-        g = _Graph(tmp / DATA_FILE)
-        try:
-            model = _Builder(model_dir, m, spec, g).build()
-        finally:
-            g.close()
+        g = _Graph(tmp, root / BLOB_POOL)
+        model = _Builder(model_dir, m, spec, g).build()
         onnx.save_model(model, tmp / ONNX_FILE)
         (tmp / "fragment.json").write_text(json.dumps({"key": key, "weight_bytes": g.weight_bytes,
                                                        "spec": spec.__dict__}), encoding="utf-8")
@@ -457,9 +474,27 @@ def build_fragment(model_dir: Path, first_layer: int, last_layer: int, *, flavou
             shutil.rmtree(tmp, ignore_errors=True)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
+        prune_blobs(root)
         raise
-    for stale in root.glob(prefix + "*"):  # same fragment from older weights or builder
-        if stale != final:
-            shutil.rmtree(stale, ignore_errors=True)
+    stale = [p for p in root.glob(prefix + "*") if p != final]  # from older weights or builder
+    for path in stale:
+        shutil.rmtree(path, ignore_errors=True)
+    if stale:
+        prune_blobs(root)
     log.info("built fragment %s", final.name)
     return final / ONNX_FILE
+
+
+def prune_blobs(cache_dir: Path) -> int:
+    """Remove pooled blobs that no fragment under ``cache_dir`` links to; returns bytes freed."""
+    freed = 0
+    pool = Path(cache_dir) / BLOB_POOL
+    for blob in pool.glob("*") if pool.is_dir() else ():
+        try:
+            st = blob.stat()
+            if st.st_nlink == 1:
+                blob.unlink()
+                freed += st.st_size
+        except OSError:  # gone meanwhile, or not ours to delete: pruning is best effort
+            continue
+    return freed

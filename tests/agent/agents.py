@@ -124,14 +124,18 @@ class Agent:
         return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
 
 
-def make_agents(tmp: Path, model_home: Path, count: int, *, extra_env: dict[str, str] | None = None,
+def make_agents(tmp: Path, model_home: Path | list[Path], count: int, *, extra_env: dict[str, str] | None = None,
                 start: bool = True) -> list[Agent]:
-    """``count`` agents on loopback with static peers; the first uses ``model_home`` as its store."""
+    """``count`` agents on loopback with static peers. ``model_home`` is the first agent's store
+    (the others start empty), or a list with every agent's store."""
     ports = free_ports(count)
     agents = []
     for index, port in enumerate(ports):
         state = tmp / f"agent-{index}"
-        home = model_home if index == 0 else state / "home"
+        if isinstance(model_home, list):
+            home = model_home[index]
+        else:
+            home = model_home if index == 0 else state / "home"
         env = {
             **os.environ,
             "NCM_HOME": str(home),
@@ -150,6 +154,18 @@ def make_agents(tmp: Path, model_home: Path, count: int, *, extra_env: dict[str,
         for agent in agents:
             agent.start([f"--peer={other.url}" for other in agents if other is not agent])
     return agents
+
+
+def shut_down(agents: list[Agent], *, keep_store: Path | None = None, log_chars: int = 5000) -> None:
+    """Stop every agent and print the end of its log, then delete its model store (pulled
+    weights and fragments: gigabytes) unless it is ``keep_store``. Logs and state stay."""
+    for agent in agents:
+        agent.stop()
+    for agent in agents:
+        print(f"--- {agent.name} ---\n{agent.log()[-log_chars:]}")
+    for agent in agents:
+        if agent.home != keep_store:
+            shutil.rmtree(agent.home, ignore_errors=True)
 
 
 def linked_copy(store_root: Path, dest: Path) -> Path:

@@ -12,7 +12,7 @@ from agent.core.auth import sign
 from agent.core.plan import make_plan
 from shards.generate import LocalModel, generate
 from shards.sampling import SamplingParams
-from tests.agent.agents import CLUSTER_KEY, cluster_ready, http, make_agents, wait_for
+from tests.agent.agents import CLUSTER_KEY, cluster_ready, http, make_agents, shut_down, wait_for
 
 pytestmark = pytest.mark.slow
 QUESTION = [{"role": "user", "content": "What is the capital of France? Answer in one sentence, then name two museums there."}]
@@ -26,10 +26,7 @@ def cluster(smollm2_store, tmp_path_factory):
                  what="the 3-agent cluster to serve the model")
         yield agents
     finally:
-        for agent in agents:
-            agent.stop()
-        for agent in agents:
-            print(f"--- {agent.name} log ---\n{agent.log()[-4000:]}")
+        shut_down(agents, keep_store=smollm2_store.root)
 
 
 def test_every_agent_sees_one_orchestrator(cluster):

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.agent.agents import FALLBACK, MAIN, Agent, ModelEvents, cluster_ready, linked_copy, make_agents, wait_for
+from tests.agent.agents import FALLBACK, MAIN, Agent, ModelEvents, cluster_ready, linked_copy, make_agents, shut_down, wait_for
 
 pytestmark = pytest.mark.slow
 QUESTION = [{"role": "user", "content": "Tell me about the history of Paris, the capital of France, in detail."}]
@@ -28,9 +28,9 @@ CHAOS_ENV = {"NCM_REPLICATE_HEAD_RATIO": "0.8", "NCM_REPLICA_COUNT": "1", "NCM_R
 
 def start_chaos_cluster(tmp: Path, store_root: Path, orchestrator: int) -> list[Agent]:
     homes = [linked_copy(store_root, tmp / f"home-{i}") for i in range(3)]
-    agents = make_agents(tmp, homes[0], 3, extra_env=CHAOS_ENV, start=False)
+    agents = make_agents(tmp, homes, 3, extra_env=CHAOS_ENV, start=False)
     for index, agent in enumerate(agents):
-        agent.env.update(CAPACITY[index], NCM_HOME=str(homes[index]))
+        agent.env.update(CAPACITY[index])
         if index == orchestrator:
             agent.env["NCM_ORCHESTRATOR"] = "true"
     for agent in agents:
@@ -121,10 +121,7 @@ def chaos(full_store, tmp_path):
         return started
 
     yield start
-    for agent in started:
-        agent.stop()
-    for agent in started:
-        print(f"--- {agent.name} ---\n{agent.log()[-5000:]}")
+    shut_down(started)
 
 
 def status_of(agent: Agent) -> dict:

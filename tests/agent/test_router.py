@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.agent.agents import FALLBACK, REPO, Agent, ModelEvents, linked_copy, make_agents, wait_for
+from tests.agent.agents import FALLBACK, REPO, Agent, ModelEvents, linked_copy, make_agents, shut_down, wait_for
 
 pytestmark = pytest.mark.slow
 MODELS = ("alpha", "beta", "gamma")
@@ -72,19 +72,19 @@ def cluster(full_store, tmp_path_factory):
     presets = tmp / "models.ini"
     presets.write_text(PRESETS)
     homes = [linked_copy(models_dir.parent, tmp / f"home-{i}") for i in range(3)]
-    agents = make_agents(tmp, homes[0], 3, extra_env={**ROUTER_ENV, "NCM_MODELS_PRESET": str(presets)}, start=False)
+    agents = make_agents(tmp, homes, 3, extra_env={**ROUTER_ENV, "NCM_MODELS_PRESET": str(presets)}, start=False)
     for index, agent in enumerate(agents):
-        agent.env.update(NCM_HOME=str(homes[index]), NCM_NPU_TOPS=NPU_TOPS[index])
+        agent.env["NCM_NPU_TOPS"] = NPU_TOPS[index]
     agents[0].env["NCM_ORCHESTRATOR"] = "true"
-    for agent in agents:
-        agent.start([f"--peer={other.url}" for other in agents if other is not agent])
-    wait_for(lambda: state_of(agents[0], "alpha") == "ready" and len(agents[0].get("/cluster/status")[1].get("nodes_alive", [])) == 3,
-             timeout_s=300, what="alpha loaded at start")
-    yield agents, presets
-    for agent in agents:
-        agent.stop()
-    for agent in agents:
-        print(f"--- {agent.name} ---\n{agent.log()[-6000:]}")
+    try:
+        for agent in agents:
+            agent.start([f"--peer={other.url}" for other in agents if other is not agent])
+        wait_for(lambda: state_of(agents[0], "alpha") == "ready" and len(agents[0].get("/cluster/status")[1].get("nodes_alive", [])) == 3,
+                 timeout_s=300, what="alpha loaded at start")
+        yield agents, presets
+    finally:
+        shut_down(agents, log_chars=6000)
+        shutil.rmtree(models_dir.parent, ignore_errors=True)
 
 
 def models_of(agent: Agent, query: str = "") -> dict[str, dict]:

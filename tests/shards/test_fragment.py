@@ -10,7 +10,7 @@ import pytest
 
 from fragment_helpers import PROMPT_IDS, SMOLLM2, chain, greedy
 from shards.errors import FragmentError
-from shards.fragment import DATA_FILE, build_fragment
+from shards.fragment import BLOB_POOL, build_fragment, prune_blobs
 from shards.runner import chain_forward
 
 SPLITS = {
@@ -88,7 +88,7 @@ def test_cpu_flavour_uses_fused_ops_and_external_data(model_dir) -> None:
     m = onnx.load(path, load_external_data=False)
     ops = {n.op_type for n in m.graph.node}
     assert {"GroupQueryAttention", "SkipSimplifiedLayerNormalization"} <= ops
-    assert path.stat().st_size < 1_000_000 < (path.parent / DATA_FILE).stat().st_size
+    assert path.stat().st_size < 1_000_000 < sum(p.stat().st_size for p in path.parent.glob("*.bin"))
 
 
 def test_fragments_are_cached_and_keyed_by_shape(model_dir, tmp_path) -> None:
@@ -102,7 +102,40 @@ def test_fragments_are_cached_and_keyed_by_shape(model_dir, tmp_path) -> None:
     stale.mkdir()
     shutil.rmtree(a.parent)  # force a rebuild
     assert build_fragment(model_dir, 3, 4, cache_dir=tmp_path) == a and not stale.exists()
-    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temp dirs left
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".") and p.name != BLOB_POOL]  # no temp dirs
+
+
+def _blobs(fragment) -> dict[int, int]:
+    """inode -> size of a fragment's external data files."""
+    return {st.st_ino: st.st_size for st in (p.stat() for p in fragment.parent.glob("*.bin"))}
+
+
+def test_fragments_share_the_bytes_of_common_layers(model_dir, tmp_path) -> None:
+    a = build_fragment(model_dir, 3, 5, cache_dir=tmp_path)
+    b = build_fragment(model_dir, 4, 6, cache_dir=tmp_path, max_context=64)
+    shared = _blobs(a).keys() & _blobs(b).keys()
+    assert sum(_blobs(b)[i] for i in shared) > 0.6 * sum(_blobs(b).values())  # layers 4 and 5 of 3
+    assert prune_blobs(tmp_path) == 0  # every pooled blob is in use
+    a_alone = sum(size for inode, size in _blobs(a).items() if inode not in shared)  # layer 3, rope tables
+    shutil.rmtree(a.parent)
+    assert prune_blobs(tmp_path) == a_alone
+    assert all(p.stat().st_nlink == 2 for p in b.parent.glob("*.bin"))  # b and the pool
+    assert len(list((tmp_path / BLOB_POOL).iterdir())) == len(_blobs(b))
+
+
+
+def test_a_pooled_blob_cut_short_is_written_again(model_dir, tmp_path) -> None:
+    a = build_fragment(model_dir, 3, 3, cache_dir=tmp_path)
+    biggest = max(a.parent.glob("*.bin"), key=lambda p: p.stat().st_size)
+    with open(biggest, "r+b") as f:  # the pool's copy is the same file
+        f.truncate(100)
+    shutil.rmtree(a.parent)
+    again = build_fragment(model_dir, 3, 3, cache_dir=tmp_path)
+    m = onnx.load(again, load_external_data=False)
+    lengths = {e.value: int(next(x.value for x in t.external_data if x.key == "length"))
+               for t in m.graph.initializer for e in t.external_data if e.key == "location"}
+    assert {p.name: p.stat().st_size for p in again.parent.glob("*.bin")} == lengths
+    assert (tmp_path / BLOB_POOL / biggest.stem).stat().st_size == lengths[biggest.name]
 
 
 @pytest.mark.parametrize("args,kw", [
