@@ -22,7 +22,7 @@ import contextlib
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,6 +30,7 @@ import numpy as np
 
 from agent.config import AgentConfig
 from agent.core.errors import ClusterError, NcmError, RoutingFailure
+from agent.core.model_registry import MIB
 from agent.core.orders import RoutingOrder
 from agent.core.plan import ShardingPlan, make_plan, plan_from_dict
 from agent.core.presets import ModelPreset, ModelSettings
@@ -130,6 +131,8 @@ class Orchestrator:
         self.on_deployment: Callable[[str, Deployment | None, str], None] = lambda name, deployment, reason: None
         self.on_progress: Callable[[str, int, int], None] = lambda name, nodes_done, nodes: None
         self.preset_of: Callable[[str], ModelPreset | None] = lambda name: None
+        # Per node, the bytes that model ``name`` would lack with a plan needing ``min_bytes``.
+        self.shortfall: Callable[[str, Mapping[str, int]], Mapping[str, int]] = lambda name, min_bytes: {}
 
     # --- status ---------------------------------------------------------------------------
     @property
@@ -365,8 +368,17 @@ class Orchestrator:
             if name not in self.deployments or preset is None or not self.membership.is_orchestrator:
                 return
             self._last_replan = time.monotonic()
+            kept = self.planned.get(name)
             try:
                 planned = await self.measure(preset)
+                short = self.shortfall(name, planned.min_bytes)
+                if short:
+                    if kept is not None:
+                        self.planned[name] = kept
+                    lacking = ", ".join(f"{node} lacks {missing / MIB:.0f} MiB" for node, missing in sorted(short.items()))
+                    log.warning("not re-planning %s (%s): the new plan does not fit (%s); it keeps its plan",
+                                name, reason, lacking)
+                    return
                 deployment = await self._deploy(name, planned.plan, planned.route, preset.store_model,
                                                 preset.settings, degraded=False, holdings=self.holdings())
             except (NcmError, ShardsError) as error:

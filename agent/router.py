@@ -13,7 +13,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from typing import Any
 
 from agent.config import AgentConfig
@@ -62,6 +62,7 @@ class ModelRouter:
         orchestrator.on_deployment = self._on_deployment
         orchestrator.preset_of = self._preset_of
         orchestrator.on_progress = self._on_progress
+        orchestrator.shortfall = self._replan_shortfall
 
     # --- sources -----------------------------------------------------------------------------
     def _read_preset_file(self) -> PresetFile | None:
@@ -171,6 +172,11 @@ class ModelRouter:
             self._adopted(name, deployment)
         self._emit(name, reason=reason)
         self._tick()
+
+    def _replan_shortfall(self, name: str, min_bytes: Mapping[str, int]) -> Mapping[str, int]:
+        """What a loaded model's new plan would lack, its own memory counted as free."""
+        self._update_devices()
+        return self.registry.shortfall(min_bytes, without=[name])
 
     def _on_progress(self, name: str, nodes_done: int, nodes: int) -> None:
         entry = self.registry.entries.get(name)

@@ -254,6 +254,26 @@ def test_a_new_node_given_one_peer_joins_and_the_model_is_rebalanced_over_it(cha
         newcomer.stop()
 
 
+def test_a_joining_node_too_small_for_its_share_leaves_the_plan_as_it_is(chaos, tmp_path):
+    agents = chaos(orchestrator=0)
+    before = route_of(agents[0])
+    undisturbed = reference(agents[0])
+    # The strongest score of all (NPU) on 100 MiB of memory: any share of the model is too much.
+    newcomer = make_agents(tmp_path / "newcomer", tmp_path / "newcomer-home", 1, extra_env=CHAOS_ENV, start=False)[0]
+    newcomer.env.update(NCM_NPU_TOPS="40", NCM_RAM_GIB="0.1")
+    newcomer.start([f"--peer={agents[2].url}"])
+    try:
+        newcomer_id = wait_for(lambda: newcomer.node_id(), timeout_s=60, what="the new agent to start")
+        wait_for(lambda: f"{newcomer_id} lacks" in agents[0].log() or route_of(agents[0]) != before, timeout_s=120,
+                 what="the orchestrator to decide about a re-plan over the new node")
+        status = status_of(agents[0])
+        assert newcomer_id in status["nodes_alive"] and status["state"] == "ok"
+        assert route_of(agents[0]) == before
+        assert reference(newcomer) == undisturbed  # it serves through the old route
+    finally:
+        shut_down([newcomer])
+
+
 def test_without_fallback_a_lost_layer_fails_the_model_and_the_next_request_reloads_it(chaos, monkeypatch):
     monkeypatch.setitem(CHAOS_ENV, "NCM_ALLOW_FALLBACK", "false")
     agents = chaos(orchestrator=0)
