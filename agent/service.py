@@ -41,6 +41,7 @@ from agent.service_keys import (
 )
 from agent.weights import complete_models, describe_model_files, resolve_model_file
 from agent.worker import StaleOrderError, Worker
+from shards.fragment import FRAGMENTS_DIR, sweep_fragments
 from shards.store import ModelStore
 
 log = logging.getLogger(__name__)
@@ -279,10 +280,23 @@ def status_line(app: web.Application) -> str:
     return format_status(worker.state if worker.state != "idle" else "waiting for a plan", peers=peers)
 
 
+def sweep_fragment_caches(store: ModelStore) -> None:
+    """Clear what upgrades and crashes left in the stored models' fragment caches."""
+    for manifest in store.list():
+        try:
+            removed = sweep_fragments(store.models_dir / manifest.name / FRAGMENTS_DIR, now_s=time.time())
+        except OSError as error:
+            log.warning("cannot sweep the fragments of %s: %s", manifest.name, error)
+            continue
+        if removed:
+            log.info("removed %d stale fragment build(s) of %s", removed, manifest.name)
+
+
 async def serve(config: AgentConfig) -> None:
     """Run the agent until SIGTERM / SIGINT."""
     node_id = load_or_create_node_id(config.state_dir)
     store = ModelStore(config.models_home)
+    await asyncio.to_thread(sweep_fragment_caches, store)
     key = cluster_key(config)
     notifier = SystemdNotifier.from_env()
     # handler_cancellation: a client that disconnects cancels its request (a waiting request

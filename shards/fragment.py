@@ -49,7 +49,9 @@ log = logging.getLogger(__name__)
 FLAVOURS = ("cpu", "portable", "static")
 BUILDER_VERSION = 8
 ONNX_FILE = "fragment.onnx"
+FRAGMENTS_DIR = "fragments"  # the default cache, inside the model's directory
 BLOB_POOL = ".blobs"
+TMP_PREFIX = ".tmp-frag-"
 MS = "com.microsoft"
 _NEG = -1e30
 _INLINE_BYTES = 1024
@@ -453,19 +455,20 @@ def build_fragment(model_dir: Path, first_layer: int, last_layer: int, *, flavou
     spec = FragmentSpec(int(first_layer), int(last_layer), flavour, mc, pc)
     spec.validate(m)
     key = fragment_key(m, spec)
-    root = Path(cache_dir) if cache_dir is not None else model_dir / "fragments"
+    root = Path(cache_dir) if cache_dir is not None else model_dir / FRAGMENTS_DIR
     prefix = f"{m.name}-{spec.first_layer:03d}-{spec.last_layer:03d}-{flavour}-c{mc}-p{pc}-"
     final = root / (prefix + key[:20])
     if (final / ONNX_FILE).is_file():
         return final / ONNX_FILE
     (root / BLOB_POOL).mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".tmp-frag-", dir=root))
+    tmp = Path(tempfile.mkdtemp(prefix=TMP_PREFIX, dir=root))
     try:
         g = _Graph(tmp, root / BLOB_POOL)
         model = _Builder(model_dir, m, spec, g).build()
         onnx.save_model(model, tmp / ONNX_FILE)
-        (tmp / "fragment.json").write_text(json.dumps({"key": key, "weight_bytes": g.weight_bytes,
-                                                       "spec": spec.__dict__}), encoding="utf-8")
+        (tmp / "fragment.json").write_text(json.dumps({"key": key, "builder": BUILDER_VERSION,
+                                                       "weight_bytes": g.weight_bytes, "spec": spec.__dict__}),
+                                           encoding="utf-8")
         try:
             os.replace(tmp, final)
         except OSError:  # another process built it first
@@ -498,3 +501,28 @@ def prune_blobs(cache_dir: Path) -> int:
         except OSError:  # gone meanwhile, or not ours to delete: pruning is best effort
             continue
     return freed
+
+
+def sweep_fragments(cache_dir: Path, *, now_s: float, tmp_age_s: float = 3600.0) -> int:
+    """Delete what an upgrade or a crash left in a fragment cache: fragments of another builder
+    version, and temporary build directories older than ``tmp_age_s`` (``now_s`` is a
+    ``time.time()`` value); then prune the blobs. Returns how many directories went."""
+    root = Path(cache_dir)
+    removed = 0
+    for path in root.iterdir() if root.is_dir() else ():
+        if not path.is_dir() or path.name == BLOB_POOL:
+            continue
+        try:
+            if path.name.startswith(TMP_PREFIX):
+                doomed = now_s - path.stat().st_mtime > tmp_age_s
+            else:
+                info = json.loads((path / "fragment.json").read_text(encoding="utf-8"))
+                doomed = info.get("builder") != BUILDER_VERSION
+        except (OSError, ValueError, AttributeError):  # no or unreadable fragment.json: not ours to trust
+            doomed = not path.name.startswith(TMP_PREFIX)
+        if doomed:
+            shutil.rmtree(path, ignore_errors=True)
+            removed += 1
+    if removed:
+        prune_blobs(root)
+    return removed

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import secrets
 import time
 
@@ -12,7 +13,7 @@ from agent.core.auth import sign
 from agent.core.plan import make_plan
 from shards.generate import LocalModel, generate
 from shards.sampling import SamplingParams
-from tests.agent.agents import CLUSTER_KEY, cluster_ready, http, make_agents, shut_down, wait_for
+from tests.agent.agents import CLUSTER_KEY, cluster_ready, http, linked_copy, make_agents, shut_down, wait_for
 
 pytestmark = pytest.mark.slow
 QUESTION = [{"role": "user", "content": "What is the capital of France? Answer in one sentence, then name two museums there."}]
@@ -180,3 +181,20 @@ def test_the_official_openai_client_gets_answers_streams_and_clear_errors(cluste
     assert bad.value.body["param"] == "temperature"
     with pytest.raises(openai.BadRequestError):
         client.chat.completions.create(model="smollm2-135m", messages=QUESTION, n=2)
+
+
+def test_an_agent_sweeps_stale_fragment_builds_when_it_starts(smollm2_store, tmp_path):
+    home = linked_copy(smollm2_store.root, tmp_path / "home")
+    cache = home / "models" / "smollm2-135m" / "fragments"
+    older = cache / "smollm2-135m-000-001-cpu-c32-p0-0123456789abcdef0123"
+    older.mkdir(parents=True)
+    (older / "fragment.json").write_text(json.dumps({"key": "0123", "weight_bytes": 1}))  # no builder: older
+    abandoned = cache / ".tmp-frag-crashed"
+    abandoned.mkdir()
+    os.utime(abandoned, (0, 0))
+    agent = make_agents(tmp_path, home, 1)[0]
+    try:
+        wait_for(lambda: agent.node_id(), timeout_s=60, what="the agent to start")
+        assert not older.exists() and not abandoned.exists()
+    finally:
+        shut_down([agent])

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import json
+import os
 import shutil
+import time
 
 import numpy as np
 import onnx
@@ -10,7 +13,7 @@ import pytest
 
 from fragment_helpers import PROMPT_IDS, SMOLLM2, chain, greedy
 from shards.errors import FragmentError
-from shards.fragment import BLOB_POOL, build_fragment, prune_blobs
+from shards.fragment import BLOB_POOL, TMP_PREFIX, build_fragment, prune_blobs, sweep_fragments
 from shards.runner import chain_forward
 
 SPLITS = {
@@ -136,6 +139,24 @@ def test_a_pooled_blob_cut_short_is_written_again(model_dir, tmp_path) -> None:
                for t in m.graph.initializer for e in t.external_data if e.key == "location"}
     assert {p.name: p.stat().st_size for p in again.parent.glob("*.bin")} == lengths
     assert (tmp_path / BLOB_POOL / biggest.stem).stat().st_size == lengths[biggest.name]
+
+
+def test_sweep_removes_other_builders_and_abandoned_temporary_builds(model_dir, tmp_path) -> None:
+    keep = build_fragment(model_dir, 3, 3, cache_dir=tmp_path)
+    older = build_fragment(model_dir, 4, 4, cache_dir=tmp_path)
+    info_path = older.parent / "fragment.json"
+    info = json.loads(info_path.read_text())
+    del info["builder"]  # as written by an older builder
+    info_path.write_text(json.dumps(info))
+    in_progress = tmp_path / (TMP_PREFIX + "running")
+    in_progress.mkdir()
+    abandoned = tmp_path / (TMP_PREFIX + "crashed")
+    abandoned.mkdir()
+    os.utime(abandoned, (0, 0))
+    assert sweep_fragments(tmp_path, now_s=time.time()) == 2
+    assert keep.is_file() and in_progress.is_dir() and not older.parent.exists() and not abandoned.exists()
+    assert sorted(p.name for p in (tmp_path / BLOB_POOL).iterdir()) == sorted(p.stem for p in keep.parent.glob("*.bin"))
+    assert sweep_fragments(tmp_path, now_s=time.time()) == 0
 
 
 @pytest.mark.parametrize("args,kw", [
