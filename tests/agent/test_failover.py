@@ -251,7 +251,7 @@ def test_a_new_node_given_one_peer_joins_and_the_model_is_rebalanced_over_it(cha
         assert {node["id"] for node in plan["plan"]["nodes"]} == set(status["nodes_alive"])
         assert reference(newcomer) == undisturbed  # it fetched its layers and serves them
     finally:
-        newcomer.stop()
+        shut_down([newcomer])
 
 
 def test_a_joining_node_too_small_for_its_share_leaves_the_plan_as_it_is(chaos, tmp_path):
