@@ -285,7 +285,13 @@ class Orchestrator:
                                               timeout_s=DEPLOY_TIMEOUT_S)
 
     async def measure(self, preset: ModelPreset) -> PlannedModel:
-        """Plan ``preset`` over every live node and work out what each device needs (minimum)."""
+        """Plan ``preset`` over every live node and work out what each device needs (minimum);
+        the plan is kept for the next :meth:`load`."""
+        planned = await self._plan_model(preset)
+        self.planned[preset.name] = planned
+        return planned
+
+    async def _plan_model(self, preset: ModelPreset) -> PlannedModel:
         self._require_orchestrator()
         holdings = self.holdings()
         scores = self.membership.scores()
@@ -308,9 +314,7 @@ class Orchestrator:
         for node, node_ranges in standby.items():
             ranges[node] |= {(r.first, r.last) for r in node_ranges}
         need = min_bytes_per_node(manifest, {n: r for n, r in ranges.items() if r}, settings.max_context)
-        planned = PlannedModel(preset, plan, route, frozenset(scores), need)
-        self.planned[preset.name] = planned
-        return planned
+        return PlannedModel(preset, plan, route, frozenset(scores), need)
 
     async def load(self, preset: ModelPreset) -> Deployment:
         """Deploy a measured model (its kept plan while every node of it is alive, else a new one)."""
@@ -368,13 +372,10 @@ class Orchestrator:
             if name not in self.deployments or preset is None or not self.membership.is_orchestrator:
                 return
             self._last_replan = time.monotonic()
-            kept = self.planned.get(name)
             try:
-                planned = await self.measure(preset)
+                planned = await self._plan_model(preset)
                 short = self.shortfall(name, planned.min_bytes)
                 if short:
-                    if kept is not None:
-                        self.planned[name] = kept
                     lacking = ", ".join(f"{node} lacks {missing / MIB:.0f} MiB" for node, missing in sorted(short.items()))
                     log.warning("not re-planning %s (%s): the new plan does not fit (%s); it keeps its plan",
                                 name, reason, lacking)
@@ -384,6 +385,7 @@ class Orchestrator:
             except (NcmError, ShardsError) as error:
                 log.warning("cannot re-plan %s (%s); it keeps its plan", name, error)
                 return
+            self.planned[name] = planned
             log.info("re-planned %s: %s", name, reason)
             self.on_deployment(name, deployment, reason)
             self._settle_state()
@@ -595,4 +597,3 @@ class Orchestrator:
         elif self.membership.table.url_of(head) is not None:
             link = await self.worker.links.get(head, order.addresses[head])
             await link.send({"kind": "close", "sid": sid, "layer": 0, "plan": order.plan_version})
-

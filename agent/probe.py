@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ctypes
+import functools
 import logging
 import os
 from dataclasses import dataclass
@@ -42,6 +43,7 @@ def _cpu_model() -> str:
     return ""
 
 
+@functools.cache  # fixed while the agent runs; asked on every describe round
 def nvml_total_vram_bytes() -> tuple[int, int]:
     """(total VRAM in bytes, number of GPUs) via NVML, (0, 0) without an NVIDIA driver."""
     try:
