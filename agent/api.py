@@ -121,6 +121,7 @@ async def cluster_nodes(request: web.Request) -> web.Response:
         "orchestrator": election.orchestrator if election else None,
         "epoch": election.epoch if election else 0,
         "nodes": nodes,
+        "rejected": [{"url": url, "reason": reason} for url, reason in membership.table.rejected.items()],
     })
 
 
@@ -233,11 +234,23 @@ def _autoload(request: web.Request) -> bool | None:
     raise InvalidRequestError("autoload must be true or false", "autoload")
 
 
+def _wants_reload(request: web.Request) -> bool:
+    return request.query.get("reload") in ("1", "true")
+
+
+ADMIN_ENDPOINTS = frozenset({("POST", "/cluster/join"), ("POST", "/models/load"), ("POST", "/models/unload")})
+
+
+def changes_cluster(request: web.Request) -> bool:
+    """Requests that change the cluster (they need the admin token)."""
+    return (request.method, request.path) in ADMIN_ENDPOINTS or (request.path == "/models" and _wants_reload(request))
+
+
 @routes.get("/models")
 @on_orchestrator
 async def models(request: web.Request) -> web.StreamResponse:
     router = request.app[ROUTER]
-    if request.query.get("reload") in ("1", "true"):
+    if _wants_reload(request):
         router.reload()
     return web.json_response({"object": "list", "data": router.models()})
 

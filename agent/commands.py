@@ -1,4 +1,4 @@
-"""`ncm serve`, `ncm join` and `ncm status`."""
+"""`ncm serve`, `ncm join`, `ncm status` and `ncm admin-token`."""
 
 from __future__ import annotations
 
@@ -37,14 +37,39 @@ def add_parsers(subparsers: argparse._SubParsersAction) -> None:
     join.add_argument("url", help="URL of any agent of the cluster, e.g. http://192.168.1.20:8080")
     join.add_argument("--agent", default=DEFAULT_AGENT_URL, help="the local agent (default %(default)s)")
     join.add_argument("--config", type=Path, help="also save the peer in this config file")
-    join.add_argument("--token", help="API token of the local agent, if it needs one")
+    join.add_argument("--token", help="the cluster's admin token (default: this device's, when readable)")
     join.set_defaults(func=run_join)
+
+    admin = subparsers.add_parser(
+        "admin-token", help="print the cluster's admin token (loading, unloading, joining and reloading need it)")
+    admin.add_argument("--config", type=Path, help="TOML config file (default: /etc/ncm/agent.toml when it exists)")
+    admin.set_defaults(func=run_admin_token)
 
     status = subparsers.add_parser("status", help="show the cluster as an agent sees it")
     status.add_argument("--remote", default=DEFAULT_AGENT_URL, help="agent to ask (default %(default)s)")
     status.add_argument("--token", help="API token, if the agent needs one")
     status.add_argument("--json", action="store_true")
     status.set_defaults(func=run_status)
+
+
+def local_admin_token(config_path: Path | None = None, *, create: bool = False) -> str | None:
+    """The admin token of this device's cluster key; None when this user cannot read it."""
+    from agent.core.auth import admin_token
+    from agent.service import cluster_key, stored_cluster_key
+
+    try:
+        config = load_config(config_path)
+        key = cluster_key(config) if create else stored_cluster_key(config)
+    except (ConfigError, OSError) as error:
+        if create:
+            raise NcmError(f"cannot read this device's cluster key: {error}") from None
+        return None
+    return admin_token(key) if key else None
+
+
+def run_admin_token(args: argparse.Namespace) -> int:
+    print(local_admin_token(args.config, create=True))
+    return 0
 
 
 def run_serve(args: argparse.Namespace) -> int:
@@ -105,7 +130,8 @@ def run_join(args: argparse.Namespace) -> int:
     if not url.startswith(("http://", "https://")):
         raise ConfigError(f"{args.url!r} is not an http(s):// URL")
     health = http_json("GET", url + "/health")
-    answer = http_json("POST", args.agent.rstrip("/") + "/cluster/join", {"url": url}, token=args.token)
+    answer = http_json("POST", args.agent.rstrip("/") + "/cluster/join", {"url": url},
+                       token=args.token or local_admin_token(args.config))
     print(f"joined: the agent at {args.agent} now contacts {url} (node {health.get('node_id')}); {answer.get('message', '')}")
     if args.config:
         save_peer(args.config, url)
@@ -138,7 +164,8 @@ def run_status(args: argparse.Namespace) -> int:
 
 def run_models_remote(args: argparse.Namespace) -> int:
     """`ncm models --remote URL`: the cluster's models as its router sees them."""
-    answer = http_json("GET", args.remote.rstrip("/") + "/models" + ("?reload=1" if args.reload else ""), token=args.token)
+    token = args.token or (local_admin_token() if args.reload else None)
+    answer = http_json("GET", args.remote.rstrip("/") + "/models" + ("?reload=1" if args.reload else ""), token=token)
     if args.json:
         json.dump(answer, sys.stdout, indent=2)
         print()
@@ -160,6 +187,6 @@ def extend_models_parser(parser: argparse.ArgumentParser) -> None:
     local = parser.get_default("func")
     parser.add_argument("--remote", metavar="URL", help="show the models of the cluster at URL (any agent)")
     parser.add_argument("--reload", action="store_true", help="with --remote: re-read the cluster's model sources")
-    parser.add_argument("--token", help="API token of the cluster (with --remote)")
+    parser.add_argument("--token", help="API key of the cluster, or its admin token for --reload (with --remote)")
     parser.add_argument("--json", action="store_true", help="with --remote: print the JSON answer")
     parser.set_defaults(func=lambda args: run_models_remote(args) if args.remote else local(args))

@@ -48,6 +48,7 @@ class AgentConfig:
     model: str = "smollm2-135m"
     orchestrator: bool = False
     api_token: str = ""
+    api_keys: tuple[str, ...] = ()
     mdns: bool = True
     interfaces: tuple[str, ...] = ()
     npu_tops: float | None = None
@@ -89,6 +90,8 @@ class AgentConfig:
                 raise ConfigError(f"peers: {peer!r} is not an http(s)://host:port URL")
         if not self.model:
             raise ConfigError("model must not be empty")
+        if any(len(k) < 8 or len(k) > 256 or any(c.isspace() for c in k) for k in self.api_keys):
+            raise ConfigError("api_keys must be 8-256 characters each, without spaces")
         for name in ("npu_tops", "vram_gib", "ram_gib"):
             value = getattr(self, name)
             if value is not None and (not math.isfinite(value) or value < 0):
@@ -120,6 +123,11 @@ class AgentConfig:
             raise ConfigError("max_context must be >= 16 and prefill_chunk in 1..max_context")
 
     @property
+    def accepted_api_keys(self) -> tuple[str, ...]:
+        """Keys that may call the inference API (none: it is open)."""
+        return self.api_keys + ((self.api_token,) if self.api_token else ())
+
+    @property
     def models_home(self) -> Path:
         """Where the model store lives ($NCM_HOME, else the user's data directory)."""
         return ncm_home()
@@ -128,6 +136,7 @@ class AgentConfig:
 _FIELD_TYPES: dict[str, str] = {
     "cluster_name": "str", "cluster_key": "str", "host": "str", "port": "int", "advertise_host": "str",
     "peers": "list", "state_dir": "path", "model": "str", "orchestrator": "bool", "api_token": "str",
+    "api_keys": "list",
     "mdns": "bool", "interfaces": "list", "npu_tops": "float?", "vram_gib": "float?", "ram_gib": "float?", "providers": "list", "threads": "int",
     "health_interval_s": "float", "failure_threshold": "int", "peer_timeout_s": "float",
     "discovery_grace_s": "float", "replicate_head_ratio": "float", "replica_count": "int?",

@@ -54,7 +54,8 @@ class StageLink:
         async with self._connect_lock:
             if self._ws is None or self._ws.closed:
                 try:
-                    self._ws = await self.client.ws_connect(self.url, STREAM_PATH, timeout_s=CONNECT_TIMEOUT_S)
+                    self._ws = await self.client.ws_connect(self.url, STREAM_PATH, target=self.node_id,
+                                                          timeout_s=CONNECT_TIMEOUT_S)
                 except PeerError as error:
                     raise StageError("stage_unreachable", f"node {self.node_id} is unreachable: {error}", self.node_id) from None
                 self._reader = asyncio.create_task(self._read(self._ws), name=f"link-reader-{self.node_id}")

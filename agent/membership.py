@@ -5,6 +5,10 @@ answering node's live peers, so one `--peer` is enough to join). Each round cont
 known URL with a signed `POST /internal/describe` (which also tells the peer how to reach this
 node, so a node given one peer is known to all); that contact is also the health check
 (`failure_threshold` consecutive failures make a peer dead) and the latency measurement.
+
+Every answer must be signed with the cluster key for the request it answers: a URL whose
+answer is not (a stranger announced over mDNS, or given to `/cluster/join`) is rejected for
+good, so no claim of a non-member reaches the election, the routes or the peer table.
 """
 
 from __future__ import annotations
@@ -18,11 +22,12 @@ from typing import Any, Callable
 from agent import __version__
 from agent.config import AgentConfig
 from agent.core.advert import NodeAdvert
+from agent.core.auth import ANY_NODE
 from agent.core.capacity import NodeCapacity, score
 from agent.core.election import Election, elect, newest
 from agent.core.errors import WireError
 from agent.core.peers import PeerTable
-from agent.peer_client import PeerClient, PeerError
+from agent.peer_client import PeerAuthError, PeerClient, PeerError
 from agent.probe import probe_capacity
 
 log = logging.getLogger(__name__)
@@ -152,7 +157,7 @@ class Membership:
         url = url.rstrip("/")
         if (self._seen_as or self.config.advertise_host) and url == self.self_url():
             return
-        known = url in self.table.entries or url in self.table.ignored
+        known = url in self.table.entries or url in self.table.ignored or url in self.table.rejected
         if self.table.discovered(url, source, time.monotonic()) is not None and not known:
             log.info("found peer %s (%s)", url, source)
 
@@ -169,12 +174,28 @@ class Membership:
             self._notify(f"peer {node_id} is unreachable")
 
     # --- rounds -----------------------------------------------------------------------------
+    def _reject(self, url: str, error: PeerAuthError) -> None:
+        was_alive = self.table.reject(url, str(error))
+        log.warning("peer %s cannot prove it belongs to cluster %r (%s): ignored, and not contacted again",
+                    url, self.config.cluster_name, error)
+        if was_alive:
+            self._recompute_election()
+            self._notify(f"peer {url} was rejected")
+
     async def _contact(self, url: str) -> None:
         started = time.monotonic()
+        entry = self.table.entries.get(url)
+        # The first contact is addressed to whichever node answers there; later ones to that node.
+        target = entry.advert.node_id if entry is not None and entry.advert is not None else ANY_NODE
         try:
-            answer = await self.client.request_json("POST", url, DESCRIBE_PATH, self.introduction(),
-                                                    timeout_s=self.config.peer_timeout_s)
+            answer, responder = await self.client.request_json_from(
+                "POST", url, DESCRIBE_PATH, self.introduction(), target=target, timeout_s=self.config.peer_timeout_s)
             advert = NodeAdvert.from_json(answer.get("advert") if isinstance(answer, dict) else None)
+            if advert.node_id != responder:
+                raise WireError(f"node {responder} describes itself as {advert.node_id}")
+        except PeerAuthError as error:
+            self._reject(url, error)
+            return
         except (PeerError, WireError) as error:
             if self.table.contact_failed(url, time.monotonic()):
                 self._notify(f"peer {url} is dead ({error})")

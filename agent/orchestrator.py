@@ -187,10 +187,12 @@ class Orchestrator:
         return holdings
 
     def _sources(self, model: str, holdings: dict[str, dict[str, int]]) -> list[str]:
-        """URLs to fetch ``model``'s files from: live nodes holding it whole (this node first),
+        """Nodes to fetch ``model``'s files from: live nodes holding it whole (this node first),
         then every other live node, which may hold some of its layers."""
-        ranked = sorted(holdings, key=lambda n: (model not in holdings[n], n != self.node_id, n))
-        return [self.membership.address_of(n) for n in ranked]
+        return sorted(holdings, key=lambda n: (model not in holdings[n], n != self.node_id, n))
+
+    def _addressed(self, nodes: list[str]) -> list[tuple[str, str]]:
+        return [(n, self.membership.address_of(n)) for n in nodes]
 
     def resolve_fallback(self, holdings: dict[str, dict[str, int]]) -> str:
         """The configured fallback; `ncm-tiny` means the smallest model some live node holds whole."""
@@ -232,11 +234,11 @@ class Orchestrator:
             epoch=election.epoch, orchestrator=self.node_id, plan_version=self.plan_version, model=model,
             total_layers=plan.total_layers, route=route,
             addresses={n: self.membership.address_of(n) for n in alive},
-            weight_sources=tuple(self._sources(model, holdings)), plan=plan.to_dict(), degraded=degraded,
+            weight_sources=tuple(n for n in self._sources(model, holdings) if n in alive), plan=plan.to_dict(), degraded=degraded,
             standby={n: tuple(sorted(r)) for n, r in standby_hops(plan, route, alive, self._telemetry(scores)).items()},
             name=name, max_context=settings.max_context, prefill_chunk=settings.prefill_chunk,
         )
-        await ensure_model_files(self.client, self.store, model, lambda m: [], list(order.weight_sources))
+        await ensure_model_files(self.client, self.store, model, lambda m: [], order.sources())
         nodes = sorted(alive)
         nodes_done = 0
 
@@ -282,7 +284,7 @@ class Orchestrator:
         if node_id == self.node_id:
             return await self.worker.apply(order)
         return await self.client.request_json("POST", order.addresses[node_id], ROUTING_PATH, order.to_json(),
-                                              timeout_s=DEPLOY_TIMEOUT_S)
+                                              target=node_id, timeout_s=DEPLOY_TIMEOUT_S)
 
     async def measure(self, preset: ModelPreset) -> PlannedModel:
         """Plan ``preset`` over every live node and work out what each device needs (minimum);
@@ -296,7 +298,7 @@ class Orchestrator:
         holdings = self.holdings()
         scores = self.membership.scores()
         manifest = await ensure_model_files(self.client, self.store, preset.store_model, lambda m: [],
-                                            self._sources(preset.store_model, holdings))
+                                            self._addressed(self._sources(preset.store_model, holdings)))
         settings = preset.settings
         if settings.weights is not None and manifest.weight_format != settings.weights:
             raise ClusterError(f"the preset of {preset.name} asks for {settings.weights} weights but "
@@ -357,7 +359,8 @@ class Orchestrator:
                 await self.worker.unload(name, epoch)
             else:
                 await self.client.request_json("POST", self.membership.address_of(node_id), UNLOAD_PATH,
-                                               {"name": name, "epoch": epoch}, timeout_s=UNLOAD_TIMEOUT_S)
+                                               {"name": name, "epoch": epoch}, target=node_id,
+                                               timeout_s=UNLOAD_TIMEOUT_S)
 
         nodes = sorted(self.membership.alive_nodes())
         results = await asyncio.gather(*(drop(n) for n in nodes), return_exceptions=True)
@@ -413,7 +416,7 @@ class Orchestrator:
                         raise ClusterError(f"{name}: {failure}") from None
                     model = self.resolve_fallback(holdings)
                     manifest = await ensure_model_files(self.client, self.store, model, lambda m: [],
-                                                        self._sources(model, holdings))
+                                                        self._addressed(self._sources(model, holdings)))
                     decision = failover(base.order.route, dead, base.plan, alive, telemetry,
                                         fallback_model=model, fallback_layers=manifest.n_layers,
                                         survivor_scores=scores)

@@ -1,4 +1,4 @@
-"""Signed HTTP calls to other agents' internal endpoints."""
+"""Signed HTTP calls to other agents' internal endpoints, and the check of their answers."""
 
 from __future__ import annotations
 
@@ -6,12 +6,14 @@ import asyncio
 import json
 import secrets
 import time
+from collections.abc import Mapping
 from typing import Any
 
 import aiohttp
+from yarl import URL
 
-from agent.core.auth import sign
-from agent.core.errors import NcmError
+from agent.core.auth import HEADER_NONCE, sign, verify_answer
+from agent.core.errors import AuthError, NcmError, StaleRequestError
 
 USER_AGENT = "ncm-agent"
 
@@ -25,50 +27,95 @@ class PeerError(NcmError):
         self.status = status
 
 
+class PeerAuthError(PeerError):
+    """The peer cannot prove it holds the cluster key: it is no member, whatever it says."""
+
+
 class PeerClient:
-    """One pooled aiohttp session for every call to peers; every call has a timeout."""
+    """One pooled aiohttp session for every call to peers; every call has a timeout, every
+    request is signed for the node it is meant for and every answer must be signed by it."""
 
     def __init__(self, session: aiohttp.ClientSession, key: bytes, node_id: str) -> None:
         self.session = session
         self.key = key
         self.node_id = node_id
 
-    def signed_headers(self, method: str, path: str, body: bytes = b"") -> dict[str, str]:
-        return sign(self.key, method, path, body, now=time.time(), nonce=secrets.token_hex(12), node_id=self.node_id)
+    def signed_request(self, method: str, base_url: str, path: str, body: bytes = b"", *,
+                       target: str) -> tuple[URL, dict[str, str]]:
+        """The URL to call and the headers that sign the request for node ``target``."""
+        url = URL(base_url.rstrip("/") + path)
+        headers = sign(self.key, method, url.raw_path_qs, body, now=time.time(), nonce=secrets.token_hex(12),
+                       node_id=self.node_id, target=target)
+        return url, headers
+
+    def check_answer(self, url: Any, sent: Mapping[str, str], status: int, headers: Mapping[str, str],
+                     body: bytes | None, *, target: str) -> str:
+        """The node that answered the request signed with headers ``sent``; raises
+        :class:`PeerAuthError` when the answer is not signed with the cluster key."""
+        try:
+            return verify_answer(self.key, headers, nonce=sent[HEADER_NONCE], status=status, body=body,
+                                 responder=target)
+        except StaleRequestError as error:
+            raise PeerError(str(url), str(error), status) from None
+        except AuthError as error:
+            raise PeerAuthError(str(url), str(error), status) from None
 
     async def request_json(
-        self, method: str, base_url: str, path: str, payload: Any = None, *, timeout_s: float
+        self, method: str, base_url: str, path: str, payload: Any = None, *, target: str, timeout_s: float
     ) -> Any:
+        """Call an internal endpoint of node ``target`` (:data:`ANY_NODE` for a first contact)."""
+        answer, _ = await self.request_json_from(method, base_url, path, payload, target=target, timeout_s=timeout_s)
+        return answer
+
+    async def request_json_from(
+        self, method: str, base_url: str, path: str, payload: Any = None, *, target: str, timeout_s: float
+    ) -> tuple[Any, str]:
+        """:meth:`request_json`, and the id of the node that answered."""
         body = b"" if payload is None else json.dumps(payload).encode()
-        headers = self.signed_headers(method, path, body)
+        url, headers = self.signed_request(method, base_url, path, body, target=target)
         if payload is not None:
             headers["Content-Type"] = "application/json"
-        url = base_url.rstrip("/") + path
         try:
             async with self.session.request(
                 method, url, data=body or None, headers=headers, timeout=aiohttp.ClientTimeout(total=timeout_s)
             ) as response:
-                text = await response.text()
+                raw = await response.read()
+                responder = self.check_answer(url, headers, response.status, response.headers, raw, target=target)
                 if response.status >= 400:
-                    raise PeerError(url, f"HTTP {response.status}: {text[:300]}", response.status)
-                return json.loads(text) if text else None
+                    raise PeerError(str(url), f"HTTP {response.status}: {raw[:300].decode(errors='replace')}",
+                                    response.status)
+                return (json.loads(raw) if raw else None), responder
         except TimeoutError:
-            raise PeerError(url, f"no answer within {timeout_s:g} s") from None
-        except (aiohttp.ClientError, json.JSONDecodeError, OSError) as error:
-            raise PeerError(url, f"{type(error).__name__}: {error}") from None
+            raise PeerError(str(url), f"no answer within {timeout_s:g} s") from None
+        except (aiohttp.ClientError, json.JSONDecodeError, UnicodeDecodeError, OSError) as error:
+            raise PeerError(str(url), f"{type(error).__name__}: {error}") from None
 
-    async def ws_connect(self, base_url: str, path: str, *, timeout_s: float) -> aiohttp.ClientWebSocketResponse:
-        url = base_url.rstrip("/") + path
+    async def ws_connect(self, base_url: str, path: str, *, target: str,
+                         timeout_s: float) -> aiohttp.ClientWebSocketResponse:
+        """A WebSocket to node ``target``, whose first message proves the node holds the key."""
+        url, headers = self.signed_request("GET", base_url, path, target=target)
+        ws: aiohttp.ClientWebSocketResponse | None = None
         try:
             async with asyncio.timeout(timeout_s):
-                return await self.session.ws_connect(
-                    url,
-                    headers=self.signed_headers("GET", path),
-                    timeout=aiohttp.ClientWSTimeout(ws_receive=None, ws_close=timeout_s),
-                    max_msg_size=0,
-                    compress=0,
+                ws = await self.session.ws_connect(
+                    url, headers=headers, timeout=aiohttp.ClientWSTimeout(ws_receive=None, ws_close=timeout_s),
+                    max_msg_size=0, compress=0,
                 )
+                hello = await ws.receive()
+            if hello.type != aiohttp.WSMsgType.TEXT:
+                raise PeerError(str(url), f"the data plane closed before the node proved it is a member ({hello.type.name})")
+            proof = json.loads(hello.data)
+            if not isinstance(proof, dict):
+                proof = {}
+            self.check_answer(url, headers, 101, {k: str(v) for k, v in proof.items()}, None, target=target)
+            return ws
         except TimeoutError:
-            raise PeerError(url, f"no connection within {timeout_s:g} s") from None
-        except (aiohttp.ClientError, OSError) as error:
-            raise PeerError(url, f"{type(error).__name__}: {error}") from None
+            failure: PeerError = PeerError(str(url), f"no connection within {timeout_s:g} s")
+        except (aiohttp.ClientError, OSError, json.JSONDecodeError, UnicodeDecodeError) as error:
+            failure = PeerError(str(url), f"{type(error).__name__}: {error}")
+        except PeerError as error:
+            failure = error
+        if ws is not None:
+            await ws.close()
+        raise failure
+

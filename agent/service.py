@@ -23,8 +23,8 @@ from aiohttp import web
 
 from agent import api
 from agent.config import AgentConfig, ConfigError
-from agent.core.auth import ReplayGuard, verify
-from agent.core.errors import AuthError, WireError
+from agent.core.auth import HEADER_NONCE, ReplayGuard, admin_token, sign_answer, verify
+from agent.core.errors import AuthError, StaleRequestError, WireError
 from agent.core.orders import RoutingOrder
 from agent.core.wire import decode_frame, encode_frame
 from agent.dataplane import STREAM_PATH, Links, StageError
@@ -36,7 +36,7 @@ from agent.peer_client import PeerClient
 from agent.router import ModelRouter
 from agent.sd_notify import SystemdNotifier, format_status, run_watchdog, watchdog_interval_s
 from agent.service_keys import (
-    CLIENT, CONFIG, DATA_PLANE_SOCKETS, LINKS, MEMBERSHIP, NODE_ID, ORCHESTRATOR, REPLAY_GUARD, ROUTER, STORE,
+    ADMIN_TOKEN, CLIENT, CONFIG, DATA_PLANE_SOCKETS, LINKS, MEMBERSHIP, NODE_ID, ORCHESTRATOR, REPLAY_GUARD, ROUTER, STORE,
     WORKER,
 )
 from agent.weights import complete_models, describe_model_files, resolve_model_file
@@ -48,50 +48,94 @@ log = logging.getLogger(__name__)
 CLUSTER_KEY_FILE = "cluster-key"
 SHUTDOWN_TIMEOUT_S = 30.0
 PUBLIC_WITHOUT_TOKEN = ("/health",)
+ANSWER_NONCE = web.RequestKey("answer_nonce", str)  # the nonce of the member's request a signed answer binds
 
 internal = web.RouteTableDef()
 
 
-def cluster_key(config: AgentConfig) -> bytes:
-    """The configured key, else one generated once in the state directory (single-node use)."""
+def stored_cluster_key(config: AgentConfig) -> bytes | None:
+    """The configured key, else the one in the state directory; None when there is none yet."""
     if config.cluster_key:
         return config.cluster_key.encode()
     path = config.state_dir / CLUSTER_KEY_FILE
-    if not path.exists():
-        config.state_dir.mkdir(parents=True, exist_ok=True)
-        path.write_text(secrets.token_hex(32) + "\n", encoding="utf-8")
-        path.chmod(0o600)
-        log.warning("no cluster_key configured: generated one in %s; give every agent of the cluster the same key", path)
+    return path.read_text(encoding="utf-8").strip().encode() if path.exists() else None
+
+
+def cluster_key(config: AgentConfig) -> bytes:
+    """The configured key, else one generated once in the state directory (single-node use)."""
+    key = stored_cluster_key(config)
+    if key is not None:
+        return key
+    path = config.state_dir / CLUSTER_KEY_FILE
+    config.state_dir.mkdir(parents=True, exist_ok=True)
+    path.write_text(secrets.token_hex(32) + "\n", encoding="utf-8")
+    path.chmod(0o600)
+    log.warning("no cluster_key configured: generated one in %s; give every agent of the cluster the same key", path)
     return path.read_text(encoding="utf-8").strip().encode()
 
 
 # --- middlewares -----------------------------------------------------------------------------------
 @web.middleware
 async def peer_auth(request: web.Request, handler: Any) -> web.StreamResponse:
-    """Internal endpoints: only peers holding the cluster key (HMAC, timestamp, nonce)."""
+    """Internal endpoints: only peers holding the cluster key (HMAC over the whole URL, the
+    target node, time and nonce). Answers to members are signed (:func:`sign_answers`)."""
     if not request.path.startswith("/internal/"):
         return await handler(request)
     body = await request.read()
     try:
-        request["peer"] = verify(
-            request.app[CLIENT].key, request.method, request.path, body, request.headers,
-            now=time.time(), guard=request.app[REPLAY_GUARD],
+        verify(
+            request.app[CLIENT].key, request.method, request.raw_path, body, request.headers,
+            now=time.time(), guard=request.app[REPLAY_GUARD], node_id=request.app[NODE_ID],
+            any_target=request.path == DESCRIBE_PATH,
         )
     except AuthError as error:
+        if isinstance(error, StaleRequestError):  # a member's request: the refusal is signed
+            request[ANSWER_NONCE] = request.headers[HEADER_NONCE]
         log.warning("rejected %s %s from %s: %s", request.method, request.path, request.remote, error)
         return web.json_response({"error": {"message": str(error), "type": "authentication_error", "param": None,
                                              "code": "bad_cluster_key"}}, status=401)
+    request[ANSWER_NONCE] = request.headers[HEADER_NONCE]
     return await handler(request)
 
 
+async def sign_answers(request: web.Request, response: web.StreamResponse) -> None:
+    """Sign every answer to a member's internal request, so that the member acts only on
+    answers of key holders (streamed bodies are signed without their bytes)."""
+    nonce = request.get(ANSWER_NONCE)
+    if nonce is None:
+        return
+    body = response.body if isinstance(response, web.Response) and isinstance(response.body, bytes) else None
+    response.headers.update(sign_answer(request.app[CLIENT].key, responder=request.app[NODE_ID], nonce=nonce,
+                                        status=response.status, body=body))
+
+
+def _bearer(request: web.Request) -> str:
+    scheme, _, value = request.headers.get("Authorization", "").partition(" ")
+    return value.strip() if scheme.lower() == "bearer" else ""
+
+
+def _matches(given: str, accepted: Any) -> bool:
+    # Compare with every accepted key, each in constant time.
+    return any([hmac.compare_digest(given.encode(), key.encode()) for key in accepted])
+
+
 @web.middleware
-async def api_token(request: web.Request, handler: Any) -> web.StreamResponse:
-    token = request.app[CONFIG].api_token
-    if not token or request.path.startswith("/internal/") or request.path in PUBLIC_WITHOUT_TOKEN:
+async def access(request: web.Request, handler: Any) -> web.StreamResponse:
+    """Public endpoints: those that change the cluster need the admin token, always; the
+    others need an API key (or the admin token) when `api_keys` / `api_token` are set."""
+    if request.path.startswith("/internal/") or request.path in PUBLIC_WITHOUT_TOKEN:
         return await handler(request)
-    given = request.headers.get("Authorization", "")
-    if not hmac.compare_digest(given.encode(), f"Bearer {token}".encode()):
-        return api.error_response(401, "a valid API token is needed: send 'Authorization: Bearer <token>'",
+    given = _bearer(request)
+    admin = request.app[ADMIN_TOKEN]
+    if api.changes_cluster(request):
+        if not _matches(given, (admin,)):
+            return api.error_response(
+                401, "this endpoint changes the cluster and needs the admin token: send 'Authorization: Bearer "
+                     "<admin token>' (`ncm admin-token` on any member prints it)", code="admin_token_required")
+        return await handler(request)
+    keys = request.app[CONFIG].accepted_api_keys
+    if keys and not _matches(given, (*keys, admin)):
+        return api.error_response(401, "a valid API key is needed: send 'Authorization: Bearer <key>'",
                                   code="invalid_api_key")
     return await handler(request)
 
@@ -169,6 +213,9 @@ async def stream(request: web.Request) -> web.WebSocketResponse:
     """The data plane: step frames in, result/error frames out, on one persistent socket."""
     ws = web.WebSocketResponse(max_msg_size=0, compress=False)
     await ws.prepare(request)
+    # The first message proves to the caller that this node holds the cluster key.
+    await ws.send_str(json.dumps(sign_answer(request.app[CLIENT].key, responder=request.app[NODE_ID],
+                                             nonce=request[ANSWER_NONCE], status=101, body=None)))
     worker = request.app[WORKER]
     sockets = request.app[DATA_PLANE_SOCKETS]
     sockets.add(ws)
@@ -214,13 +261,15 @@ async def close_data_plane(app: web.Application) -> None:
 
 # --- the application -------------------------------------------------------------------------------
 def build_app(config: AgentConfig, *, node_id: str, store: ModelStore, api_port: int, key: bytes) -> web.Application:
-    app = web.Application(middlewares=[peer_auth, api_token, api.openai_errors], client_max_size=16 * 1024 * 1024)
+    app = web.Application(middlewares=[peer_auth, access, api.openai_errors], client_max_size=16 * 1024 * 1024)
     app[CONFIG] = config
     app[NODE_ID] = node_id
     app[STORE] = store
     app[REPLAY_GUARD] = ReplayGuard()
+    app[ADMIN_TOKEN] = admin_token(key)
     app[DATA_PLANE_SOCKETS] = set()
     app.on_shutdown.append(close_data_plane)
+    app.on_response_prepare.append(sign_answers)
     app.add_routes(internal)
     app.add_routes(api.routes)
 

@@ -86,7 +86,12 @@ def complete_models(store: ModelStore) -> dict[str, int]:
     return complete
 
 
-async def _download(client: PeerClient, source: str, name: str, relative: str, dest: Path, size: int, sha256: str) -> None:
+Source = tuple[str, str]  # (node id, URL) of a peer to fetch from
+
+
+async def _download(client: PeerClient, source: Source, name: str, relative: str, dest: Path, size: int,
+                    sha256: str) -> None:
+    node_id, base_url = source
     part = dest.with_name(dest.name + ".part")
     dest.parent.mkdir(parents=True, exist_ok=True)
     offset = part.stat().st_size if part.exists() else 0
@@ -97,16 +102,20 @@ async def _download(client: PeerClient, source: str, name: str, relative: str, d
     if offset:
         digest = await asyncio.to_thread(_hash_file, part)
         log.info("resuming %s of %s at %d / %d bytes", relative, name, offset, size)
-    path = f"/internal/models/{name}/files/{relative}"
-    headers = client.signed_headers("GET", path)
+    url, headers = client.signed_request("GET", base_url, f"/internal/models/{name}/files/{relative}",
+                                         target=node_id)
     if offset:
         headers["Range"] = f"bytes={offset}-"
     next_report = offset + max(size // 10, CHUNK_BYTES)
     timeout = aiohttp.ClientTimeout(total=TRANSFER_TIMEOUT_S, sock_read=READ_TIMEOUT_S)
     try:
-        async with client.session.get(source.rstrip("/") + path, headers=headers, timeout=timeout) as response:
+        async with client.session.get(url, headers=headers, timeout=timeout) as response:
             if response.status not in (200, 206):
-                raise PeerError(source, f"HTTP {response.status} for {relative}", response.status)
+                body = await response.read()
+                client.check_answer(url, headers, response.status, response.headers, body, target=node_id)
+                raise PeerError(base_url, f"HTTP {response.status} for {relative}", response.status)
+            # The bytes are checked against the sha256 of the (signed) listing below.
+            client.check_answer(url, headers, response.status, response.headers, None, target=node_id)
             if response.status == 200 and offset:
                 offset, digest = 0, hashlib.sha256()  # the source ignored the range: start over
             with part.open("ab" if offset else "wb") as handle:
@@ -118,27 +127,29 @@ async def _download(client: PeerClient, source: str, name: str, relative: str, d
                         log.info("fetching %s/%s: %d%% of %d bytes", name, relative, 100 * offset // size, size)
                         next_report = offset + max(size // 10, CHUNK_BYTES)
     except (aiohttp.ClientError, TimeoutError, OSError) as error:
-        raise PeerError(source, f"transfer of {relative} broke: {type(error).__name__}: {error}") from None
+        raise PeerError(base_url, f"transfer of {relative} broke: {type(error).__name__}: {error}") from None
     if offset != size or digest.hexdigest() != sha256:
         part.unlink(missing_ok=True)
-        raise WeightTransferError(f"{relative} from {source} is corrupt (size or sha256 mismatch)")
+        raise WeightTransferError(f"{relative} from {base_url} is corrupt (size or sha256 mismatch)")
     os.replace(part, dest)
 
 
-async def _listing(client: PeerClient, name: str, sources: list[str], errors: list[str]) -> tuple[str, dict[str, Any]]:
+async def _listing(client: PeerClient, name: str, sources: list[Source], errors: list[str]) -> tuple[Source, dict[str, Any]]:
     """The first source's answer to `GET /internal/models/{name}`: (source, listing)."""
     for source in sources:
+        node_id, base_url = source
         try:
-            listing = await client.request_json("GET", source, f"/internal/models/{name}", timeout_s=30.0)
+            listing = await client.request_json("GET", base_url, f"/internal/models/{name}", target=node_id,
+                                                timeout_s=30.0)
             if isinstance(listing, dict) and isinstance(listing.get("manifest"), dict):
                 return source, listing
-            errors.append(f"{source}: malformed model listing")
+            errors.append(f"{base_url}: malformed model listing")
         except PeerError as error:
             errors.append(str(error))
     raise WeightTransferError(f"no peer could provide model {name!r}: " + ("; ".join(errors) or "no source known"))
 
 
-async def _fetch_from_any(client: PeerClient, sources: list[str], name: str, relative: str, dest: Path,
+async def _fetch_from_any(client: PeerClient, sources: list[Source], name: str, relative: str, dest: Path,
                           size: int, sha256: str, errors: list[str]) -> None:
     """One file from the first source that has it intact (a source may hold only some layers)."""
     for source in sources:
@@ -147,12 +158,12 @@ async def _fetch_from_any(client: PeerClient, sources: list[str], name: str, rel
             return
         except (PeerError, WeightTransferError) as error:
             errors.append(str(error))
-            log.debug("could not fetch %s of %s from %s: %s", relative, name, source, error)
+            log.debug("could not fetch %s of %s from %s: %s", relative, name, source[1], error)
     raise WeightTransferError(f"no peer could provide {relative} of model {name!r}: " + "; ".join(errors[-len(sources):]))
 
 
 async def ensure_model_files(
-    client: PeerClient, store: ModelStore, name: str, keys_for: Callable[[Manifest], list[str]], sources: list[str]
+    client: PeerClient, store: ModelStore, name: str, keys_for: Callable[[Manifest], list[str]], sources: list[Source]
 ) -> Manifest:
     """Make sure ``name``'s manifest, tokenizer and the weight files ``keys_for(manifest)``
     are in the local store, fetching each missing file from the first source that has it."""
@@ -167,7 +178,7 @@ async def ensure_model_files(
         manifest = Manifest.from_dict(listing["manifest"])
         meta_files = {k: (int(v["bytes"]), str(v["sha256"])) for k, v in listing.get("meta_files", {}).items() if k in META_FILES}
     except (ShardsError, KeyError, TypeError, ValueError) as error:
-        raise WeightTransferError(f"{source} sent an unusable manifest of {name!r}: {error}") from None
+        raise WeightTransferError(f"{source[1]} sent an unusable manifest of {name!r}: {error}") from None
     model_dir.mkdir(parents=True, exist_ok=True)
     ordered = [source] + [s for s in sources if s != source]
     for meta_name, (size, digest) in meta_files.items():

@@ -112,7 +112,7 @@ class Worker:
                     await ensure_model_files(
                         self.client, self.store, order.model,
                         lambda m: sorted({f for k in missing for f in m.fragment_files(k[1], k[2])}),
-                        list(order.weight_sources),
+                        order.sources(),
                     )
                 rss_before = _rss_bytes()
                 for key in missing:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import secrets
 import statistics
 import sys
 import tempfile
@@ -25,6 +26,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from agent.commands import http_json  # noqa: E402
+from agent.core.auth import admin_token  # noqa: E402
 from agent.demo import _ensure_model, start_local_cluster, stop_processes, wait_ready  # noqa: E402
 
 MAIN, OTHER = "smollm2-135m", "smollm2-135m-q4"
@@ -77,7 +79,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="ncm-bench-") as tmp:
         base = Path(tmp)
         (base / "models.ini").write_text(PRESETS)
-        env = {**ENV, "NCM_MODELS_PRESET": str(base / "models.ini")}
+        env = {**ENV, "NCM_MODELS_PRESET": str(base / "models.ini"), "NCM_CLUSTER_KEY": secrets.token_hex(16)}
+        admin = admin_token(env["NCM_CLUSTER_KEY"].encode())
         processes = start_local_cluster(3, args.port, base, MAIN, env=env, node_env=[{"NCM_ORCHESTRATOR": "true"}],
                                         log_dir=base / "logs")
         try:
@@ -95,7 +98,7 @@ def main() -> None:
             cold = []
             for _ in range(args.repeat):
                 if state(url, OTHER) not in ("unloaded", "failed"):
-                    http_json("POST", url + "/models/unload", {"model": OTHER})
+                    http_json("POST", url + "/models/unload", {"model": OTHER}, token=admin)
                 cold.append(first_token(entry, OTHER)[0])
             print(f"{'cold model, first load of the run':<34} {1000 * cold[0]:15.1f} ms   (fetches weights, builds fragments)")
             report("cold model: first token", cold[1:] or cold)

@@ -34,7 +34,12 @@ class WireError(NcmError, ValueError):
 
 
 class AuthError(WireError):
-    """A peer request is not signed with the cluster key, is stale or is a replay."""
+    """A peer request or answer is not signed with the cluster key: the peer is no member."""
+
+
+class StaleRequestError(AuthError):
+    """A correctly signed request that is stale, a replay or meant for another node: the
+    sender is a member, the request is refused."""
 
 
 class PresetError(NcmError):

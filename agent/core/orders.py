@@ -25,7 +25,7 @@ class RoutingOrder:
     total_layers: int
     route: Route
     addresses: Mapping[str, str]
-    weight_sources: tuple[str, ...] = ()
+    weight_sources: tuple[str, ...] = ()  # node ids to fetch weights from, best first (URLs in addresses)
     plan: Mapping[str, Any] = field(default_factory=dict)
     degraded: bool = False
     standby: Mapping[str, tuple[LayerRange, ...]] = field(default_factory=dict)
@@ -42,12 +42,16 @@ class RoutingOrder:
             raise WireError("routing order: epoch and plan_version must be >= 1")
         if self.route.total_layers != self.total_layers:
             raise WireError(f"routing order: route covers {self.route.total_layers} layers, model has {self.total_layers}")
-        missing = [n for n in self.route.nodes if n not in self.addresses]
+        missing = [n for n in (*self.route.nodes, *self.weight_sources) if n not in self.addresses]
         if missing:
             raise WireError(f"routing order: no address for {', '.join(missing)}")
         for node, ranges in self.standby.items():
             if any(r.last >= self.total_layers for r in ranges):
                 raise WireError(f"routing order: standby range of {node} is beyond the last layer")
+
+    def sources(self) -> list[tuple[str, str]]:
+        """(node id, URL) of each weight source, best first."""
+        return [(node, self.addresses[node]) for node in self.weight_sources]
 
     def hops_of(self, node_id: str) -> list[Hop]:
         return [hop for hop in self.route.hops if hop.node_id == node_id]

@@ -6,6 +6,10 @@ comes only from contact (describe / health checks), never from mDNS, whose recor
 cached long after a device died: a peer is alive after a successful contact and dead after
 ``failure_threshold`` consecutive failures. Entries found by mDNS or gossip that are neither
 seen nor reached for ``expiry_s`` are forgotten; static peers are kept forever.
+
+A URL whose answer does not prove membership (no signature of the cluster key) is
+*rejected*: dropped, and ignored from every source from then on, so nothing a stranger
+says reaches the election or the routes, and it gets no further signed requests.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from dataclasses import dataclass, field
 from agent.core.advert import NodeAdvert
 
 SOURCES = ("static", "mdns", "gossip", "inbound")
+MAX_REJECTED = 1024
 
 
 @dataclass
@@ -38,12 +43,13 @@ class PeerTable:
     expiry_s: float = 600.0
     entries: dict[str, PeerEntry] = field(default_factory=dict)
     ignored: set[str] = field(default_factory=set)
+    rejected: dict[str, str] = field(default_factory=dict)  # url -> why (oldest first, bounded)
 
     def discovered(self, url: str, source: str, now: float) -> PeerEntry | None:
         """A URL was seen (static config, mDNS sighting, gossip); None if it is this node's own."""
         if source not in SOURCES:
             raise ValueError(f"unknown peer source {source!r}")
-        if url in self.ignored:
+        if url in self.ignored or url in self.rejected:
             return None
         entry = self.entries.get(url)
         if entry is None:
@@ -87,6 +93,16 @@ class PeerTable:
             entry.alive = False
             return True
         return False
+
+    def reject(self, url: str, reason: str) -> bool:
+        """``url`` did not prove membership: forget it and never take it again. Returns True
+        when it was a live peer (the election and routes must be recomputed)."""
+        entry = self.entries.pop(url, None)
+        self.rejected.pop(url, None)
+        self.rejected[url] = reason
+        while len(self.rejected) > MAX_REJECTED:
+            del self.rejected[next(iter(self.rejected))]
+        return entry is not None and entry.alive
 
     def expire(self, now: float) -> list[str]:
         gone = [

@@ -18,9 +18,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from agent.core.auth import admin_token
+
 REPO = Path(__file__).resolve().parents[2]
 MAIN, FALLBACK = "smollm2-135m", "smollm2-135m-q4"
 CLUSTER_KEY = "test-cluster-key-0123456789"
+ADMIN = {"Authorization": f"Bearer {admin_token(CLUSTER_KEY.encode())}"}  # for load, unload, join, reload
 FAST_TIMING = {
     "NCM_HEALTH_INTERVAL_S": "0.3",
     "NCM_PEER_TIMEOUT_S": "2.0",

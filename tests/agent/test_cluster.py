@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import os
 import secrets
+import subprocess
+import sys
 import time
 
 import pytest
@@ -13,7 +15,11 @@ from agent.core.auth import sign
 from agent.core.plan import make_plan
 from shards.generate import LocalModel, generate
 from shards.sampling import SamplingParams
-from tests.agent.agents import CLUSTER_KEY, cluster_ready, http, linked_copy, make_agents, shut_down, wait_for
+from tests.agent.agents import (
+    ADMIN, CLUSTER_KEY, REPO, cluster_ready, free_ports, http, linked_copy, make_agents, shut_down, wait_for,
+)
+from tests.agent.impostor import NODE_ID as IMPOSTOR_ID
+from tests.agent.impostor import SEEN_PATH
 
 pytestmark = pytest.mark.slow
 QUESTION = [{"role": "user", "content": "What is the capital of France? Answer in one sentence, then name two museums there."}]
@@ -126,25 +132,63 @@ def _describe(agent, headers):
 
 
 def test_internal_endpoints_need_the_cluster_key_and_reject_replays(cluster):
-    agent = cluster[0]
+    agent, other = cluster[0], cluster[1]
     status, body = _describe(agent, {})
     assert status == 401 and "cluster key" in body["error"]["message"]
-    wrong = sign(b"not-the-cluster-key-at-all", "POST", "/internal/describe", b"{}", now=time.time(),
-                 nonce=secrets.token_hex(12), node_id="intruder")
-    assert _describe(agent, wrong)[0] == 401
-    stale = sign(CLUSTER_KEY.encode(), "POST", "/internal/describe", b"{}", now=time.time() - 3600,
-                 nonce=secrets.token_hex(12), node_id="tester")
-    assert _describe(agent, stale)[0] == 401
-    good = sign(CLUSTER_KEY.encode(), "POST", "/internal/describe", b"{}", now=time.time(),
-                nonce=secrets.token_hex(12), node_id="tester")
+
+    def signed(key=CLUSTER_KEY.encode(), now=None, target="*"):
+        return sign(key, "POST", "/internal/describe", b"{}", now=time.time() if now is None else now,
+                    nonce=secrets.token_hex(12), node_id="tester", target=target)
+
+    assert _describe(agent, signed(key=b"not-the-cluster-key-at-all"))[0] == 401
+    assert _describe(agent, signed(now=time.time() - 3600))[0] == 401
+    good = signed(target=agent.node_id())
     status, body = _describe(agent, good)
     assert status == 200 and body["advert"]["cluster"] == "test"
     assert "cluster_key" not in json.dumps(body) and CLUSTER_KEY not in json.dumps(body)
     status, body = _describe(agent, good)  # the very same signed request again
     assert status == 401 and "replay" in body["error"]["message"]
+    status, body = _describe(other, good)  # ... or sent to another node
+    assert status == 401 and "addressed to node" in body["error"]["message"]
     # Routing orders too: unsigned ones never reach the worker.
     status, _ = http("POST", agent.url + "/internal/routing", {"epoch": 99}, timeout_s=5)
     assert status == 401
+
+
+def test_a_stranger_joined_without_credentials_takes_nothing_over(cluster, tmp_path):
+    """The takeover that worked before answers were signed: a keyless server that claims to
+    be a newer orchestrator is joined through the public API of one node. No node follows it,
+    contacts it again or forwards a prompt to it, and every node answers as before."""
+    port = free_ports(1)[0]
+    impostor = subprocess.Popen([sys.executable, "-m", "tests.agent.impostor", "--port", str(port),
+                                 "--host", "127.0.0.1", "--cluster", "test"], cwd=REPO)
+    impostor_url = f"http://127.0.0.1:{port}"
+    try:
+        wait_for(lambda: http("GET", impostor_url + SEEN_PATH, timeout_s=2)[0] == 200, timeout_s=30,
+                 what="the impostor to listen")
+        orchestrator = cluster[0].get("/cluster/nodes")[1]["orchestrator"]
+        before = cluster[0].post("/v1/chat/completions", {"messages": QUESTION, "temperature": 0,
+                                                          "max_tokens": 12})[1]["choices"][0]["message"]["content"]
+        # Without the admin token the public API does not even take the URL; with it (an
+        # operator fooled into pasting a stranger's address) the stranger still gets nothing.
+        status, body = cluster[1].post("/cluster/join", {"url": impostor_url})
+        assert status == 401 and body["error"]["code"] == "admin_token_required"
+        assert cluster[1].post("/cluster/join", {"url": impostor_url}, headers=ADMIN)[0] == 200
+        wait_for(lambda: impostor_url in [r["url"] for r in cluster[1].get("/cluster/nodes")[1]["rejected"]],
+                 timeout_s=30, what="the impostor to be rejected")
+        for agent in cluster:
+            for _ in range(3):
+                status, body = agent.post("/v1/chat/completions", {"messages": QUESTION, "temperature": 0,
+                                                                   "max_tokens": 12})
+                assert status == 200 and body["choices"][0]["message"]["content"] == before
+            view = agent.get("/cluster/nodes")[1]
+            assert view["orchestrator"] == orchestrator
+            assert IMPOSTOR_ID not in [node["id"] for node in view["nodes"]]
+        _, seen = http("GET", impostor_url + SEEN_PATH, timeout_s=5)
+        assert [(s["method"], s["path"]) for s in seen] == [("POST", "/internal/describe")]
+    finally:
+        impostor.terminate()
+        impostor.wait(timeout=10)
 
 
 def test_the_official_openai_client_gets_answers_streams_and_clear_errors(cluster):

@@ -1,6 +1,8 @@
 """mDNS discovery with real multicast: three agents in their own network namespaces, joined by
 veth pairs to a bridge, given no peers at all, find each other, elect one orchestrator and
-serve a request. Needs root (ip netns); skipped with the reason elsewhere."""
+serve a request. A fourth namespace holds a stranger without the cluster key that announces
+itself as the cluster's orchestrator: nobody follows it. Needs root (ip netns); skipped with
+the reason elsewhere."""
 
 from __future__ import annotations
 
@@ -15,6 +17,8 @@ import pytest
 
 from agent.demo import stop_processes
 from tests.agent.agents import CLUSTER_KEY, FAST_TIMING, REPO, wait_for
+from tests.agent.impostor import NODE_ID as IMPOSTOR_ID
+from tests.agent.impostor import SEEN_PATH
 
 pytestmark = pytest.mark.slow
 SUBNET = "10.213.77"
@@ -53,7 +57,7 @@ def namespaces():
         pytest.skip("needs root and iproute2 to create network namespaces")
     tag = secrets.token_hex(3)
     bridge_ns = f"ncm-br-{tag}"
-    nodes = [f"ncm-n{i}-{tag}" for i in range(3)]
+    nodes = [f"ncm-n{i}-{tag}" for i in range(4)]
     try:
         ip("netns", "add", bridge_ns)
     except subprocess.CalledProcessError as error:
@@ -83,10 +87,12 @@ def namespaces():
 
 
 def test_agents_without_peers_find_each_other_by_mdns_and_serve(namespaces, smollm2_store, tmp_path):
+    agents, impostor_ns = namespaces[:3], namespaces[3]
+    impostor_url = f"http://{SUBNET}.4:{PORT}"
     processes = []
     logs = []
     try:
-        for index, ns in enumerate(namespaces):
+        for index, ns in enumerate(agents):
             state = tmp_path / f"agent-{index}"
             env = {
                 **os.environ,
@@ -106,34 +112,56 @@ def test_agents_without_peers_find_each_other_by_mdns_and_serve(namespaces, smol
                     ["ip", "netns", "exec", ns, sys.executable, "-m", "agent.cli", "serve", "--port", str(PORT)],
                     cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT,
                 ))
+        log_path = tmp_path / "impostor.log"
+        logs.append(log_path)
+        with log_path.open("wb") as log:
+            processes.append(subprocess.Popen(
+                ["ip", "netns", "exec", impostor_ns, sys.executable, "-m", "tests.agent.impostor", "--port", str(PORT),
+                 "--cluster", "netns", "--mdns", f"{SUBNET}.4"],
+                cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
+            ))
         first = f"http://{SUBNET}.1:{PORT}"
 
         def three_alive():
-            status, view = ns_http(namespaces[0], "GET", first + "/cluster/nodes", timeout_s=5)
+            status, view = ns_http(agents[0], "GET", first + "/cluster/nodes", timeout_s=5)
             return status == 200 and sum(1 for n in view["nodes"] if n["alive"]) == 3 and view
 
         view = wait_for(three_alive, timeout_s=90, what="3 agents to discover each other over mDNS", interval_s=0.5)
         assert {n["source"] for n in view["nodes"] if n["alive"] and not n["self"]} == {"mdns"}
 
+        def views():
+            return [ns_http(ns, "GET", f"http://{SUBNET}.{index + 1}:{PORT}/cluster/nodes", timeout_s=5)[1]
+                    for index, ns in enumerate(agents)]
+
         def one_orchestrator():
-            seen = set()
-            for index, ns in enumerate(namespaces):
-                _, nodes = ns_http(ns, "GET", f"http://{SUBNET}.{index + 1}:{PORT}/cluster/nodes", timeout_s=5)
-                seen.add(nodes["orchestrator"])
+            seen = {nodes["orchestrator"] for nodes in views()}
             return len(seen) == 1 and None not in seen
 
         wait_for(one_orchestrator, timeout_s=30, what="all three agents to name the same orchestrator", interval_s=0.5)
 
+        def impostor_rejected_by_all():
+            return all(impostor_url in [r["url"] for r in nodes["rejected"]] for nodes in views())
+
+        wait_for(impostor_rejected_by_all, timeout_s=60, what="every agent to find the impostor by mDNS and reject it",
+                 interval_s=0.5)
+
         def serving():
-            status, body = ns_http(namespaces[2], "GET", f"http://{SUBNET}.3:{PORT}/cluster/status", timeout_s=5)
+            status, body = ns_http(agents[2], "GET", f"http://{SUBNET}.3:{PORT}/cluster/status", timeout_s=5)
             return status == 200 and body["state"] == "ok" and len(body["nodes_alive"]) == 3
 
         wait_for(serving, timeout_s=300, what="the cluster to serve", interval_s=1.0)
-        status, body = ns_http(namespaces[1], "POST", f"http://{SUBNET}.2:{PORT}/v1/chat/completions",
+        status, body = ns_http(agents[1], "POST", f"http://{SUBNET}.2:{PORT}/v1/chat/completions",
                                {"messages": [{"role": "user", "content": "What is the capital of France?"}],
                                 "temperature": 0, "max_tokens": 16})
         assert status == 200, body
         assert "Paris" in body["choices"][0]["message"]["content"]
+        for nodes in views():
+            assert nodes["orchestrator"] != IMPOSTOR_ID
+            assert IMPOSTOR_ID not in [n["id"] for n in nodes["nodes"]]
+        # Each agent described it once, found it holds no key, and never contacted it again.
+        _, seen = ns_http(impostor_ns, "GET", impostor_url + SEEN_PATH, timeout_s=5)
+        assert {(s["method"], s["path"]) for s in seen} == {("POST", "/internal/describe")}
+        assert len(seen) == 3 and len({s["from"] for s in seen}) == 3
     finally:
         stop_processes(processes)
         for log_path in logs:

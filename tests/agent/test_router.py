@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.agent.agents import FALLBACK, REPO, Agent, ModelEvents, linked_copy, make_agents, shut_down, wait_for
+from tests.agent.agents import ADMIN, FALLBACK, REPO, Agent, ModelEvents, linked_copy, make_agents, shut_down, wait_for
 
 pytestmark = pytest.mark.slow
 MODELS = ("alpha", "beta", "gamma")
@@ -88,7 +88,7 @@ def cluster(full_store, tmp_path_factory):
 
 
 def models_of(agent: Agent, query: str = "") -> dict[str, dict]:
-    status, body = agent.get("/models" + query)
+    status, body = agent.get("/models" + query, headers=ADMIN if "reload" in query else None)
     assert status == 200, body
     return {m["id"]: m for m in body["data"]}
 
@@ -106,7 +106,7 @@ def ask(agent: Agent, model: str, max_tokens: int = 2) -> tuple[int, dict]:
 def unload_all(agent: Agent) -> None:
     for name, info in models_of(agent).items():
         if info["state"] not in ("unloaded", "failed"):
-            status, body = agent.post("/models/unload", {"model": name})
+            status, body = agent.post("/models/unload", {"model": name}, headers=ADMIN)
             assert status == 200, body
 
 
@@ -227,14 +227,17 @@ def test_autoload_off_and_management_endpoints(cluster):
     status, body = agents[1].post("/v1/chat/completions?autoload=false",
                                   {"model": "beta", "messages": QUESTION, "max_tokens": 2})
     assert status == 400 and body["error"]["code"] == "model_not_loaded", body
-    status, body = agents[1].post("/models/load", {"model": "a"})
+    for path in ("/models/load", "/models/unload"):  # changing the cluster needs the admin token
+        status, body = agents[1].post(path, {"model": "a"})
+        assert status == 401 and body["error"]["code"] == "admin_token_required", body
+    status, body = agents[1].post("/models/load", {"model": "a"}, headers=ADMIN)
     assert status == 200 and body["model"]["id"] == "alpha" and body["model"]["state"] == "ready"
     status, body = agents[1].post("/v1/chat/completions?autoload=false",
                                   {"model": "alpha", "messages": QUESTION, "max_tokens": 2})
     assert status == 200, body
-    status, body = agents[1].post("/models/unload", {"model": "alpha"})
+    status, body = agents[1].post("/models/unload", {"model": "alpha"}, headers=ADMIN)
     assert status == 200 and body["model"]["state"] == "unloaded"
-    status, body = agents[1].post("/models/load", {"modle": "alpha"})
+    status, body = agents[1].post("/models/load", {"modle": "alpha"}, headers=ADMIN)
     assert status == 400 and body["error"]["param"] == "model"
 
 

@@ -81,3 +81,28 @@ def test_same_node_under_two_urls_keeps_one_entry():
     table.contact_succeeded("http://host.local:8080", advert("b"), 1.0, now=2)
     assert list(table.entries) == ["http://host.local:8080"]
     assert table.url_of("b") == "http://host.local:8080"
+
+
+@given(st.lists(st.tuples(st.sampled_from(["http://a:1", "http://b:1", "http://c:1"]),
+                          st.sampled_from(["static", "mdns", "gossip", "inbound"])), max_size=20))
+def test_a_rejected_url_never_comes_back_from_any_source(sightings):
+    table = PeerTable("me", "home")
+    table.discovered("http://a:1", "static", now=0)
+    table.contact_succeeded("http://a:1", advert("a"), 1.0, now=0)
+    assert table.reject("http://a:1", "unsigned answer") is True  # it was alive: re-elect
+    assert table.reject("http://b:1", "unsigned answer") is False
+    for now, (url, source) in enumerate(sightings, start=1):
+        table.discovered(url, source, now=now)
+    assert set(table.entries) <= {"http://c:1"}
+    assert "a" not in table.alive_adverts()
+    assert table.rejected == {"http://a:1": "unsigned answer", "http://b:1": "unsigned answer"}
+
+
+def test_rejected_urls_are_bounded():
+    from agent.core.peers import MAX_REJECTED
+
+    table = PeerTable("me", "home")
+    for index in range(MAX_REJECTED + 10):
+        table.reject(f"http://x{index}:1", "no key")
+    assert len(table.rejected) == MAX_REJECTED
+    assert "http://x0:1" not in table.rejected and f"http://x{MAX_REJECTED + 9}:1" in table.rejected

@@ -1,0 +1,125 @@
+"""The OpenAPI 3.0 document of the public API, served at `GET /openapi.json`.
+
+It describes what apps may send and what they get back (the OpenAI-compatible endpoints,
+model management, cluster views, health); the internal peer endpoints are not part of it.
+The fuzzing tests generate requests from it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from agent import __version__
+from agent.core.chat_request import MAX_MESSAGES, MAX_STOP_CHARS, MAX_STOP_STRINGS, ROLES
+
+_ERROR = {
+    "type": "object",
+    "required": ["error"],
+    "properties": {"error": {
+        "type": "object",
+        "required": ["message", "type", "param", "code"],
+        "properties": {"message": {"type": "string"}, "type": {"type": "string"},
+                       "param": {"type": "string", "nullable": True}, "code": {"type": "string", "nullable": True}},
+    }},
+}
+_OBJECT = {"type": "object"}
+_STOP = {"oneOf": [
+    {"type": "string", "minLength": 1, "maxLength": MAX_STOP_CHARS},
+    {"type": "array", "maxItems": MAX_STOP_STRINGS, "items": {"type": "string", "minLength": 1, "maxLength": MAX_STOP_CHARS}},
+], "nullable": True}
+_SAMPLING = {
+    "model": {"type": "string", "minLength": 1, "description": "a model or alias; default: the agent's main model"},
+    "max_tokens": {"type": "integer", "minimum": 1, "nullable": True},
+    "max_completion_tokens": {"type": "integer", "minimum": 1, "nullable": True},
+    "temperature": {"type": "number", "minimum": 0, "maximum": 2, "nullable": True},
+    "top_p": {"type": "number", "exclusiveMinimum": True, "minimum": 0, "maximum": 1, "nullable": True},
+    "seed": {"type": "integer", "minimum": 0, "nullable": True},
+    "n": {"type": "integer", "enum": [1]},
+    "stop": _STOP,
+    "stream": {"type": "boolean"},
+    "stream_options": {"type": "object", "nullable": True, "properties": {"include_usage": {"type": "boolean"}}},
+}
+_CONTENT_PART = {"type": "object", "required": ["type", "text"],
+                 "properties": {"type": {"type": "string", "enum": ["text"]}, "text": {"type": "string"}}}
+_CHAT_REQUEST = {
+    "type": "object",
+    "required": ["messages"],
+    "properties": {
+        "messages": {"type": "array", "minItems": 1, "maxItems": MAX_MESSAGES, "items": {
+            "type": "object", "required": ["role", "content"],
+            "properties": {"role": {"type": "string", "enum": sorted(ROLES)},
+                           "content": {"oneOf": [{"type": "string"}, {"type": "array", "items": _CONTENT_PART}]}},
+        }},
+        **_SAMPLING,
+    },
+}
+_COMPLETION_REQUEST = {
+    "type": "object",
+    "required": ["prompt"],
+    "properties": {"prompt": {"type": "string", "minLength": 1}, **_SAMPLING},
+}
+_MODEL_BODY = {"type": "object", "required": ["model"], "properties": {"model": {"type": "string", "minLength": 1}}}
+
+
+def _answers(*statuses: int, stream: bool = False) -> dict[str, Any]:
+    responses: dict[str, Any] = {}
+    for status in statuses:
+        if status < 400:
+            content = {"application/json": {"schema": _OBJECT}}
+            if stream:
+                content["text/event-stream"] = {"schema": {"type": "string"}}
+            responses[str(status)] = {"description": "success", "content": content}
+        else:
+            responses[str(status)] = {"description": "error (OpenAI shape)",
+                                      "content": {"application/json": {"schema": _ERROR}}}
+    return responses
+
+
+def _operation(summary: str, *statuses: int, body: dict[str, Any] | None = None, admin: bool = False,
+               stream: bool = False, parameters: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    operation: dict[str, Any] = {"summary": summary, "responses": _answers(*statuses, stream=stream)}
+    if body is not None:
+        operation["requestBody"] = {"required": True, "content": {"application/json": {"schema": body}}}
+    if parameters:
+        operation["parameters"] = parameters
+    operation["security"] = [{"admin": []}] if admin else [{}, {"apiKey": []}]
+    return operation
+
+
+_AUTOLOAD = {"name": "autoload", "in": "query", "required": False, "schema": {"type": "boolean"}}
+_COMMON = (400, 401, 404, 503)
+
+
+def openapi_document() -> dict[str, Any]:
+    """The OpenAPI document (pure; the same on every agent of a version)."""
+    return {
+        "openapi": "3.0.3",
+        "info": {"title": "ncm", "version": __version__,
+                 "description": "OpenAI-compatible API of an ncm cluster; any agent answers."},
+        "components": {"securitySchemes": {
+            "apiKey": {"type": "http", "scheme": "bearer", "description": "one of `api_keys`, when configured"},
+            "admin": {"type": "http", "scheme": "bearer", "description": "the admin token (`ncm admin-token`)"},
+        }},
+        "paths": {
+            "/health": {"get": _operation("liveness of this agent", 200)},
+            "/v1/models": {"get": _operation("the models of the cluster", 200, 401, 503)},
+            "/v1/chat/completions": {"post": _operation(
+                "chat completion", 200, *_COMMON, 409, body=_CHAT_REQUEST, stream=True, parameters=[_AUTOLOAD])},
+            "/v1/completions": {"post": _operation(
+                "text completion", 200, *_COMMON, 409, body=_COMPLETION_REQUEST, stream=True, parameters=[_AUTOLOAD])},
+            "/models": {"get": _operation("models, states and memory", 200, 400, 401, 503, parameters=[
+                {"name": "reload", "in": "query", "required": False, "schema": {"type": "string", "enum": ["1", "true"]},
+                 "description": "re-read the model sources (needs the admin token)"}])},
+            "/models/load": {"post": _operation("load a model (answers once ready)", 200, *_COMMON, 409,
+                                                body=_MODEL_BODY, admin=True)},
+            "/models/unload": {"post": _operation("unload an idle model", 200, *_COMMON, 409, body=_MODEL_BODY,
+                                                  admin=True)},
+            "/cluster/status": {"get": _operation("state of the cluster and its models", 200, 401, 503)},
+            "/cluster/plan": {"get": _operation("the plan of the main model", 200, 401, 503)},
+            "/cluster/nodes": {"get": _operation("this agent's view of the nodes", 200, 401)},
+            "/cluster/join": {"post": _operation(
+                "contact another agent (it must prove it holds the cluster key)", 200, 400, 401, admin=True,
+                body={"type": "object", "required": ["url"],
+                      "properties": {"url": {"type": "string", "maxLength": 255, "pattern": "^https?://"}}})},
+        },
+    }
