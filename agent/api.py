@@ -18,11 +18,13 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
+from agent.compat import timeout
 from agent.core.capacity import score
 from agent.core.chat_request import ChatRequest, InvalidRequestError, parse_request
 from agent.core.errors import ClusterError, PresetError
 from agent.core.model_registry import CapacityError, ModelLoadError, ModelNotLoadedError, RouterError, UnknownModelError
 from agent.dataplane import StageError
+from agent.openapi import openapi_document
 from agent.orchestrator import Completion, Deployment
 from agent.router import ModelBusyError
 from agent.service_keys import CLIENT, CONFIG, MEMBERSHIP, NODE_ID, ORCHESTRATOR, ROUTER, WORKER
@@ -96,6 +98,11 @@ async def health(request: web.Request) -> web.Response:
     })
 
 
+@routes.get("/openapi.json")
+async def openapi(request: web.Request) -> web.Response:
+    return web.json_response(openapi_document())
+
+
 @routes.get("/cluster/nodes")
 async def cluster_nodes(request: web.Request) -> web.Response:
     membership = request.app[MEMBERSHIP]
@@ -164,7 +171,7 @@ async def _ask_orchestrator(request: web.Request) -> web.StreamResponse | None:
                 tail = (tail + chunk)[-64:]
             if upstream.content_type == "text/event-stream" and b"[DONE]" not in tail:
                 raise aiohttp.ClientPayloadError("the event stream ended early")
-    except (aiohttp.ClientError, TimeoutError) as error:
+    except (aiohttp.ClientError, asyncio.TimeoutError) as error:
         message = f"the orchestrator stopped answering ({type(error).__name__}); retry the request"
         if response is None:
             raise ClusterError(message) from None
@@ -279,9 +286,9 @@ async def models_sse(request: web.Request) -> web.StreamResponse:
     with request.app[ROUTER].subscribe() as events, contextlib.suppress(ConnectionResetError):
         while True:
             try:
-                async with asyncio.timeout(SSE_KEEPALIVE_S):
+                async with timeout(SSE_KEEPALIVE_S):
                     event = await events.get()
-            except TimeoutError:
+            except asyncio.TimeoutError:
                 await response.write(b": keep-alive\n\n")
                 continue
             kind = event.pop("event")

@@ -7,12 +7,12 @@ from __future__ import annotations
 
 import math
 import os
-import tomllib
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Mapping
 from urllib.parse import urlsplit
 
+from agent.compat import tomllib
 from agent.core.errors import NcmError
 from shards.store import ncm_home
 

@@ -10,6 +10,7 @@ from typing import Any
 import aiohttp
 import numpy as np
 
+from agent.compat import timeout
 from agent.core.errors import NcmError, WireError
 from agent.core.wire import decode_frame, encode_frame
 from agent.peer_client import PeerClient, PeerError
@@ -90,9 +91,9 @@ class StageLink:
         self._pending[key] = future
         try:
             await ws.send_bytes(encode_frame(dict(header, cid=key), tensor))
-            async with asyncio.timeout(timeout_s):
+            async with timeout(timeout_s):
                 return await future
-        except TimeoutError:
+        except asyncio.TimeoutError:
             raise StageError("stage_timeout", f"node {self.node_id} did not answer within {timeout_s:g} s", self.node_id) from None
         except (aiohttp.ClientError, ConnectionError, RuntimeError) as error:
             raise StageError("stage_unreachable", f"node {self.node_id}: {error}", self.node_id) from None

@@ -33,15 +33,12 @@ import re
 import secrets
 import socket
 import tempfile
-try:
-    import tomllib
-except ModuleNotFoundError:  # Python 3.10 (JetPack 6): the tomli backport
-    import tomli as tomllib  # type: ignore[no-redef]
 import uuid
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from urllib.parse import urlsplit
 
+from agent.compat import tomllib
 from agent.core.errors import NcmError
 
 log = logging.getLogger(__name__)

@@ -28,6 +28,7 @@ from typing import Any
 
 import numpy as np
 
+from agent.compat import timeout
 from agent.config import AgentConfig
 from agent.core.errors import ClusterError, NcmError, RoutingFailure
 from agent.core.model_registry import MIB
@@ -522,9 +523,9 @@ class Orchestrator:
     async def _step(self, order: RoutingOrder, header: dict[str, Any], tensor: np.ndarray, timeout_s: float) -> int | None:
         head = order.route.hops[0].node_id
         try:
-            async with asyncio.timeout(timeout_s):
+            async with timeout(timeout_s):
                 result, _ = await self.worker.forward_to(order, head, header, tensor, timeout_s=timeout_s)
-        except TimeoutError:
+        except asyncio.TimeoutError:
             raise StageError("stage_timeout", f"the pipeline did not answer within {timeout_s:g} s", head) from None
         return result["token"]
 

@@ -12,6 +12,7 @@ from typing import Any
 import aiohttp
 from yarl import URL
 
+from agent.compat import timeout
 from agent.core.auth import HEADER_NONCE, sign, verify_answer
 from agent.core.errors import AuthError, NcmError, StaleRequestError
 
@@ -85,7 +86,7 @@ class PeerClient:
                     raise PeerError(str(url), f"HTTP {response.status}: {raw[:300].decode(errors='replace')}",
                                     response.status)
                 return (json.loads(raw) if raw else None), responder
-        except TimeoutError:
+        except asyncio.TimeoutError:
             raise PeerError(str(url), f"no answer within {timeout_s:g} s") from None
         except (aiohttp.ClientError, json.JSONDecodeError, UnicodeDecodeError, OSError) as error:
             raise PeerError(str(url), f"{type(error).__name__}: {error}") from None
@@ -96,7 +97,7 @@ class PeerClient:
         url, headers = self.signed_request("GET", base_url, path, target=target)
         ws: aiohttp.ClientWebSocketResponse | None = None
         try:
-            async with asyncio.timeout(timeout_s):
+            async with timeout(timeout_s):
                 ws = await self.session.ws_connect(
                     url, headers=headers, timeout=aiohttp.ClientWSTimeout(ws_receive=None, ws_close=timeout_s),
                     max_msg_size=0, compress=0,
@@ -109,7 +110,7 @@ class PeerClient:
                 proof = {}
             self.check_answer(url, headers, 101, {k: str(v) for k, v in proof.items()}, None, target=target)
             return ws
-        except TimeoutError:
+        except asyncio.TimeoutError:
             failure: PeerError = PeerError(str(url), f"no connection within {timeout_s:g} s")
         except (aiohttp.ClientError, OSError, json.JSONDecodeError, UnicodeDecodeError) as error:
             failure = PeerError(str(url), f"{type(error).__name__}: {error}")

@@ -16,6 +16,7 @@ import time
 from collections.abc import AsyncIterator, Mapping
 from typing import Any
 
+from agent.compat import TaskGroup, timeout
 from agent.config import AgentConfig
 from agent.core.errors import ClusterError, PresetError
 from agent.core.model_registry import (
@@ -53,7 +54,7 @@ class ModelRouter:
         self._preset_file: PresetFile | None = None
         self._changed = asyncio.Event()
         self._subscribers: set[asyncio.Queue[dict[str, Any]]] = set()
-        self._tasks: asyncio.TaskGroup | None = None
+        self._tasks: TaskGroup | None = None
         self._members: frozenset[str] = frozenset()
         self._startup: set[str] = set()  # load-on-startup models not loaded yet since this node leads
         self._progress: dict[str, float] = {}  # share of the nodes holding a loading model's order
@@ -251,9 +252,9 @@ class ModelRouter:
         preset = self.presets.get(name)
         timeout_s = preset.settings.stop_timeout_s if preset else 10.0
         try:
-            async with asyncio.timeout(timeout_s):
+            async with timeout(timeout_s):
                 await self.orchestrator.unload(name, keep_plan=sleep)
-        except TimeoutError:
+        except asyncio.TimeoutError:
             log.warning("unloading %s took over %g s (stop-timeout); counting it as unloaded", name, timeout_s)
         except Exception as error:  # noqa: BLE001
             log.warning("unloading %s: %s", name, error)
@@ -275,7 +276,7 @@ class ModelRouter:
 
     async def run(self) -> None:
         """Own the loads, evictions and sleeps; put models to sleep when idle (owned by the app)."""
-        async with asyncio.TaskGroup() as tasks:
+        async with TaskGroup() as tasks:
             self._tasks = tasks
             try:
                 while True:
@@ -323,8 +324,8 @@ class ModelRouter:
                 if remaining <= 0:
                     raise ModelLoadError(f"model {name!r} was not ready within {self.config.models_load_timeout_s:g} s")
                 changed = self._changed
-                with contextlib.suppress(TimeoutError):
-                    async with asyncio.timeout(min(WAIT_POLL_S, remaining)):
+                with contextlib.suppress(asyncio.TimeoutError):
+                    async with timeout(min(WAIT_POLL_S, remaining)):
                         await changed.wait()
         finally:
             if ticket is not None:

@@ -22,6 +22,7 @@ import aiohttp
 from aiohttp import web
 
 from agent import api
+from agent.compat import TaskGroup, timeout
 from agent.config import AgentConfig, ConfigError
 from agent.core.auth import HEADER_NONCE, ReplayGuard, admin_token, sign_answer, verify
 from agent.core.errors import AuthError, StaleRequestError, WireError
@@ -47,7 +48,7 @@ from shards.store import ModelStore
 log = logging.getLogger(__name__)
 CLUSTER_KEY_FILE = "cluster-key"
 SHUTDOWN_TIMEOUT_S = 30.0
-PUBLIC_WITHOUT_TOKEN = ("/health",)
+PUBLIC_WITHOUT_TOKEN = ("/health", "/openapi.json")
 ANSWER_NONCE = web.RequestKey("answer_nonce", str)  # the nonce of the member's request a signed answer binds
 
 internal = web.RouteTableDef()
@@ -233,7 +234,7 @@ async def stream(request: web.Request) -> web.WebSocketResponse:
             with contextlib.suppress(ConnectionError, RuntimeError):
                 await ws.send_bytes(encode_frame(result, out))
 
-    async with asyncio.TaskGroup() as steps:
+    async with TaskGroup() as steps:
         async for message in ws:
             if message.type != aiohttp.WSMsgType.BINARY:
                 continue
@@ -370,8 +371,8 @@ async def serve(config: AgentConfig) -> None:
     watchdog = asyncio.create_task(run_watchdog(notifier, watchdog_interval_s()), name="watchdog")
     try:
         while not stop.is_set():
-            with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(5.0):
+            with contextlib.suppress(asyncio.TimeoutError):
+                async with timeout(5.0):
                     await stop.wait()
             if notifier is not None:
                 notifier.status(status_line(app))

@@ -126,7 +126,7 @@ async def _download(client: PeerClient, source: Source, name: str, relative: str
                     if offset >= next_report and size > 0:
                         log.info("fetching %s/%s: %d%% of %d bytes", name, relative, 100 * offset // size, size)
                         next_report = offset + max(size // 10, CHUNK_BYTES)
-    except (aiohttp.ClientError, TimeoutError, OSError) as error:
+    except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as error:
         raise PeerError(base_url, f"transfer of {relative} broke: {type(error).__name__}: {error}") from None
     if offset != size or digest.hexdigest() != sha256:
         part.unlink(missing_ok=True)

@@ -92,8 +92,9 @@ def parse_request(body: Any, *, chat: bool) -> ChatRequest:
             if not isinstance(message, dict):
                 raise InvalidRequestError(f"{where} must be an object with 'role' and 'content'", where)
             role = message.get("role")
-            if role not in ROLES:
-                raise InvalidRequestError(f"{where}.role must be one of {', '.join(ROLES)}, got {role!r}", f"{where}.role")
+            if not isinstance(role, str) or role not in ROLES:
+                raise InvalidRequestError(f"{where}.role must be one of {', '.join(ROLES)}, got {repr(role)[:40]}",
+                                          f"{where}.role")
             parsed.append((ROLES[role], _content(message.get("content"), f"{where}.content")))
         messages = tuple(parsed)
     else:

@@ -53,3 +53,10 @@ def test_any_json_either_parses_or_is_a_typed_error(body):
             parse_request(body, chat=chat)
         except InvalidRequestError:
             pass
+
+
+@pytest.mark.parametrize("role", [["user"], {"name": "user"}, 7, None])
+def test_a_role_that_is_not_a_string_is_a_typed_error(role):
+    with pytest.raises(InvalidRequestError) as caught:
+        parse_request({"messages": [{"role": role, "content": "hi"}]}, chat=True)
+    assert caught.value.param == "messages[0].role"
