@@ -109,6 +109,7 @@ async def cluster_nodes(request: web.Request) -> web.Response:
     nodes = [{
         "id": request.app[NODE_ID], "url": membership.self_url(), "alive": True, "self": True,
         "role": membership.role, "score": score(membership.capacity), "capacity": membership.capacity.to_dict(),
+        "detected": membership.detected.to_dict(), "accelerators": membership.accelerators.to_dict(),
         "latency_ms": 0.0, "worker": request.app[WORKER].status(),
     }]
     extras = membership.peer_extras()
@@ -119,7 +120,9 @@ async def cluster_nodes(request: web.Request) -> web.Response:
             "source": entry.source, "role": advert.role if advert else None,
             "score": score(advert.capacity) if advert else None,
             "capacity": advert.capacity.to_dict() if advert else None, "latency_ms": entry.latency_ms,
-            "failures": entry.failures, "worker": extras.get(advert.node_id, {}).get("worker") if advert else None,
+            "failures": entry.failures,
+            **{key: extras.get(advert.node_id, {}).get(key) if advert else None
+               for key in ("worker", "detected", "accelerators")},
         })
     election = membership.election
     return web.json_response({

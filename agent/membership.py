@@ -23,12 +23,13 @@ from agent import __version__
 from agent.config import AgentConfig
 from agent.core.advert import NodeAdvert
 from agent.core.auth import ANY_NODE
-from agent.core.capacity import NodeCapacity, score
+from agent.core.capacity import NodeCapacity, credited_capacity, score
 from agent.core.election import Election, elect, newest
 from agent.core.errors import WireError
 from agent.core.peers import PeerTable
 from agent.peer_client import PeerAuthError, PeerClient, PeerError
-from agent.probe import probe_capacity
+from agent.probe import Accelerators, detect_capacity, find_accelerators
+from shards.backends import CPU_BACKEND
 
 log = logging.getLogger(__name__)
 DESCRIBE_PATH = "/internal/describe"
@@ -45,8 +46,10 @@ class Membership:
         self.api_port = api_port
         self.table = PeerTable(node_id, config.cluster_name, failure_threshold=config.failure_threshold)
         self.election: Election | None = None
-        self.capacity: NodeCapacity = probe_capacity(node_id, npu_tops=config.npu_tops, vram_gib=config.vram_gib,
-                                                     ram_gib=config.ram_gib)
+        # Until the backends' self-tests ran (first thing in run()), only the CPU is credited.
+        self.accelerators = Accelerators((CPU_BACKEND.name,), frozenset({"cpu"}), ())
+        self.detected: NodeCapacity = detect_capacity(node_id)
+        self.capacity: NodeCapacity = self._credited(self.detected)
         self.started_at = time.monotonic()
         self._subscribers: list[asyncio.Event] = []
         self._capacity_at = time.monotonic()
@@ -80,7 +83,8 @@ class Membership:
     def describe(self, caller_host: str | None = None) -> dict[str, Any]:
         """The answer to a peer's describe: my advert, my live peers, and how I see the caller."""
         peers = [url for url, entry in self.table.entries.items() if entry.alive]
-        return {"advert": self.advert().to_json(), "peers": peers, "you": caller_host, **self.extra_describe()}
+        return {"advert": self.advert().to_json(), "peers": peers, "you": caller_host,
+                "detected": self.detected.to_dict(), "accelerators": self.accelerators.to_dict(), **self.extra_describe()}
 
     def introduction(self) -> dict[str, Any]:
         """What a describe request says about the caller: its API port, and its URL if configured."""
@@ -222,14 +226,20 @@ class Membership:
         if now - self._capacity_at >= CAPACITY_REFRESH_S:
             self._capacity_at = now
             latencies = [e.latency_ms for e in self.table.entries.values() if e.alive and e.latency_ms is not None]
-            capacity = await asyncio.to_thread(
-                probe_capacity, self.node_id, npu_tops=self.config.npu_tops, vram_gib=self.config.vram_gib,
-                ram_gib=self.config.ram_gib, latency_ms=statistics.median(latencies) if latencies else 0.0,
-            )
-            if capacity != self.capacity:
-                self.capacity = capacity
-                self._signal()
+            self.detected = await asyncio.to_thread(
+                detect_capacity, self.node_id, latency_ms=statistics.median(latencies) if latencies else 0.0)
+            self._update_capacity()
         self._recompute_election()
+
+    def _credited(self, detected: NodeCapacity) -> NodeCapacity:
+        return credited_capacity(detected, self.accelerators.kinds, npu_tops=self.config.npu_tops,
+                                 vram_gib=self.config.vram_gib, ram_gib=self.config.ram_gib)
+
+    def _update_capacity(self) -> None:
+        capacity = self._credited(self.detected)
+        if capacity != self.capacity:
+            self.capacity = capacity
+            self._signal()
 
     def _known_dead(self) -> set[str]:
         return {
@@ -256,7 +266,12 @@ class Membership:
             self._notify(f"orchestrator is {chosen.orchestrator} (epoch {chosen.epoch})")
 
     async def run(self) -> None:
-        """Rounds forever, every health_interval_s (cancelled by the owner)."""
+        """Self-test the accelerators, then rounds forever, every health_interval_s (cancelled
+        by the owner)."""
+        self.accelerators = await asyncio.to_thread(find_accelerators, self.config.providers)
+        log.info("backends: %s%s", ", ".join(self.accelerators.usable),
+                 "".join(f"; {name} unusable: {reason}" for name, reason in self.accelerators.unusable))
+        self._update_capacity()
         while True:
             await self.round()
             await asyncio.sleep(self.config.health_interval_s)

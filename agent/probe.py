@@ -13,20 +13,12 @@ import psutil
 
 from agent.core.capacity import NodeCapacity
 from agent.core.npu_table import npu_tops_for
+from shards.backends import CPU, CPU_BACKEND, backend_chain, detect_platform, self_test
+from shards.errors import RunnerError
 
 log = logging.getLogger(__name__)
 GIB = 1024**3
 ROUND_GIB = 0.25  # report memory in steps, so small changes do not cause re-advertisements
-
-
-@dataclass(frozen=True)
-class DeviceFacts:
-    """What was found on this device, for logs and `GET /cluster/nodes`."""
-
-    board: str | None
-    jetson: bool
-    accelerator: str | None
-    nvidia_gpus: int
 
 
 def _read_text(path: str) -> str:
@@ -80,21 +72,10 @@ def _round_gib(value_bytes: float) -> float:
     return round(value_bytes / GIB / ROUND_GIB) * ROUND_GIB
 
 
-def detect_device() -> DeviceFacts:
-    board = _read_text("/proc/device-tree/model") or None
-    compatible = _read_text("/proc/device-tree/compatible")
-    jetson = bool(board and "jetson" in board.lower()) or "nvidia,tegra" in compatible
-    _, accelerator = npu_tops_for([board or "", compatible, _cpu_model(), " ".join(os.listdir("/dev")) if os.path.isdir("/dev") else ""])
-    _, gpus = nvml_total_vram_bytes()
-    return DeviceFacts(board=board, jetson=jetson, accelerator=accelerator, nvidia_gpus=gpus)
-
-
-def probe_capacity(node_id: str, *, npu_tops: float | None = None, vram_gib: float | None = None,
-                   ram_gib: float | None = None, latency_ms: float = 0.0) -> NodeCapacity:
-    """Measure this device now; configured figures replace measured ones.
-
-    ``latency_ms`` is the measured median round trip to peers.
-    """
+def detect_capacity(node_id: str, *, latency_ms: float = 0.0) -> NodeCapacity:
+    """What this device has now, as found: free RAM, NVML's VRAM (on Jetson the free unified
+    memory), the board table's NPU TOPS. ``latency_ms`` is the median round trip to peers.
+    :func:`agent.core.capacity.credited_capacity` decides what of it the score counts."""
     memory = psutil.virtual_memory()
     measured_ram_gib = _round_gib(memory.available)
     vram_bytes, _ = nvml_total_vram_bytes()
@@ -103,20 +84,44 @@ def probe_capacity(node_id: str, *, npu_tops: float | None = None, vram_gib: flo
         # Jetson: the GPU shares system memory and NVML reports no memory; count what is free.
         vram_bytes = memory.available
         measured_ram_gib = 0.0
-    if npu_tops is None:
-        npu_tops, _ = npu_tops_for([board, _read_text("/proc/device-tree/compatible"), _cpu_model(), " ".join(os.listdir("/dev"))])
+    npu_tops, _ = npu_tops_for([board, _read_text("/proc/device-tree/compatible"), _cpu_model(), " ".join(os.listdir("/dev"))])
     try:
         load = min(1.0, os.getloadavg()[0] / (os.cpu_count() or 1))
     except OSError:
         load = 0.0
-    return NodeCapacity(
-        node_id=node_id,
-        vram_gib=_round_gib(vram_bytes) if vram_gib is None else vram_gib,
-        ram_gib=measured_ram_gib if ram_gib is None else ram_gib,
-        npu_tops=npu_tops,
-        latency_ms=round(latency_ms, 1),
-        load=round(load, 1),
-    )
+    return NodeCapacity(node_id=node_id, vram_gib=_round_gib(vram_bytes), ram_gib=measured_ram_gib,
+                        npu_tops=npu_tops, latency_ms=round(latency_ms, 1), load=round(load, 1))
+
+
+@dataclass(frozen=True)
+class Accelerators:
+    """The backends this agent can run fragments on, after their self-tests."""
+
+    usable: tuple[str, ...]  # backend names, best first
+    kinds: frozenset[str]  # "gpu", "npu", "cpu": what the score may credit
+    unusable: tuple[tuple[str, str], ...]  # (backend name, why)
+
+    def to_dict(self) -> dict[str, object]:
+        return {"usable": list(self.usable), "unusable": [{"backend": n, "reason": r} for n, r in self.unusable]}
+
+
+def find_accelerators(providers: tuple[str, ...] = ()) -> Accelerators:
+    """Self-test every accelerator backend of this machine (the CPU needs none); slow-ish
+    (an onnxruntime session each), so once at start, off the event loop."""
+    try:
+        chain, unusable = backend_chain(detect_platform(), providers)
+    except RunnerError as error:  # the configured providers are not here: the fragments will say so too
+        log.error("%s", error)
+        return Accelerators((CPU_BACKEND.name,), frozenset({"cpu"}), (("providers", str(error)),))
+    usable, failed = [], [(u.name, u.reason) for u in unusable]
+    for backend in chain:
+        reason = None if backend.provider == CPU else self_test(backend)
+        if reason is None:
+            usable.append(backend)
+        else:
+            failed.append((backend.name, f"self-test failed: {reason}"))
+            log.warning("backend %s is not usable: %s", backend.name, reason)
+    return Accelerators(tuple(b.name for b in usable), frozenset(b.kind for b in usable), tuple(failed))
 
 
 def device_memory(*, vram_gib: float | None, ram_gib: float | None, held_bytes: int) -> dict[str, int]:

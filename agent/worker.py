@@ -189,7 +189,7 @@ class Worker:
             serving = self._keys(order, with_standby=False)
             models[name] = {
                 "model": order.model, "plan_version": order.plan_version, "memory_bytes": self.memory_bytes.get(name, 0),
-                "fragments": [{"layers": [k[1], k[2]], "provider": self.runners[k].provider,
+                "fragments": [{"layers": [k[1], k[2]], **self.runners[k].describe(),
                                "memory_bytes": self.runners[k].memory_bytes()} for k in sorted(serving) if k in self.runners],
                 "standby": [[k[1], k[2]] for k in sorted(self._keys(order, with_standby=True) - serving)],
             }

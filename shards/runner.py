@@ -16,32 +16,14 @@ from typing import Any
 
 import numpy as np
 
+from shards.backends import Backend, backend_chain, detect_platform
 from shards.errors import RunnerError
 from shards.fragment import build_fragment, load_manifest
 
 log = logging.getLogger(__name__)
 
-PROVIDER_PREFERENCE = (
-    "TensorrtExecutionProvider",
-    "CUDAExecutionProvider",
-    "QNNExecutionProvider",
-    "OpenVINOExecutionProvider",
-    "DmlExecutionProvider",
-    "CoreMLExecutionProvider",
-    "CPUExecutionProvider",
-)
-# NPU providers that need fixed shapes get the "static" flavour; CPU gets the fused "cpu"
-# flavour; every other provider gets "portable" (plain ops, dynamic shapes).
-_STATIC_PROVIDERS = ("QNNExecutionProvider",)
 # onnxruntime device names for OrtValues kept on the accelerator (IOBinding).
 _DEVICES = {"CUDAExecutionProvider": "cuda", "TensorrtExecutionProvider": "cuda", "DmlExecutionProvider": "dml"}
-
-
-def default_flavour(provider: str) -> str:
-    """The fragment flavour a provider runs best (pure)."""
-    if provider == "CPUExecutionProvider":
-        return "cpu"
-    return "static" if provider in _STATIC_PROVIDERS else "portable"
 
 
 class FragmentRunner(abc.ABC):
@@ -88,20 +70,9 @@ class FragmentRunner(abc.ABC):
     def close(self) -> None:
         """Release the runtime and every session."""
 
-
-def choose_providers(available: Sequence[str], forced: Sequence[str] | None = None) -> list[str]:
-    """Providers to ask for, best first, CPU always last (pure)."""
-    if forced:
-        missing = [p for p in forced if p not in available]
-        if missing:
-            raise RunnerError(f"execution provider(s) {', '.join(missing)} not available "
-                              f"(available: {', '.join(available)})")
-        chosen = list(dict.fromkeys(forced))
-    else:
-        chosen = [p for p in PROVIDER_PREFERENCE if p in available]
-    if "CPUExecutionProvider" not in chosen:
-        chosen.append("CPUExecutionProvider")
-    return chosen
+    def describe(self) -> dict[str, Any]:
+        """Where the fragment runs (backend, provider, kind, flavour) and what fell back."""
+        return {"provider": self.provider}
 
 
 class _Session:
@@ -121,17 +92,19 @@ class _Session:
 class OrtFragmentRunner(FragmentRunner):
     """An onnxruntime session over one fragment, with a KV cache per session.
 
-    ``flavour`` defaults by provider (see :func:`default_flavour`): "cpu" (fused, dynamic
-    shapes) on CPU, "static" (plain ops, fixed shapes: ``max_context`` KV slots and
-    ``prefill_chunk`` tokens per run, inputs padded) on NPU providers, "portable" (plain ops,
-    dynamic shapes) elsewhere. ``provider`` is the provider onnxruntime actually used.
-    With dynamic flavours on GPU providers the KV cache stays on the device as OrtValues
-    bound with IOBinding (``io_binding`` forces it on or off; on CPU plain numpy is faster).
+    The fragment runs on the first of ``backends`` (default: :func:`backend_chain` of this
+    machine, restricted to ``providers`` when given) that loads it; each one that cannot is
+    logged as a warning and kept in :attr:`fallbacks`. The flavour is the backend's unless
+    ``flavour`` is given: "cpu" (fused, dynamic shapes), "static" (plain ops, fixed shapes:
+    ``max_context`` KV slots and ``prefill_chunk`` tokens per run, inputs padded) for NPUs,
+    "portable" (plain ops, dynamic shapes) elsewhere. With dynamic flavours on GPU providers
+    the KV cache stays on the device as OrtValues bound with IOBinding (``io_binding`` forces
+    it on or off; on CPU plain numpy is faster).
     """
 
     def __init__(self, model_dir: Path, first_layer: int, last_layer: int, *,
-                 providers: list[str] | None = None, threads: int | None = None,
-                 flavour: str | None = None, max_context: int | None = None,
+                 providers: Sequence[str] | None = None, backends: Sequence[Backend] | None = None,
+                 threads: int | None = None, flavour: str | None = None, max_context: int | None = None,
                  prefill_chunk: int | None = None, cache_dir: Path | None = None,
                  io_binding: bool | None = None) -> None:
         import onnxruntime as ort
@@ -141,27 +114,26 @@ class OrtFragmentRunner(FragmentRunner):
         self.first_layer, self.last_layer = int(first_layer), int(last_layer)
         self.is_head = self.first_layer == 0
         self.is_tail = self.last_layer == m.n_layers - 1
-        chosen = choose_providers(ort.get_available_providers(), providers)
-        self.flavour = flavour or default_flavour(chosen[0])
         self.max_context = int(max_context or m.context_length)
-        if self.flavour == "static":
-            self.prefill_chunk = int(prefill_chunk or min(64, self.max_context))
-        else:
-            self.prefill_chunk = 0
-        self.path = build_fragment(self.model_dir, self.first_layer, self.last_layer, flavour=self.flavour,
-                                   max_context=self.max_context, prefill_chunk=self.prefill_chunk or None,
-                                   cache_dir=cache_dir)
-        info = json.loads((self.path.parent / "fragment.json").read_text(encoding="utf-8"))
-        self._weight_bytes = int(info["weight_bytes"])
+        if backends is None:
+            backends, _ = backend_chain(detect_platform(), providers or ())
         so = ort.SessionOptions()
         if threads:
             so.intra_op_num_threads = int(threads)
         so.log_severity_level = 3
-        try:
-            self._sess = ort.InferenceSession(str(self.path), so, providers=chosen)
-        except Exception as e:  # onnxruntime raises its own exception types
-            raise RunnerError(f"cannot load fragment {self.path.name} on {chosen[0]}: {e}") from e
-        self.provider = self._sess.get_providers()[0]
+        failures: list[str] = []
+        for backend in backends:
+            try:
+                self._load(ort, so, backend, flavour, prefill_chunk, cache_dir)
+                break
+            except RunnerError as error:
+                failures.append(f"{backend.name}: {error}")
+                log.warning("fragment %d-%d cannot run on %s, trying the next backend: %s",
+                            self.first_layer, self.last_layer, backend.name, error)
+        else:
+            raise RunnerError(f"no backend could load fragment {self.first_layer}-{self.last_layer}: "
+                              + "; ".join(failures))
+        self.fallbacks = tuple(failures)
         if io_binding is None:
             io_binding = self.provider in _DEVICES
         self._io_device = _DEVICES.get(self.provider, "cpu") if io_binding and self.flavour != "static" else None
@@ -170,7 +142,33 @@ class OrtFragmentRunner(FragmentRunner):
         self._layers = list(range(self.first_layer, self.last_layer + 1))
         self._sessions: dict[str, _Session] = {}
         self._lock = threading.Lock()
-        log.info("fragment %d-%d on %s (%s flavour)", self.first_layer, self.last_layer, self.provider, self.flavour)
+        log.info("fragment %d-%d on %s (%s, %s flavour)", self.first_layer, self.last_layer, self.backend.name,
+                 self.provider, self.flavour)
+
+    def _load(self, ort: Any, so: Any, backend: Backend, flavour: str | None, prefill_chunk: int | None,
+              cache_dir: Path | None) -> None:
+        """Build the fragment in ``backend``'s flavour and open it there (RunnerError if not)."""
+        self.backend, self.flavour = backend, flavour or backend.flavour
+        self.prefill_chunk = int(prefill_chunk or min(64, self.max_context)) if self.flavour == "static" else 0
+        self.path = build_fragment(self.model_dir, self.first_layer, self.last_layer, flavour=self.flavour,
+                                   max_context=self.max_context, prefill_chunk=self.prefill_chunk or None,
+                                   cache_dir=cache_dir)
+        info = json.loads((self.path.parent / "fragment.json").read_text(encoding="utf-8"))
+        self._weight_bytes = int(info["weight_bytes"])
+        try:
+            self._sess = ort.InferenceSession(str(self.path), so, providers=backend.providers())
+        except Exception as e:  # onnxruntime raises its own exception types
+            raise RunnerError(f"cannot load fragment {self.path.name} on {backend.provider}: {e}") from e
+        self.provider = self._sess.get_providers()[0]
+        if self.provider != backend.provider:
+            # onnxruntime falls back to the CPU when a provider fails to start (a missing
+            # device or library); that is not the backend that was asked for.
+            raise RunnerError(f"onnxruntime could not start {backend.provider} with {dict(backend.options)} "
+                              f"(it fell back to {self.provider})")
+
+    def describe(self) -> dict[str, Any]:
+        """Where this fragment runs, and the backends that could not load it."""
+        return {**self.backend.describe(), "flavour": self.flavour, "fallbacks": list(self.fallbacks)}
 
     # --- sessions ----------------------------------------------------------------------------
     def _kv_shape(self) -> tuple[int, int, int, int]:

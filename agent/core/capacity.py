@@ -103,3 +103,27 @@ def score(node: NodeCapacity) -> float:
         - WEIGHT_LATENCY * node.latency_ms / 100.0
     )
     return max(SCORE_FLOOR, raw * (1.0 - LOAD_PENALTY * node.load))
+
+
+def credited_capacity(detected: NodeCapacity, usable_kinds: frozenset[str] | set[str], *,
+                      npu_tops: float | None = None, vram_gib: float | None = None,
+                      ram_gib: float | None = None) -> NodeCapacity:
+    """What the score may count of what was ``detected`` (the board table, NVML, free RAM).
+
+    A detected NPU's TOPS count only when a backend that runs on an NPU passed its self-test
+    (``"npu" in usable_kinds``); a detected GPU's memory only when a GPU backend did. On a
+    device whose GPU shares system memory (Jetson) that memory then counts as RAM. Configured
+    figures (``npu_tops``, ``vram_gib``, ``ram_gib``) are the operator's word and win.
+    """
+    vram = detected.vram_gib if "gpu" in usable_kinds else 0.0
+    ram = detected.ram_gib
+    if "gpu" not in usable_kinds and detected.ram_gib == 0.0:
+        ram = detected.vram_gib  # unified memory with no usable GPU: the layers run from RAM
+    return NodeCapacity(
+        node_id=detected.node_id,
+        vram_gib=vram if vram_gib is None else vram_gib,
+        ram_gib=ram if ram_gib is None else ram_gib,
+        npu_tops=(detected.npu_tops if "npu" in usable_kinds else 0.0) if npu_tops is None else npu_tops,
+        latency_ms=detected.latency_ms,
+        load=detected.load,
+    )

@@ -85,6 +85,7 @@ class Agent:
     log_path: Path
     process: subprocess.Popen | None = None
     env: dict[str, str] = field(default_factory=dict)
+    python: str = sys.executable  # another environment's interpreter runs the agent there
 
     @property
     def url(self) -> str:
@@ -103,7 +104,7 @@ class Agent:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         log = self.log_path.open("ab")
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "agent.cli", "serve", "--port", str(self.port), *args],
+            [self.python, "-m", "agent.cli", "serve", "--port", str(self.port), *args],
             cwd=REPO, env=self.env, stdout=log, stderr=subprocess.STDOUT,
         )
         log.close()

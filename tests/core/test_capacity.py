@@ -81,3 +81,45 @@ def test_from_dict_names_missing_and_unknown_fields():
 def test_round_trip_through_dict():
     node = NodeCapacity("n1", 8.0, 16.0, 6.0, 2.5, 0.25)
     assert NodeCapacity.from_dict(node.to_dict()) == node
+
+
+# --- what the score may count ------------------------------------------------------------------
+from agent.core.capacity import credited_capacity  # noqa: E402
+from agent.core.plan import make_plan  # noqa: E402
+
+KINDS = st.sets(st.sampled_from(["gpu", "npu", "cpu"])).map(frozenset)
+
+
+@given(capacities, KINDS)
+def test_a_detected_accelerator_counts_only_with_a_backend_that_passed_its_self_test(detected, kinds):
+    credited = credited_capacity(detected, kinds)
+    assert credited.npu_tops == (detected.npu_tops if "npu" in kinds else 0.0)
+    assert credited.vram_gib == (detected.vram_gib if "gpu" in kinds else 0.0)
+    assert (credited.latency_ms, credited.load, credited.node_id) == (detected.latency_ms, detected.load, detected.node_id)
+    assert score(credited) <= score(detected) + 1e-12  # crediting never invents capacity
+
+
+@given(capacities, KINDS, st.floats(0, 500), st.floats(0, 64), st.floats(0, 64))
+def test_configured_figures_are_the_operators_word(detected, kinds, tops, vram, ram):
+    credited = credited_capacity(detected, kinds, npu_tops=tops, vram_gib=vram, ram_gib=ram)
+    assert (credited.npu_tops, credited.vram_gib, credited.ram_gib) == (tops, vram, ram)
+
+
+def test_unified_memory_without_a_usable_gpu_counts_as_ram():
+    jetson = NodeCapacity("jetson", vram_gib=6.0, ram_gib=0.0, npu_tops=40.0)
+    assert credited_capacity(jetson, frozenset({"cpu"})) == NodeCapacity("jetson", vram_gib=0.0, ram_gib=6.0)
+    assert credited_capacity(jetson, frozenset({"cpu", "gpu"})) == NodeCapacity("jetson", vram_gib=6.0, ram_gib=0.0)
+
+
+def test_a_board_whose_npu_has_no_backend_no_longer_gets_the_largest_share():
+    """An RK3588 (6 TOPS in the table, 4 GiB free) next to a PC (12 GiB free, no accelerator)."""
+    rk3588 = NodeCapacity("rk3588", ram_gib=4.0, npu_tops=6.0)
+    pc = NodeCapacity("pc", ram_gib=12.0)
+
+    def layers(kinds):
+        plan = make_plan({n.node_id: score(credited_capacity(n, kinds)) for n in (rk3588, pc)}, 30)
+        return {node: plan.primary_range(node).size for node in ("rk3588", "pc")}
+
+    with_backend, without = layers(frozenset({"cpu", "npu"})), layers(frozenset({"cpu"}))
+    assert with_backend["rk3588"] > with_backend["pc"]  # the table's TOPS, credited
+    assert without["rk3588"] < without["pc"]  # only what its CPU and RAM earn

@@ -7,8 +7,7 @@ import pytest
 
 from fragment_helpers import PROMPT_IDS, SMOLLM2, chain
 from shards.errors import RunnerError
-from shards.runner import (FragmentRunner, OrtFragmentRunner, chain_forward, choose_providers, default_flavour,
-                           open_chain)
+from shards.runner import FragmentRunner, OrtFragmentRunner, chain_forward, open_chain
 
 
 @pytest.fixture(scope="module")
@@ -139,23 +138,8 @@ def test_io_binding_keeps_kv_as_ortvalues(model_dir) -> None:
     assert r.memory_bytes() == base
 
 
-def test_default_flavours() -> None:
-    assert default_flavour("CPUExecutionProvider") == "cpu"
-    assert default_flavour("QNNExecutionProvider") == "static"
-    assert default_flavour("CUDAExecutionProvider") == "portable"
-
-
-def test_choose_providers() -> None:
-    avail = ["AzureExecutionProvider", "CPUExecutionProvider", "CUDAExecutionProvider", "QNNExecutionProvider"]
-    assert choose_providers(avail) == ["CUDAExecutionProvider", "QNNExecutionProvider", "CPUExecutionProvider"]
-    assert choose_providers(avail, ["QNNExecutionProvider"]) == ["QNNExecutionProvider", "CPUExecutionProvider"]
-    assert choose_providers(["CPUExecutionProvider"]) == ["CPUExecutionProvider"]
-    with pytest.raises(RunnerError, match="TensorrtExecutionProvider"):
-        choose_providers(avail, ["TensorrtExecutionProvider"])
-
-
 def test_forced_unavailable_provider(model_dir) -> None:
-    with pytest.raises(RunnerError, match="not available"):
+    with pytest.raises(RunnerError, match="'NoSuchExecutionProvider' is not usable here"):
         OrtFragmentRunner(model_dir, 0, 0, providers=["NoSuchExecutionProvider"])
 
 
