@@ -28,8 +28,7 @@ from agent.core.election import Election, elect, newest
 from agent.core.errors import WireError
 from agent.core.peers import PeerTable
 from agent.peer_client import PeerAuthError, PeerClient, PeerError
-from agent.probe import Accelerators, detect_capacity, find_accelerators
-from shards.backends import CPU_BACKEND
+from agent.probe import CPU_ONLY, detect_capacity, find_accelerators
 
 log = logging.getLogger(__name__)
 DESCRIBE_PATH = "/internal/describe"
@@ -47,7 +46,7 @@ class Membership:
         self.table = PeerTable(node_id, config.cluster_name, failure_threshold=config.failure_threshold)
         self.election: Election | None = None
         # Until the backends' self-tests ran (first thing in run()), only the CPU is credited.
-        self.accelerators = Accelerators((CPU_BACKEND.name,), frozenset({"cpu"}), ())
+        self.accelerators = CPU_ONLY
         self.detected: NodeCapacity = detect_capacity(node_id)
         self.capacity: NodeCapacity = self._credited(self.detected)
         self.started_at = time.monotonic()
@@ -232,8 +231,9 @@ class Membership:
         self._recompute_election()
 
     def _credited(self, detected: NodeCapacity) -> NodeCapacity:
-        return credited_capacity(detected, self.accelerators.kinds, npu_tops=self.config.npu_tops,
-                                 vram_gib=self.config.vram_gib, ram_gib=self.config.ram_gib)
+        return credited_capacity(detected, self.accelerators.kinds, measured_npu_tops=self.accelerators.npu_tops,
+                                 npu_tops=self.config.npu_tops, vram_gib=self.config.vram_gib,
+                                 ram_gib=self.config.ram_gib)
 
     def _update_capacity(self) -> None:
         capacity = self._credited(self.detected)
@@ -269,7 +269,7 @@ class Membership:
         """Self-test the accelerators, then rounds forever, every health_interval_s (cancelled
         by the owner)."""
         self.accelerators = await asyncio.to_thread(find_accelerators, self.config.providers)
-        log.info("backends: %s%s", ", ".join(self.accelerators.usable),
+        log.info("backends: %s%s", ", ".join(c.backend for c in self.accelerators.usable),
                  "".join(f"; {name} unusable: {reason}" for name, reason in self.accelerators.unusable))
         self._update_capacity()
         while True:

@@ -13,7 +13,7 @@ import psutil
 
 from agent.core.capacity import NodeCapacity
 from agent.core.npu_table import npu_tops_for
-from shards.backends import CPU, CPU_BACKEND, backend_chain, detect_platform, self_test
+from shards.backends import CPU_BACKEND, Calibration, backend_chain, calibrate, detect_platform, self_test
 from shards.errors import RunnerError
 
 log = logging.getLogger(__name__)
@@ -95,33 +95,54 @@ def detect_capacity(node_id: str, *, latency_ms: float = 0.0) -> NodeCapacity:
 
 @dataclass(frozen=True)
 class Accelerators:
-    """The backends this agent can run fragments on, after their self-tests."""
+    """The backends this agent can run fragments on: those that passed their self-test, each
+    with what it measured on the built-in block, and those that cannot, with why."""
 
-    usable: tuple[str, ...]  # backend names, best first
-    kinds: frozenset[str]  # "gpu", "npu", "cpu": what the score may credit
+    usable: tuple[Calibration, ...]  # best first
     unusable: tuple[tuple[str, str], ...]  # (backend name, why)
 
+    @property
+    def kinds(self) -> frozenset[str]:
+        """What the score may credit: "cpu" always, "gpu" / "npu" with a usable backend."""
+        return frozenset({"cpu", *(c.kind for c in self.usable)})
+
+    @property
+    def npu_tops(self) -> float | None:
+        """The TOPS the best usable NPU backend measured (None without one)."""
+        measured = [c.tops for c in self.usable if c.kind == "npu"]
+        return max(measured) if measured else None
+
     def to_dict(self) -> dict[str, object]:
-        return {"usable": list(self.usable), "unusable": [{"backend": n, "reason": r} for n, r in self.unusable]}
+        return {"usable": [c.backend for c in self.usable], "measured": [c.to_dict() for c in self.usable],
+                "unusable": [{"backend": n, "reason": r} for n, r in self.unusable]}
+
+
+CPU_ONLY = Accelerators((), ())
 
 
 def find_accelerators(providers: tuple[str, ...] = ()) -> Accelerators:
-    """Self-test every accelerator backend of this machine (the CPU needs none); slow-ish
-    (an onnxruntime session each), so once at start, off the event loop."""
+    """Self-test and calibrate every backend of this machine: an onnxruntime session or two
+    each, so once at start and off the event loop."""
     try:
         chain, unusable = backend_chain(detect_platform(), providers)
     except RunnerError as error:  # the configured providers are not here: the fragments will say so too
         log.error("%s", error)
-        return Accelerators((CPU_BACKEND.name,), frozenset({"cpu"}), (("providers", str(error)),))
-    usable, failed = [], [(u.name, u.reason) for u in unusable]
+        chain, unusable = [CPU_BACKEND], []
+        unusable_reasons = [("providers", str(error))]
+    else:
+        unusable_reasons = [(u.name, u.reason) for u in unusable]
+    usable: list[Calibration] = []
     for backend in chain:
-        reason = None if backend.provider == CPU else self_test(backend)
-        if reason is None:
-            usable.append(backend)
-        else:
-            failed.append((backend.name, f"self-test failed: {reason}"))
-            log.warning("backend %s is not usable: %s", backend.name, reason)
-    return Accelerators(tuple(b.name for b in usable), frozenset(b.kind for b in usable), tuple(failed))
+        reason = self_test(backend)
+        try:
+            if reason is None:
+                usable.append(calibrate(backend))
+                continue
+        except RunnerError as error:
+            reason = str(error)
+        unusable_reasons.append((backend.name, f"self-test failed: {reason}"))
+        log.warning("backend %s is not usable: %s", backend.name, reason)
+    return Accelerators(tuple(usable), tuple(unusable_reasons))
 
 
 def device_memory(*, vram_gib: float | None, ram_gib: float | None, held_bytes: int) -> dict[str, int]:

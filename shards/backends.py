@@ -18,6 +18,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
+from typing import Any
 
 from shards.errors import RunnerError
 
@@ -189,29 +190,96 @@ def detect_platform() -> Platform:
     )
 
 
-def self_test(backend: Backend) -> str | None:
-    """Run a small graph on ``backend``: None when it runs there and computes right, else why
-    not (one line). The capacity score credits an accelerator only after this passes."""
-    import numpy as np
+def _session(backend: Backend, model: Any) -> Any:
+    """An onnxruntime session of ``model`` on ``backend`` (RunnerError if it cannot start)."""
     import onnxruntime as ort
+
+    try:
+        session = ort.InferenceSession(model.SerializeToString(), providers=backend.providers())
+    except Exception as failure:  # noqa: BLE001 - onnxruntime raises its own types
+        raise RunnerError(f"{type(failure).__name__}: {str(failure).splitlines()[0] if str(failure) else ''}") from None
+    if session.get_providers()[0] != backend.provider:
+        raise RunnerError(f"onnxruntime could not start {backend.provider} with {dict(backend.options)}")
+    return session
+
+
+def _mlp(rows: int, weights: tuple[Any, Any]) -> Any:
+    """A fixed-shape block Relu(x @ w1) @ w2 (fixed shapes suit NPUs too)."""
     from onnx import TensorProto, helper, numpy_helper
 
-    rng = np.random.default_rng(0)
-    weight = rng.standard_normal((64, 64)).astype(np.float32) / 8.0
-    x = rng.standard_normal((1, 64)).astype(np.float32)
+    w1, w2 = weights
     graph = helper.make_graph(
-        [helper.make_node("MatMul", ["x", "w"], ["h"]), helper.make_node("Relu", ["h"], ["y"])], "self_test",
-        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 64])],
-        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 64])],
-        [numpy_helper.from_array(weight, "w")],
+        [helper.make_node("MatMul", ["x", "w1"], ["h"]), helper.make_node("Relu", ["h"], ["r"]),
+         helper.make_node("MatMul", ["r", "w2"], ["y"])], "ncm_calibration",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [rows, w1.shape[0]])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [rows, w2.shape[1]])],
+        [numpy_helper.from_array(w1, "w1"), numpy_helper.from_array(w2, "w2")],
     )
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
     model.ir_version = 8  # readable by every onnxruntime ncm supports
+    return model
+
+
+def _weights(hidden: int, ffn: int) -> tuple[Any, Any]:
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    return ((rng.standard_normal((hidden, ffn)) / np.sqrt(hidden)).astype(np.float32),
+            (rng.standard_normal((ffn, hidden)) / np.sqrt(ffn)).astype(np.float32))
+
+
+def self_test(backend: Backend) -> str | None:
+    """Run a small block on ``backend``: None when it runs there and computes right, else why
+    not (one line). The capacity score credits an accelerator only after this passes."""
+    import numpy as np
+
+    w1, w2 = _weights(64, 128)
+    x = np.random.default_rng(1).standard_normal((4, 64)).astype(np.float32)
     try:
-        session = ort.InferenceSession(model.SerializeToString(), providers=backend.providers())
-        if session.get_providers()[0] != backend.provider:
-            return f"onnxruntime could not start {backend.provider} with {dict(backend.options)}"
-        error = float(np.abs(session.run(None, {"x": x})[0] - np.maximum(x @ weight, 0.0)).max())
-    except Exception as failure:  # noqa: BLE001 - onnxruntime raises its own types; reported as the reason
-        return f"{type(failure).__name__}: {str(failure).splitlines()[0] if str(failure) else ''}"
-    return None if error < 1e-2 else f"wrong results (max error {error:.3g})"
+        y = _session(backend, _mlp(4, (w1, w2))).run(None, {"x": x})[0]
+    except RunnerError as error:
+        return str(error)
+    error_max = float(np.abs(y - np.maximum(x @ w1, 0.0) @ w2).max())
+    return None if error_max < 1e-2 else f"wrong results (max error {error_max:.3g})"
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """What a backend measured on the built-in block (a layer's MLP of hidden 1024, FFN 4096)."""
+
+    backend: str
+    kind: str  # "gpu", "npu" or "cpu", as the backend's
+    decode_ms: float  # one token
+    prefill_ms: float  # a chunk of CALIBRATION_CHUNK tokens
+    tops: float  # tera-operations per second in the prefill chunk (2 per multiply-add)
+
+    def to_dict(self) -> dict[str, object]:
+        return {"backend": self.backend, "kind": self.kind, "decode_ms": round(self.decode_ms, 3), "prefill_ms": round(self.prefill_ms, 3),
+                "tops": round(self.tops, 4)}
+
+
+CALIBRATION_SHAPE = (1024, 4096)
+CALIBRATION_CHUNK = 64
+
+
+def calibrate(backend: Backend, *, repeats: int = 5) -> Calibration:
+    """Time the built-in block on ``backend``: best of ``repeats`` runs for one token and for a
+    prefill chunk (RunnerError if the backend cannot run it)."""
+    import time
+
+    import numpy as np
+
+    weights = _weights(*CALIBRATION_SHAPE)
+    timings = []
+    for rows in (1, CALIBRATION_CHUNK):
+        session = _session(backend, _mlp(rows, weights))
+        x = np.ones((rows, CALIBRATION_SHAPE[0]), np.float32)
+        session.run(None, {"x": x})  # first run: graph compilation and allocation
+        best = float("inf")
+        for _ in range(repeats):
+            started = time.perf_counter()
+            session.run(None, {"x": x})
+            best = min(best, time.perf_counter() - started)
+        timings.append(best)
+    operations = 2 * 2 * CALIBRATION_CHUNK * CALIBRATION_SHAPE[0] * CALIBRATION_SHAPE[1]
+    return Calibration(backend.name, backend.kind, 1000 * timings[0], 1000 * timings[1], operations / timings[1] / 1e12)

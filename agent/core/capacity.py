@@ -106,14 +106,15 @@ def score(node: NodeCapacity) -> float:
 
 
 def credited_capacity(detected: NodeCapacity, usable_kinds: frozenset[str] | set[str], *,
-                      npu_tops: float | None = None, vram_gib: float | None = None,
-                      ram_gib: float | None = None) -> NodeCapacity:
+                      measured_npu_tops: float | None = None, npu_tops: float | None = None,
+                      vram_gib: float | None = None, ram_gib: float | None = None) -> NodeCapacity:
     """What the score may count of what was ``detected`` (the board table, NVML, free RAM).
 
-    A detected NPU's TOPS count only when a backend that runs on an NPU passed its self-test
-    (``"npu" in usable_kinds``); a detected GPU's memory only when a GPU backend did. On a
-    device whose GPU shares system memory (Jetson) that memory then counts as RAM. Configured
-    figures (``npu_tops``, ``vram_gib``, ``ram_gib``) are the operator's word and win.
+    NPU TOPS count only when a backend that runs on an NPU passed its self-test (``"npu" in
+    usable_kinds``), and then what it measured (``measured_npu_tops``), never more than the
+    table's figure; a detected GPU's memory counts only when a GPU backend passed. On a device
+    whose GPU shares system memory (Jetson) that memory then counts as RAM. Configured figures
+    (``npu_tops``, ``vram_gib``, ``ram_gib``) are the operator's word and win.
     """
     vram = detected.vram_gib if "gpu" in usable_kinds else 0.0
     ram = detected.ram_gib
@@ -123,7 +124,15 @@ def credited_capacity(detected: NodeCapacity, usable_kinds: frozenset[str] | set
         node_id=detected.node_id,
         vram_gib=vram if vram_gib is None else vram_gib,
         ram_gib=ram if ram_gib is None else ram_gib,
-        npu_tops=(detected.npu_tops if "npu" in usable_kinds else 0.0) if npu_tops is None else npu_tops,
+        npu_tops=_credited_tops(detected.npu_tops, usable_kinds, measured_npu_tops) if npu_tops is None else npu_tops,
         latency_ms=detected.latency_ms,
         load=detected.load,
     )
+
+
+def _credited_tops(table_tops: float, usable_kinds: frozenset[str] | set[str], measured: float | None) -> float:
+    if "npu" not in usable_kinds:
+        return 0.0
+    if measured is None:
+        return table_tops
+    return min(measured, table_tops) if table_tops > 0 else measured

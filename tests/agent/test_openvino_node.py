@@ -52,6 +52,8 @@ def test_a_plan_over_an_openvino_node_gives_the_single_device_text(smollm2_store
         assert accelerators[ov_node]["usable"] == ["openvino-cpu", "cpu"]
         assert {u["backend"] for u in accelerators[ov_node]["unusable"]} >= {"openvino-npu", "openvino-gpu"}
         assert accelerators[cpu_node]["usable"] == ["cpu"]
+        measured = accelerators[ov_node]["measured"][0]
+        assert measured["backend"] == "openvino-cpu" and measured["tops"] > 0 and measured["decode_ms"] > 0
         assert all(node["detected"] is not None for node in nodes["nodes"])
     finally:
         shut_down(agents, keep_store=smollm2_store.root)

@@ -123,3 +123,10 @@ def test_a_board_whose_npu_has_no_backend_no_longer_gets_the_largest_share():
     with_backend, without = layers(frozenset({"cpu", "npu"})), layers(frozenset({"cpu"}))
     assert with_backend["rk3588"] > with_backend["pc"]  # the table's TOPS, credited
     assert without["rk3588"] < without["pc"]  # only what its CPU and RAM earn
+
+
+@given(capacities, st.floats(0, 100))
+def test_a_usable_npu_is_credited_what_it_measured_never_more_than_the_table(detected, measured):
+    credited = credited_capacity(detected, frozenset({"cpu", "npu"}), measured_npu_tops=measured)
+    assert credited.npu_tops == (min(measured, detected.npu_tops) if detected.npu_tops > 0 else measured)
+    assert credited_capacity(detected, frozenset({"cpu"}), measured_npu_tops=measured).npu_tops == 0.0

@@ -1,0 +1,21 @@
+"""The probe on this machine: real onnxruntime self-tests and calibration of its backends."""
+
+from __future__ import annotations
+
+from agent.probe import find_accelerators
+
+
+def test_this_machine_has_a_self_tested_and_calibrated_cpu():
+    found = find_accelerators()
+    assert [c.backend for c in found.usable][-1] == "cpu"
+    cpu = found.usable[-1]
+    assert cpu.kind == "cpu" and 0 < cpu.decode_ms < cpu.prefill_ms and cpu.tops > 0
+    assert "cpu" in found.kinds and found.npu_tops is None  # nothing to credit beyond the CPU
+    assert found.to_dict()["measured"][-1]["backend"] == "cpu"
+
+
+def test_configured_backends_that_are_missing_are_reported_not_fatal():
+    found = find_accelerators(("qnn-htp",))
+    assert [c.backend for c in found.usable] == ["cpu"]
+    (name, reason), = found.unusable
+    assert name == "providers" and "'qnn-htp' is not usable here" in reason
