@@ -271,6 +271,9 @@ class Membership:
         self.accelerators = await asyncio.to_thread(find_accelerators, self.config.providers)
         log.info("backends: %s%s", ", ".join(c.backend for c in self.accelerators.usable),
                  "".join(f"; {name} unusable: {reason}" for name, reason in self.accelerators.unusable))
+        if self.detected.npu_tops and "npu" not in self.accelerators.kinds and self.config.npu_tops is None:
+            log.warning("this device's NPU (%g TOPS in the board table) has no backend that runs on it: "
+                        "the capacity score counts 0 TOPS", self.detected.npu_tops)
         self._update_capacity()
         while True:
             await self.round()
