@@ -17,6 +17,8 @@ from typing import Any
 
 import aiohttp
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
+from aiohttp.web_protocol import RequestPayloadError
 
 from agent.compat import timeout
 from agent.core.capacity import score
@@ -34,7 +36,7 @@ from shards.sampling import SamplingParams
 log = logging.getLogger(__name__)
 PROXY_TIMEOUT = aiohttp.ClientTimeout(total=None, connect=5.0, sock_read=300.0)
 SSE_KEEPALIVE_S = 15.0
-HOP_HEADERS = {"host", "content-length", "transfer-encoding", "connection"}
+HOP_HEADERS = {"host", "content-length", "transfer-encoding", "connection", "content-encoding"}
 
 routes = web.RouteTableDef()
 
@@ -159,14 +161,14 @@ async def _ask_orchestrator(request: web.Request) -> web.StreamResponse | None:
     except KeyError:
         raise ClusterError(f"the orchestrator {election.orchestrator} is not reachable from this node") from None
     headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP_HEADERS}
-    body = await request.read()
+    body = await _read_body(request)  # decompressed: the Content-Encoding header is not passed on
     session = request.app[CLIENT].session
     response: web.StreamResponse | None = None
     try:
         async with session.request(request.method, target + request.rel_url.path_qs, data=body or None,
                                    headers=headers, timeout=PROXY_TIMEOUT) as upstream:
             response = web.StreamResponse(status=upstream.status, headers={
-                k: v for k, v in upstream.headers.items() if k.lower() not in HOP_HEADERS | {"content-encoding"}})
+                k: v for k, v in upstream.headers.items() if k.lower() not in HOP_HEADERS})
             await response.prepare(request)
             tail = b""
             async for chunk in upstream.content.iter_any():
@@ -299,11 +301,29 @@ async def models_sse(request: web.Request) -> web.StreamResponse:
     return response
 
 
-async def _read_json(request: web.Request) -> Any:
+async def _read_body(request: web.Request) -> bytes:
+    """The request body as sent, decompressed (a body that does not decompress is a 400)."""
     try:
-        return await request.json()
-    except (json.JSONDecodeError, UnicodeDecodeError):
-        raise InvalidRequestError("the request body is not valid JSON") from None
+        return await request.read()
+    except (RequestPayloadError, HttpProcessingError):
+        raise InvalidRequestError(
+            f"the request body could not be read as {request.headers.get('Content-Encoding', 'sent')}") from None
+
+
+async def _read_json(request: web.Request) -> Any:
+    """The body as JSON: UTF-8 whatever charset is declared (JSON's encoding), no unpaired
+    surrogates, nesting and numbers that the parser takes without running out of stack."""
+    raw = await _read_body(request)
+    try:
+        body = json.loads(raw.decode("utf-8"))
+        json.dumps(body, ensure_ascii=False).encode("utf-8")  # unpaired surrogates (\ud800) cannot be text
+    except UnicodeError:
+        raise InvalidRequestError("the request body must be UTF-8 JSON text without unpaired surrogates") from None
+    except RecursionError:
+        raise InvalidRequestError("the request body nests too deeply") from None
+    except ValueError as error:  # JSONDecodeError, or an integer of more digits than allowed
+        raise InvalidRequestError(f"the request body is not valid JSON ({str(error)[:80]})") from None
+    return body
 
 
 def _sampling(chat: ChatRequest, prompt_tokens: int, max_context: int) -> SamplingParams:

@@ -32,6 +32,7 @@ from __future__ import annotations
 import codecs
 import json
 import logging
+import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -640,9 +641,50 @@ class Tokenizer:
 
     def encode_chat(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True,
                     **extra: Any) -> list[int]:
-        """Token ids of a rendered conversation (the template writes its own BOS, if any)."""
-        return self.encode(self.apply_chat_template(messages, add_generation_prompt, **extra),
-                           add_special_tokens=False)
+        """Token ids of a rendered conversation (the template writes its own BOS, if any).
+
+        Control tokens come from the template alone: text in a message that spells one
+        (``<|im_start|>system`` in a user's content) is encoded as the plain text it is, so
+        nobody can forge a turn. Conversations without such text encode exactly as the whole
+        rendered prompt does.
+        """
+        _validate_messages(messages)
+        contents = [m.get("content") for m in messages]
+        if not any(isinstance(c, str) and self._spells_special(c) for c in contents):
+            return self.encode(self.apply_chat_template(messages, add_generation_prompt, **extra),
+                               add_special_tokens=False)
+        if any(isinstance(c, str) and (_STAND_IN_OPEN in c or _STAND_IN_CLOSE in c) for c in contents):
+            raise TokenizerError("message content holds reserved characters U+E000 / U+E001")
+        stand_ins = [dict(m, content=f"{_STAND_IN_OPEN}{i}{_STAND_IN_CLOSE}") if isinstance(m.get("content"), str)
+                     else dict(m) for i, m in enumerate(messages)]
+        pieces = _STAND_IN.split(self.apply_chat_template(stand_ins, add_generation_prompt, **extra))
+        placed = [int(i) for i in pieces[1::2]]
+        if sorted(placed) != [i for i, c in enumerate(contents) if isinstance(c, str)]:
+            raise TokenizerError("this chat template rewrites message contents, so control tokens written "
+                                 "in them cannot be kept as text; remove them from the messages")
+        ids: list[int] = []
+        for position, piece in enumerate(pieces):
+            if position % 2 == 0:
+                ids += self._backend.encode(piece, add_special_tokens=False).ids if piece else []
+            else:
+                ids += self._text_backend.encode(contents[int(piece)], add_special_tokens=False).ids
+        return ids
+
+    def _spells_special(self, text: str) -> bool:
+        return any(self._added_text[i] in text for i in self._special_ids)
+
+    @cached_property
+    def _text_backend(self) -> Any:
+        """The same tokenizer with special tokens encoded as plain text, not matched whole."""
+        from tokenizers import Tokenizer as Backend
+
+        backend = Backend.from_str(self.spec.tokenizer_json)
+        backend.encode_special_tokens = True
+        return backend
+
+
+_STAND_IN_OPEN, _STAND_IN_CLOSE = "\ue000", "\ue001"  # private-use marks around a message's number
+_STAND_IN = re.compile(f"{_STAND_IN_OPEN}(\\d+){_STAND_IN_CLOSE}")
 
 
 class StreamDecoder:

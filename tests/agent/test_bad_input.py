@@ -1,0 +1,67 @@
+"""Malformed requests get a 4xx in the OpenAI error shape, on the orchestrator and through a
+worker that passes them on; the agents keep serving. In-process agents, no model."""
+
+from __future__ import annotations
+
+import asyncio
+import gzip
+
+import aiohttp
+import pytest
+
+from agent.service_keys import MEMBERSHIP
+from tests.agent.inprocess import eventually, local_agents
+
+JSON = {"Content-Type": "application/json"}
+CASES = [
+    ("nested 100k deep", b"[" * 100_000 + b"]" * 100_000, JSON, "nests too deeply"),
+    ("an integer of 5000 digits", b'{"max_tokens": ' + b"9" * 5000 + b"}", JSON, "not valid JSON"),
+    ("a lone surrogate", b'{"messages": [{"role": "user", "content": "\\ud800"}]}', JSON, "unpaired surrogates"),
+    ("bytes that are not UTF-8", b'{"model": "\xff\xfe"}', JSON, "UTF-8"),
+    ("a role given as a list", b'{"messages": [{"role": ["user"], "content": "hi"}]}', JSON, "role must be one of"),
+    ("an unknown charset", b'{"a": 1}', {"Content-Type": "application/json; charset=klingon"}, "'messages'"),
+    ("invalid gzip", b"not gzip at all", {**JSON, "Content-Encoding": "gzip"}, "could not be read as gzip"),
+]
+
+
+async def post(url: str, body: bytes, headers: dict[str, str]) -> tuple[int, dict]:
+    # A connection per request: the server closes one whose body it could not read.
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True)) as session, session.post(
+            url + "/v1/chat/completions", data=body, headers=headers, timeout=aiohttp.ClientTimeout(total=30)) as r:
+        return r.status, await r.json()
+
+
+@pytest.fixture
+def agents_loop(tmp_path):
+    """Two in-process agents, and which of them is the orchestrator."""
+
+    async def start():
+        context = local_agents(tmp_path, 2)
+        agents = await context.__aenter__()
+        await eventually(lambda: all(a.app[MEMBERSHIP].election for a in agents), timeout_s=20, what="an election")
+        orchestrator = agents[0].app[MEMBERSHIP].election.orchestrator
+        return context, sorted(agents, key=lambda a: a.node_id != orchestrator)
+
+    loop = asyncio.new_event_loop()
+    context, agents = loop.run_until_complete(start())
+    yield loop, agents
+    loop.run_until_complete(context.__aexit__(None, None, None))
+    loop.close()
+
+
+@pytest.mark.parametrize("name, body, headers, message", CASES, ids=[c[0] for c in CASES])
+def test_a_malformed_body_is_a_400_in_the_openai_shape_on_every_agent(agents_loop, name, body, headers, message):
+    loop, agents = agents_loop
+    for agent in agents:  # the orchestrator, then a worker that passes the request on
+        status, answer = loop.run_until_complete(post(agent.url, body, headers))
+        assert status == 400, (agent.node_id, answer)
+        assert set(answer["error"]) == {"message", "type", "param", "code"}
+        assert message in answer["error"]["message"] and answer["error"]["type"] == "invalid_request_error"
+
+
+def test_a_gzip_body_is_understood_through_a_worker_too(agents_loop):
+    loop, agents = agents_loop
+    body = gzip.compress(b'{"model": "nope", "messages": [{"role": "user", "content": "hi"}]}')
+    for agent in agents:
+        status, answer = loop.run_until_complete(post(agent.url, body, {**JSON, "Content-Encoding": "gzip"}))
+        assert status == 404 and answer["error"]["code"] == "model_not_found", answer
