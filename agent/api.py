@@ -97,6 +97,7 @@ async def health(request: web.Request) -> web.Response:
         "node_id": request.app[NODE_ID],
         "role": membership.role,
         "orchestrator": membership.election.orchestrator if membership.election else None,
+        "peer_port": membership.peer_port,
     })
 
 
@@ -156,17 +157,17 @@ async def _ask_orchestrator(request: web.Request) -> web.StreamResponse | None:
         raise ClusterError("no orchestrator has been elected yet; the cluster is starting")
     if election.orchestrator == request.app[NODE_ID]:
         return None
-    try:
-        target = membership.address_of(election.orchestrator)
+    try:  # over the orchestrator's peer port: prompts and answers between agents travel in TLS
+        target = membership.peer_address_of(election.orchestrator)
     except KeyError:
         raise ClusterError(f"the orchestrator {election.orchestrator} is not reachable from this node") from None
     headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP_HEADERS}
     body = await _read_body(request)  # decompressed: the Content-Encoding header is not passed on
-    session = request.app[CLIENT].session
+    client = request.app[CLIENT]
     response: web.StreamResponse | None = None
     try:
-        async with session.request(request.method, target + request.rel_url.path_qs, data=body or None,
-                                   headers=headers, timeout=PROXY_TIMEOUT) as upstream:
+        async with client.session.request(request.method, target + request.rel_url.path_qs, data=body or None,
+                                          headers=headers, timeout=PROXY_TIMEOUT, ssl=client.ssl) as upstream:
             response = web.StreamResponse(status=upstream.status, headers={
                 k: v for k, v in upstream.headers.items() if k.lower() not in HOP_HEADERS})
             await response.prepare(request)

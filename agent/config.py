@@ -42,6 +42,7 @@ class AgentConfig:
     cluster_key: str = ""
     host: str = "0.0.0.0"
     port: int = 8080
+    peer_port: int = 0  # TLS port of the internal endpoints; 0: any free port (peers learn it)
     advertise_host: str = ""
     peers: tuple[str, ...] = ()
     state_dir: Path = field(default_factory=default_state_dir)
@@ -82,8 +83,8 @@ class AgentConfig:
             raise ConfigError(f"cluster_name must be 1-63 letters, digits, '-' or '_', got {self.cluster_name!r}")
         if self.cluster_key and len(self.cluster_key) < MIN_CLUSTER_KEY_LENGTH:
             raise ConfigError(f"cluster_key must be at least {MIN_CLUSTER_KEY_LENGTH} characters")
-        if not 0 <= self.port <= 65535:
-            raise ConfigError(f"port must be in 0-65535, got {self.port}")
+        if not 0 <= self.port <= 65535 or not 0 <= self.peer_port <= 65535:
+            raise ConfigError(f"port and peer_port must be in 0-65535, got {self.port} and {self.peer_port}")
         for peer in self.peers:
             parts = urlsplit(peer)
             if parts.scheme not in ("http", "https") or not parts.hostname:
@@ -134,7 +135,8 @@ class AgentConfig:
 
 
 _FIELD_TYPES: dict[str, str] = {
-    "cluster_name": "str", "cluster_key": "str", "host": "str", "port": "int", "advertise_host": "str",
+    "cluster_name": "str", "cluster_key": "str", "host": "str", "port": "int", "peer_port": "int",
+    "advertise_host": "str",
     "peers": "list", "state_dir": "path", "model": "str", "orchestrator": "bool", "api_token": "str",
     "api_keys": "list",
     "mdns": "bool", "interfaces": "list", "npu_tops": "float?", "vram_gib": "float?", "ram_gib": "float?", "providers": "list", "threads": "int",

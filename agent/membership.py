@@ -19,6 +19,9 @@ import statistics
 import time
 from typing import Any, Callable
 
+import aiohttp
+from yarl import URL
+
 from agent import __version__
 from agent.config import AgentConfig
 from agent.core.advert import NodeAdvert
@@ -35,14 +38,21 @@ DESCRIBE_PATH = "/internal/describe"
 CAPACITY_REFRESH_S = 10.0
 
 
+def peer_url(api_url: str, peer_port: int) -> str:
+    """The internal endpoints' URL of the agent whose public API is at ``api_url``."""
+    return str(URL(api_url).with_scheme("https").with_port(peer_port)).rstrip("/")
+
+
 class Membership:
     """The live view of the cluster from this node."""
 
-    def __init__(self, config: AgentConfig, node_id: str, client: PeerClient, *, api_port: int) -> None:
+    def __init__(self, config: AgentConfig, node_id: str, client: PeerClient, *, api_port: int,
+                 peer_port: int) -> None:
         self.config = config
         self.node_id = node_id
         self.client = client
         self.api_port = api_port
+        self.peer_port = peer_port
         self.table = PeerTable(node_id, config.cluster_name, failure_threshold=config.failure_threshold)
         self.election: Election | None = None
         # Until the backends' self-tests ran (first thing in run()), only the CPU is credited.
@@ -72,6 +82,7 @@ class Membership:
             node_id=self.node_id,
             cluster=self.config.cluster_name,
             api_port=self.api_port,
+            peer_port=self.peer_port,
             version=__version__,
             role=self.role,
             capacity=self.capacity,
@@ -107,13 +118,15 @@ class Membership:
             host = f"[{host}]"
         return f"http://{host}:{self.api_port}"
 
-    def address_of(self, node_id: str) -> str:
+    def peer_address_of(self, node_id: str) -> str:
+        """The URL of ``node_id``'s internal endpoints (TLS, on its peer port)."""
         if node_id == self.node_id:
-            return self.self_url()
+            return peer_url(self.self_url(), self.peer_port)
         url = self.table.url_of(node_id)
-        if url is None:
-            raise KeyError(f"no address known for node {node_id}")
-        return url
+        advert = self.table.entries[url].advert if url is not None else None
+        if url is None or advert is None or not advert.peer_port:
+            raise KeyError(f"no peer address known for node {node_id}")
+        return peer_url(url, advert.peer_port)
 
     def latency_ms(self, node_id: str) -> float:
         if node_id == self.node_id:
@@ -177,6 +190,20 @@ class Membership:
             self._notify(f"peer {node_id} is unreachable")
 
     # --- rounds -----------------------------------------------------------------------------
+    async def _peer_port(self, url: str) -> int:
+        """The peer port an agent announces on its public `GET /health` (a first contact; a
+        stranger may announce anything: the TLS and signed describe that follow tell)."""
+        try:
+            async with self.client.session.get(url + "/health", timeout=aiohttp.ClientTimeout(
+                    total=self.config.peer_timeout_s)) as response:
+                answer = await response.json(content_type=None)
+        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, OSError) as error:
+            raise PeerError(url, f"no health answer: {type(error).__name__}: {error}") from None
+        port = answer.get("peer_port") if isinstance(answer, dict) else None
+        if isinstance(port, bool) or not isinstance(port, int) or not 0 < port < 65536:
+            raise PeerAuthError(url, "announces no peer port: it is no ncm agent of this version")
+        return port
+
     def _reject(self, url: str, error: PeerAuthError) -> None:
         was_alive = self.table.reject(url, str(error))
         log.warning("peer %s cannot prove it belongs to cluster %r (%s): ignored, and not contacted again",
@@ -188,11 +215,16 @@ class Membership:
     async def _contact(self, url: str) -> None:
         started = time.monotonic()
         entry = self.table.entries.get(url)
+        known = entry.advert if entry is not None else None
         # The first contact is addressed to whichever node answers there; later ones to that node.
-        target = entry.advert.node_id if entry is not None and entry.advert is not None else ANY_NODE
+        target = known.node_id if known is not None else ANY_NODE
         try:
+            # A peer that stopped answering may have come back on another peer port: ask again.
+            fresh = known is not None and known.peer_port and entry is not None and entry.alive and not entry.failures
+            peer_port = known.peer_port if fresh else await self._peer_port(url)
             answer, responder = await self.client.request_json_from(
-                "POST", url, DESCRIBE_PATH, self.introduction(), target=target, timeout_s=self.config.peer_timeout_s)
+                "POST", peer_url(url, peer_port), DESCRIBE_PATH, self.introduction(), target=target,
+                timeout_s=self.config.peer_timeout_s)
             advert = NodeAdvert.from_json(answer.get("advert") if isinstance(answer, dict) else None)
             if advert.node_id != responder:
                 raise WireError(f"node {responder} describes itself as {advert.node_id}")
@@ -211,9 +243,9 @@ class Membership:
             self._seen_as = answer["you"]
         if self.table.contact_succeeded(url, advert, latency_ms, time.monotonic()):
             self._notify(f"peer {advert.node_id} at {url} is alive")
-        for peer_url in answer.get("peers", []) if isinstance(answer.get("peers"), list) else []:
-            if isinstance(peer_url, str) and peer_url.startswith(("http://", "https://")) and len(peer_url) < 256:
-                self.discovered(peer_url, "gossip")
+        for gossiped in answer.get("peers", []) if isinstance(answer.get("peers"), list) else []:
+            if isinstance(gossiped, str) and gossiped.startswith(("http://", "https://")) and len(gossiped) < 256:
+                self.discovered(gossiped, "gossip")
 
     async def round(self) -> None:
         """Contact every known peer once, then update capacity and the election."""

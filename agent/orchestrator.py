@@ -193,7 +193,7 @@ class Orchestrator:
         return sorted(holdings, key=lambda n: (model not in holdings[n], n != self.node_id, n))
 
     def _addressed(self, nodes: list[str]) -> list[tuple[str, str]]:
-        return [(n, self.membership.address_of(n)) for n in nodes]
+        return [(n, self.membership.peer_address_of(n)) for n in nodes]
 
     def resolve_fallback(self, holdings: dict[str, dict[str, int]]) -> str:
         """The configured fallback; `ncm-tiny` means the smallest model some live node holds whole."""
@@ -234,7 +234,7 @@ class Orchestrator:
         order = RoutingOrder(
             epoch=election.epoch, orchestrator=self.node_id, plan_version=self.plan_version, model=model,
             total_layers=plan.total_layers, route=route,
-            addresses={n: self.membership.address_of(n) for n in alive},
+            addresses={n: self.membership.peer_address_of(n) for n in alive},
             weight_sources=tuple(n for n in self._sources(model, holdings) if n in alive), plan=plan.to_dict(), degraded=degraded,
             standby={n: tuple(sorted(r)) for n, r in standby_hops(plan, route, alive, self._telemetry(scores)).items()},
             name=name, max_context=settings.max_context, prefill_chunk=settings.prefill_chunk,
@@ -359,7 +359,7 @@ class Orchestrator:
             if node_id == self.node_id:
                 await self.worker.unload(name, epoch)
             else:
-                await self.client.request_json("POST", self.membership.address_of(node_id), UNLOAD_PATH,
+                await self.client.request_json("POST", self.membership.peer_address_of(node_id), UNLOAD_PATH,
                                                {"name": name, "epoch": epoch}, target=node_id,
                                                timeout_s=UNLOAD_TIMEOUT_S)
 

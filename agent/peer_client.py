@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import secrets
+import ssl
 import time
 from collections.abc import Mapping
 from typing import Any
@@ -33,13 +34,17 @@ class PeerAuthError(PeerError):
 
 
 class PeerClient:
-    """One pooled aiohttp session for every call to peers; every call has a timeout, every
-    request is signed for the node it is meant for and every answer must be signed by it."""
+    """One pooled aiohttp session for every call to peers' internal endpoints: over TLS with
+    this node's certificate (``ssl_context``; the peer must show one of the cluster's CA),
+    every call with a timeout, every request signed for the node it is meant for and every
+    answer signed by it."""
 
-    def __init__(self, session: aiohttp.ClientSession, key: bytes, node_id: str) -> None:
+    def __init__(self, session: aiohttp.ClientSession, key: bytes, node_id: str,
+                 ssl_context: ssl.SSLContext | None) -> None:
         self.session = session
         self.key = key
         self.node_id = node_id
+        self.ssl = ssl_context
 
     def signed_request(self, method: str, base_url: str, path: str, body: bytes = b"", *,
                        target: str) -> tuple[URL, dict[str, str]]:
@@ -78,7 +83,8 @@ class PeerClient:
             headers["Content-Type"] = "application/json"
         try:
             async with self.session.request(
-                method, url, data=body or None, headers=headers, timeout=aiohttp.ClientTimeout(total=timeout_s)
+                method, url, data=body or None, headers=headers, timeout=aiohttp.ClientTimeout(total=timeout_s),
+                ssl=self.ssl,
             ) as response:
                 raw = await response.read()
                 responder = self.check_answer(url, headers, response.status, response.headers, raw, target=target)
@@ -88,6 +94,8 @@ class PeerClient:
                 return (json.loads(raw) if raw else None), responder
         except asyncio.TimeoutError:
             raise PeerError(str(url), f"no answer within {timeout_s:g} s") from None
+        except aiohttp.ClientSSLError as error:
+            raise PeerAuthError(str(url), f"no TLS certificate of this cluster: {error}") from None
         except (aiohttp.ClientError, json.JSONDecodeError, UnicodeDecodeError, OSError) as error:
             raise PeerError(str(url), f"{type(error).__name__}: {error}") from None
 
@@ -100,7 +108,7 @@ class PeerClient:
             async with timeout(timeout_s):
                 ws = await self.session.ws_connect(
                     url, headers=headers, timeout=aiohttp.ClientWSTimeout(ws_receive=None, ws_close=timeout_s),
-                    max_msg_size=0, compress=0,
+                    max_msg_size=0, compress=0, ssl=self.ssl,
                 )
                 hello = await ws.receive()
             if hello.type != aiohttp.WSMsgType.TEXT:
@@ -112,6 +120,8 @@ class PeerClient:
             return ws
         except asyncio.TimeoutError:
             failure: PeerError = PeerError(str(url), f"no connection within {timeout_s:g} s")
+        except aiohttp.ClientSSLError as error:
+            failure = PeerAuthError(str(url), f"no TLS certificate of this cluster: {error}")
         except (aiohttp.ClientError, OSError, json.JSONDecodeError, UnicodeDecodeError) as error:
             failure = PeerError(str(url), f"{type(error).__name__}: {error}")
         except PeerError as error:

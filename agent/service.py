@@ -14,6 +14,7 @@ import json
 import logging
 import secrets
 import signal
+import socket
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -40,6 +41,7 @@ from agent.service_keys import (
     ADMIN_TOKEN, CLIENT, CONFIG, DATA_PLANE_SOCKETS, LINKS, MEMBERSHIP, NODE_ID, ORCHESTRATOR, REPLAY_GUARD, ROUTER, STORE,
     WORKER,
 )
+from agent.tls import TLS_DIR, TlsFiles, issue_node_files
 from agent.weights import complete_models, describe_model_files, resolve_model_file
 from agent.worker import StaleOrderError, Worker
 from shards.fragment import FRAGMENTS_DIR, sweep_fragments
@@ -82,6 +84,10 @@ async def peer_auth(request: web.Request, handler: Any) -> web.StreamResponse:
     target node, time and nonce). Answers to members are signed (:func:`sign_answers`)."""
     if not request.path.startswith("/internal/"):
         return await handler(request)
+    if request.transport is None or request.transport.get_extra_info("ssl_object") is None:
+        return web.json_response({"error": {
+            "message": "internal endpoints answer only over TLS on the peer port (GET /health names it)",
+            "type": "invalid_request_error", "param": None, "code": "peer_port_only"}}, status=403)
     body = await request.read()
     try:
         verify(
@@ -261,7 +267,8 @@ async def close_data_plane(app: web.Application) -> None:
 
 
 # --- the application -------------------------------------------------------------------------------
-def build_app(config: AgentConfig, *, node_id: str, store: ModelStore, api_port: int, key: bytes) -> web.Application:
+def build_app(config: AgentConfig, *, node_id: str, store: ModelStore, api_port: int, peer_port: int, key: bytes,
+              tls: TlsFiles) -> web.Application:
     app = web.Application(middlewares=[peer_auth, access, api.openai_errors], client_max_size=16 * 1024 * 1024)
     app[CONFIG] = config
     app[NODE_ID] = node_id
@@ -276,10 +283,10 @@ def build_app(config: AgentConfig, *, node_id: str, store: ModelStore, api_port:
 
     async def peers(app: web.Application) -> AsyncIterator[None]:
         session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=256, keepalive_timeout=60))
-        client = PeerClient(session, key, node_id)
+        client = PeerClient(session, key, node_id, tls.client_context())
         app[CLIENT] = client
         app[LINKS] = Links(client)
-        app[MEMBERSHIP] = Membership(config, node_id, client, api_port=api_port)
+        app[MEMBERSHIP] = Membership(config, node_id, client, api_port=api_port, peer_port=peer_port)
         app[WORKER] = Worker(node_id, config, store, client, app[LINKS])
         app[ORCHESTRATOR] = Orchestrator(node_id, config, app[MEMBERSHIP], app[WORKER], client, store)
         app[ROUTER] = ModelRouter(config, store, app[ORCHESTRATOR], app[MEMBERSHIP])
@@ -342,6 +349,32 @@ def sweep_fragment_caches(store: ModelStore) -> None:
             log.info("removed %d stale fragment build(s) of %s", removed, manifest.name)
 
 
+async def start_agent(config: AgentConfig, *, node_id: str, store: ModelStore, key: bytes,
+                      shutdown_timeout_s: float = SHUTDOWN_TIMEOUT_S) -> web.AppRunner:
+    """Build the application and listen: the public API on ``config.port``, the internal
+    endpoints over mutual TLS on the peer port (``config.peer_port``, or any free port)."""
+    tls = await asyncio.to_thread(issue_node_files, key, node_id, config.state_dir / TLS_DIR)
+    family = socket.AF_INET6 if ":" in config.host else socket.AF_INET
+    try:
+        peer_socket = socket.create_server((config.host, config.peer_port), family=family)
+    except OSError as error:
+        raise ConfigError(f"cannot listen on {config.host}:{config.peer_port}: {error.strerror}") from None
+    app = build_app(config, node_id=node_id, store=store, api_port=config.port,
+                    peer_port=peer_socket.getsockname()[1], key=key, tls=tls)
+    # handler_cancellation: a client that disconnects cancels its request (a waiting request
+    # leaves the model queue, a generation stops) also when it came through another agent.
+    runner = web.AppRunner(app, shutdown_timeout=shutdown_timeout_s, access_log=None, handler_cancellation=True)
+    await runner.setup()
+    try:
+        await web.TCPSite(runner, config.host, config.port, reuse_address=True).start()
+        await web.SockSite(runner, peer_socket, ssl_context=tls.server_context()).start()
+    except OSError as error:
+        await runner.cleanup()
+        peer_socket.close()
+        raise ConfigError(f"cannot listen on {config.host}:{config.port}: {error.strerror}") from None
+    return runner
+
+
 async def serve(config: AgentConfig) -> None:
     """Run the agent until SIGTERM / SIGINT."""
     node_id = load_or_create_node_id(config.state_dir)
@@ -349,19 +382,10 @@ async def serve(config: AgentConfig) -> None:
     await asyncio.to_thread(sweep_fragment_caches, store)
     key = cluster_key(config)
     notifier = SystemdNotifier.from_env()
-    # handler_cancellation: a client that disconnects cancels its request (a waiting request
-    # leaves the model queue, a generation stops) also when it came through another agent.
-    runner = web.AppRunner(build_app(config, node_id=node_id, store=store, api_port=config.port, key=key),
-                           shutdown_timeout=SHUTDOWN_TIMEOUT_S, access_log=None, handler_cancellation=True)
-    await runner.setup()
-    site = web.TCPSite(runner, config.host, config.port, reuse_address=True)
-    try:
-        await site.start()
-    except OSError as error:
-        await runner.cleanup()
-        raise ConfigError(f"cannot listen on {config.host}:{config.port}: {error.strerror}") from None
+    runner = await start_agent(config, node_id=node_id, store=store, key=key)
     app = runner.app
-    log.info("node %s listening on %s:%d (cluster %r)", node_id, config.host, config.port, config.cluster_name)
+    log.info("node %s listening on %s:%d, peers over TLS on port %d (cluster %r)", node_id, config.host,
+             config.port, app[MEMBERSHIP].peer_port, config.cluster_name)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGTERM, signal.SIGINT):

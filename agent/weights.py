@@ -109,7 +109,7 @@ async def _download(client: PeerClient, source: Source, name: str, relative: str
     next_report = offset + max(size // 10, CHUNK_BYTES)
     timeout = aiohttp.ClientTimeout(total=TRANSFER_TIMEOUT_S, sock_read=READ_TIMEOUT_S)
     try:
-        async with client.session.get(url, headers=headers, timeout=timeout) as response:
+        async with client.session.get(url, headers=headers, timeout=timeout, ssl=client.ssl) as response:
             if response.status not in (200, 206):
                 body = await response.read()
                 client.check_answer(url, headers, response.status, response.headers, body, target=node_id)

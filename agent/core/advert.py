@@ -29,9 +29,12 @@ class NodeAdvert:
     capacity: NodeCapacity
     election: Election | None = None
     configured_orchestrator: bool = False
+    peer_port: int = 0  # where its internal endpoints answer over TLS (0: not known, as in mDNS TXT)
 
     def __post_init__(self) -> None:
         validate_node_id(self.node_id)
+        if not 0 <= self.peer_port < 65536:
+            raise WireError(f"peer port {self.peer_port} is out of range")
         if self.capacity.node_id != self.node_id:
             raise WireError("capacity belongs to another node")
         if not 0 < self.api_port < 65536:
@@ -54,6 +57,7 @@ class NodeAdvert:
             "orchestrator": self.election.orchestrator if self.election else None,
             "epoch": self.election.epoch if self.election else 0,
             "configured_orchestrator": self.configured_orchestrator,
+            "peer_port": self.peer_port,
         }
 
     @classmethod
@@ -71,6 +75,7 @@ class NodeAdvert:
                 capacity=NodeCapacity.from_dict(data["capacity"]),
                 election=Election(orchestrator, int(epoch)) if orchestrator else None,
                 configured_orchestrator=bool(data.get("configured_orchestrator", False)),
+                peer_port=int(data.get("peer_port", 0)),
             )
         except (KeyError, TypeError, ValueError, InvalidNodeError) as error:
             raise WireError(f"malformed node description: {error}") from None

@@ -7,6 +7,7 @@ import os
 import shutil
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import threading
@@ -19,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from agent.core.auth import admin_token
+from agent.tls import issue_node_files
 
 REPO = Path(__file__).resolve().parents[2]
 MAIN, FALLBACK = "smollm2-135m", "smollm2-135m-q4"
@@ -44,13 +46,18 @@ def free_ports(count: int) -> list[int]:
     return ports
 
 
+def member_tls(directory: Path) -> ssl.SSLContext:
+    """A client TLS context with a certificate of the test cluster's CA, as members hold."""
+    return issue_node_files(CLUSTER_KEY.encode(), "tester", directory).client_context()
+
+
 def http(method: str, url: str, body: Any = None, *, headers: dict[str, str] | None = None,
-         raw: bytes | None = None, timeout_s: float = 120.0) -> tuple[int, Any]:
+         raw: bytes | None = None, timeout_s: float = 120.0, tls: ssl.SSLContext | None = None) -> tuple[int, Any]:
     data = raw if raw is not None else (None if body is None else json.dumps(body).encode())
     request = urllib.request.Request(url, data=data, method=method,
                                      headers={"Content-Type": "application/json", **(headers or {})})
     try:
-        with urllib.request.urlopen(request, timeout=timeout_s) as response:
+        with urllib.request.urlopen(request, timeout=timeout_s, context=tls) as response:
             text = response.read()
             status = response.status
     except urllib.error.HTTPError as error:
@@ -99,6 +106,10 @@ class Agent:
 
     def node_id(self) -> str:
         return self.get("/health", timeout_s=5)[1]["node_id"]
+
+    def peer_url(self) -> str:
+        """Where its internal endpoints answer (TLS; the port is announced on /health)."""
+        return f"https://127.0.0.1:{self.get('/health', timeout_s=5)[1]['peer_port']}"
 
     def start(self, args: list[str]) -> None:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)

@@ -1,12 +1,14 @@
 """A stranger on the home network: an HTTP server that holds no cluster key but claims to be
 the orchestrator of a newer epoch, with a huge capacity, and answers every prompt itself.
 
-It is what took a cluster over before answers were authenticated. It records every request
-it gets (`GET /impostor/seen` lists them) so a test can tell whether the agents followed,
-contacted or forwarded prompts to it. With ``--mdns ADDRESS`` it also announces itself as an
-agent of the cluster over mDNS.
+It is what took a cluster over before answers were authenticated. It announces a peer port
+where it serves the same over TLS with a certificate of a CA of its own making, as an
+attacker who read the code would. It records every request it gets (`GET
+/impostor/seen` lists them) so a test can tell whether the agents followed, contacted or
+forwarded prompts to it. With ``--mdns ADDRESS`` it also announces itself as an agent of the
+cluster over mDNS.
 
-    python -m tests.agent.impostor --port 9000 --cluster test [--mdns 10.0.0.9]
+    python -m tests.agent.impostor --port 9000 --peer-port 9001 --cluster test [--mdns 10.0.0.9]
 """
 
 from __future__ import annotations
@@ -14,6 +16,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import secrets
+import ssl
+import tempfile
+from pathlib import Path
 from typing import Any
 
 from aiohttp import web
@@ -23,6 +28,7 @@ from agent.core.advert import SERVICE_TYPE, NodeAdvert, encode_txt
 from agent.core.auth import HEADER_NODE, HEADER_SIGNATURE
 from agent.core.capacity import NodeCapacity
 from agent.core.election import Election
+from agent.tls import issue_node_files
 
 NODE_ID = "impostor-0000000000000001"
 ANSWER = "The impostor chose this answer."
@@ -37,7 +43,25 @@ def impostor_advert(cluster: str, port: int) -> NodeAdvert:
     )
 
 
-def impostor_app(cluster: str, port: int) -> web.Application:
+def impostor_tls() -> ssl.SSLContext:
+    """A TLS server context with a certificate from a CA derived from a key it made up."""
+    with tempfile.TemporaryDirectory() as directory:
+        files = issue_node_files(secrets.token_bytes(32), NODE_ID, Path(directory))
+        context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+        context.load_cert_chain(str(files.certificate), str(files.key))
+    return context
+
+
+async def start_impostor(cluster: str, host: str, port: int, peer_port: int) -> web.AppRunner:
+    """The impostor on ``port`` (plain HTTP) and ``peer_port`` (TLS, its own CA)."""
+    runner = web.AppRunner(impostor_app(cluster, port, peer_port), access_log=None)
+    await runner.setup()
+    await web.TCPSite(runner, host, port).start()
+    await web.TCPSite(runner, host, peer_port, ssl_context=impostor_tls()).start()
+    return runner
+
+
+def impostor_app(cluster: str, port: int, peer_port: int) -> web.Application:
     seen: list[dict[str, Any]] = []
     advert = impostor_advert(cluster, port)
 
@@ -48,6 +72,9 @@ def impostor_app(cluster: str, port: int) -> web.Application:
                      "from": request.remote})
         # Headers that look like a signed answer, made without the key.
         forged = {HEADER_NODE: NODE_ID, HEADER_SIGNATURE: secrets.token_hex(32)}
+        if request.path == "/health":
+            return web.json_response({"status": "ok", "node_id": NODE_ID, "role": "orchestrator",
+                                      "orchestrator": NODE_ID, "peer_port": peer_port})
         if request.path == "/internal/describe":
             return web.json_response({"advert": advert.to_json(), "peers": [], "you": request.remote}, headers=forged)
         if request.path.startswith("/v1/"):
@@ -78,13 +105,12 @@ async def announce(address: str, advert: NodeAdvert) -> Any:
 async def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--peer-port", type=int, required=True)
     parser.add_argument("--host", default="0.0.0.0")
     parser.add_argument("--cluster", required=True)
     parser.add_argument("--mdns", metavar="ADDRESS", help="announce over mDNS on this interface address")
     args = parser.parse_args(argv)
-    runner = web.AppRunner(impostor_app(args.cluster, args.port), access_log=None)
-    await runner.setup()
-    await web.TCPSite(runner, args.host, args.port).start()
+    runner = await start_impostor(args.cluster, args.host, args.port, args.peer_port)
     aiozc = await announce(args.mdns, impostor_advert(args.cluster, args.port)) if args.mdns else None
     try:
         await asyncio.Event().wait()

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import ssl
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
@@ -20,7 +21,8 @@ import aiohttp
 from aiohttp import web
 
 from agent.config import AgentConfig
-from agent.service import build_app
+from agent.service import start_agent
+from agent.service_keys import MEMBERSHIP
 from shards.store import ModelStore
 from tests.agent.agents import CLUSTER_KEY, free_ports
 
@@ -40,6 +42,11 @@ class LocalAgent:
     @property
     def app(self) -> web.Application:
         return self.runner.app
+
+    @property
+    def peer_url(self) -> str:
+        """Where its internal endpoints answer (TLS, with a certificate of the cluster's CA)."""
+        return self.app[MEMBERSHIP].peer_address_of(self.node_id)
 
 
 async def start_app(app: web.Application, port: int, host: str = "127.0.0.1") -> web.AppRunner:
@@ -62,9 +69,9 @@ async def local_agents(tmp: Path, count: int, **settings: Any) -> AsyncIterator[
                 state_dir=tmp / f"agent-{index}", mdns=False, threads=1, **{**FAST, **settings},
             )
             node_id = f"node-{index}"
-            app = build_app(config, node_id=node_id, store=ModelStore(tmp / f"home-{index}"), api_port=port,
-                            key=CLUSTER_KEY.encode())
-            agents.append(LocalAgent(node_id, port, await start_app(app, port)))
+            runner = await start_agent(config, node_id=node_id, store=ModelStore(tmp / f"home-{index}"),
+                                       key=CLUSTER_KEY.encode(), shutdown_timeout_s=2.0)
+            agents.append(LocalAgent(node_id, port, runner))
         yield agents
     finally:
         for agent in agents:
@@ -87,9 +94,9 @@ async def eventually(condition: Callable[[], Awaitable[Any] | Any], *, timeout_s
 
 
 async def call(method: str, url: str, body: Any = None, *, headers: dict[str, str] | None = None,
-               timeout_s: float = 10.0) -> tuple[int, Any]:
+               timeout_s: float = 10.0, tls: ssl.SSLContext | None = None) -> tuple[int, Any]:
     async with aiohttp.ClientSession() as session, session.request(
-        method, url, json=body, headers=headers, timeout=aiohttp.ClientTimeout(total=timeout_s)
+        method, url, json=body, headers=headers, timeout=aiohttp.ClientTimeout(total=timeout_s), ssl=tls,
     ) as response:
         text = await response.text()
         try:

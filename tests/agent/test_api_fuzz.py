@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 
 from agent.core.auth import sign
 from agent.openapi import openapi_document
-from tests.agent.agents import ADMIN, CLUSTER_KEY, cluster_ready, make_agents, shut_down, wait_for
+from tests.agent.agents import ADMIN, CLUSTER_KEY, cluster_ready, make_agents, member_tls, shut_down, wait_for
 from tests.core.test_wire_fuzz import frame, headers
 
 pytestmark = pytest.mark.slow
@@ -71,9 +71,9 @@ def test_no_request_gets_a_server_error_or_an_unshaped_error(case, agent):
         assert set(error) == {"message", "type", "param", "code"} and error["message"], response.text
 
 
-async def _fuzz_data_plane(url: str, node_id: str, frames: list[bytes]) -> None:
+async def _fuzz_data_plane(url: str, node_id: str, frames: list[bytes], tls) -> None:
     path = "/internal/stream"
-    async with aiohttp.ClientSession() as session:
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(ssl=tls)) as session:
         for data in frames:
             signed = sign(CLUSTER_KEY.encode(), "GET", path, b"", now=time.time(), nonce=secrets.token_hex(12),
                           node_id="fuzzer", target=node_id)
@@ -87,7 +87,7 @@ async def _fuzz_data_plane(url: str, node_id: str, frames: list[bytes]) -> None:
                         pass
 
 
-def test_data_plane_frames_never_hang_or_crash_the_agent(agent):
+def test_data_plane_frames_never_hang_or_crash_the_agent(agent, tmp_path):
     frames: list[bytes] = []
 
     @settings(max_examples=FRAME_EXAMPLES, derandomize=True, deadline=None,
@@ -98,6 +98,6 @@ def test_data_plane_frames_never_hang_or_crash_the_agent(agent):
 
     collect()
     frames += [b"", b"NCM1", b"NCM1\xff\xff\xff\xff", b"\x00" * 1024, b"NCM1" + b"\x00\x00\x00\x00"]
-    asyncio.run(_fuzz_data_plane(agent.url, agent.node_id(), frames))
+    asyncio.run(_fuzz_data_plane(agent.peer_url(), agent.node_id(), frames, member_tls(tmp_path)))
     assert agent.process.poll() is None
     assert agent.get("/health", timeout_s=5)[0] == 200

@@ -16,7 +16,8 @@ from agent.core.plan import make_plan
 from shards.generate import LocalModel, generate
 from shards.sampling import SamplingParams
 from tests.agent.agents import (
-    ADMIN, CLUSTER_KEY, REPO, cluster_ready, free_ports, http, linked_copy, make_agents, shut_down, wait_for,
+    ADMIN, CLUSTER_KEY, REPO, cluster_ready, free_ports, http, linked_copy, make_agents, member_tls, shut_down,
+    wait_for,
 )
 from tests.agent.impostor import NODE_ID as IMPOSTOR_ID
 from tests.agent.impostor import SEEN_PATH
@@ -127,41 +128,45 @@ def test_sessions_are_freed_on_every_stage_after_a_request(cluster):
     wait_for(all_free, timeout_s=10, what="every stage to free the request's KV cache")
 
 
-def _describe(agent, headers):
-    return http("POST", agent.url + "/internal/describe", raw=b"{}", headers=headers, timeout_s=5)
+def _describe(agent, headers, tls):
+    return http("POST", agent.peer_url() + "/internal/describe", raw=b"{}", headers=headers, timeout_s=5, tls=tls)
 
 
-def test_internal_endpoints_need_the_cluster_key_and_reject_replays(cluster):
+def test_internal_endpoints_need_the_cluster_key_and_reject_replays(cluster, tmp_path):
     agent, other = cluster[0], cluster[1]
-    status, body = _describe(agent, {})
+    tls = member_tls(tmp_path)
+    status, body = _describe(agent, {}, tls)
     assert status == 401 and "cluster key" in body["error"]["message"]
 
     def signed(key=CLUSTER_KEY.encode(), now=None, target="*"):
         return sign(key, "POST", "/internal/describe", b"{}", now=time.time() if now is None else now,
                     nonce=secrets.token_hex(12), node_id="tester", target=target)
 
-    assert _describe(agent, signed(key=b"not-the-cluster-key-at-all"))[0] == 401
-    assert _describe(agent, signed(now=time.time() - 3600))[0] == 401
+    assert _describe(agent, signed(key=b"not-the-cluster-key-at-all"), tls)[0] == 401
+    assert _describe(agent, signed(now=time.time() - 3600), tls)[0] == 401
     good = signed(target=agent.node_id())
-    status, body = _describe(agent, good)
+    status, body = _describe(agent, good, tls)
     assert status == 200 and body["advert"]["cluster"] == "test"
     assert "cluster_key" not in json.dumps(body) and CLUSTER_KEY not in json.dumps(body)
-    status, body = _describe(agent, good)  # the very same signed request again
+    status, body = _describe(agent, good, tls)  # the very same signed request again
     assert status == 401 and "replay" in body["error"]["message"]
-    status, body = _describe(other, good)  # ... or sent to another node
+    status, body = _describe(other, good, tls)  # ... or sent to another node
     assert status == 401 and "addressed to node" in body["error"]["message"]
     # Routing orders too: unsigned ones never reach the worker.
-    status, _ = http("POST", agent.url + "/internal/routing", {"epoch": 99}, timeout_s=5)
+    status, _ = http("POST", agent.peer_url() + "/internal/routing", {"epoch": 99}, timeout_s=5, tls=tls)
     assert status == 401
+    # And the public port serves no internal endpoint at all.
+    status, body = http("POST", agent.url + "/internal/describe", raw=b"{}", headers=good, timeout_s=5)
+    assert status == 403 and body["error"]["code"] == "peer_port_only"
 
 
 def test_a_stranger_joined_without_credentials_takes_nothing_over(cluster, tmp_path):
     """The takeover that worked before answers were signed: a keyless server that claims to
     be a newer orchestrator is joined through the public API of one node. No node follows it,
     contacts it again or forwards a prompt to it, and every node answers as before."""
-    port = free_ports(1)[0]
-    impostor = subprocess.Popen([sys.executable, "-m", "tests.agent.impostor", "--port", str(port),
-                                 "--host", "127.0.0.1", "--cluster", "test"], cwd=REPO)
+    port, peer_port = free_ports(2)
+    impostor = subprocess.Popen([sys.executable, "-m", "tests.agent.impostor", "--port", str(port), "--peer-port",
+                                 str(peer_port), "--host", "127.0.0.1", "--cluster", "test"], cwd=REPO)
     impostor_url = f"http://127.0.0.1:{port}"
     try:
         wait_for(lambda: http("GET", impostor_url + SEEN_PATH, timeout_s=2)[0] == 200, timeout_s=30,
@@ -185,7 +190,8 @@ def test_a_stranger_joined_without_credentials_takes_nothing_over(cluster, tmp_p
             assert view["orchestrator"] == orchestrator
             assert IMPOSTOR_ID not in [node["id"] for node in view["nodes"]]
         _, seen = http("GET", impostor_url + SEEN_PATH, timeout_s=5)
-        assert [(s["method"], s["path"]) for s in seen] == [("POST", "/internal/describe")]
+        # Its public health check, then a TLS handshake that failed on its certificate: nothing else.
+        assert [(s["method"], s["path"]) for s in seen] == [("GET", "/health")]
     finally:
         impostor.terminate()
         impostor.wait(timeout=10)
@@ -242,3 +248,28 @@ def test_an_agent_sweeps_stale_fragment_builds_when_it_starts(smollm2_store, tmp
         assert not older.exists() and not abandoned.exists()
     finally:
         shut_down([agent])
+
+
+def test_prompts_and_answers_cross_internal_links_only_encrypted(cluster):
+    """A capture of the loopback interface during a request that enters at a worker: the
+    prompt and the answer appear in clear only between the client and that agent's public
+    port; every hop between agents (the request passed on, routing, activations) is TLS."""
+    if os.geteuid() != 0:
+        pytest.skip("capturing packets needs root")
+    from tests.agent.sniff import LoopbackCapture
+
+    orchestrator = cluster[0].get("/cluster/nodes")[1]["orchestrator"]
+    entry = next(agent for agent in cluster if agent.node_id() != orchestrator)
+    marker = f"zebra{secrets.token_hex(4)}"
+    question = [{"role": "user", "content": f"Repeat this word exactly: {marker}"}]
+    with LoopbackCapture() as capture:
+        status, body = entry.post("/v1/chat/completions", {"messages": question, "temperature": 0, "max_tokens": 24})
+    assert status == 200, body
+    answer = body["choices"][0]["message"]["content"]
+    client_side = {p for s, d, _ in capture.segments if entry.port in (s, d) for p in (s, d)}
+    assert entry.port in capture.ports_carrying(marker.encode())  # the capture sees the client's request
+    assert capture.ports_carrying(marker.encode()) <= client_side
+    if len(answer) >= 8:
+        assert capture.ports_carrying(answer.encode()) <= client_side
+    peer_ports = {int(agent.peer_url().rsplit(":", 1)[1]) for agent in cluster}
+    assert any(peer_ports & {s, d} for s, d, _ in capture.segments)  # the agents did talk, over TLS

@@ -117,7 +117,7 @@ def test_agents_without_peers_find_each_other_by_mdns_and_serve(namespaces, smol
         with log_path.open("wb") as log:
             processes.append(subprocess.Popen(
                 ["ip", "netns", "exec", impostor_ns, sys.executable, "-m", "tests.agent.impostor", "--port", str(PORT),
-                 "--cluster", "netns", "--mdns", f"{SUBNET}.4"],
+                 "--peer-port", str(PORT + 1), "--cluster", "netns", "--mdns", f"{SUBNET}.4"],
                 cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
             ))
         first = f"http://{SUBNET}.1:{PORT}"
@@ -158,9 +158,10 @@ def test_agents_without_peers_find_each_other_by_mdns_and_serve(namespaces, smol
         for nodes in views():
             assert nodes["orchestrator"] != IMPOSTOR_ID
             assert IMPOSTOR_ID not in [n["id"] for n in nodes["nodes"]]
-        # Each agent described it once, found it holds no key, and never contacted it again.
+        # Each agent asked its public health once, failed to verify its TLS certificate, and
+        # never contacted it again.
         _, seen = ns_http(impostor_ns, "GET", impostor_url + SEEN_PATH, timeout_s=5)
-        assert {(s["method"], s["path"]) for s in seen} == {("POST", "/internal/describe")}
+        assert {(s["method"], s["path"]) for s in seen} == {("GET", "/health")}
         assert len(seen) == 3 and len({s["from"] for s in seen}) == 3
     finally:
         stop_processes(processes)

@@ -5,16 +5,19 @@ from __future__ import annotations
 
 import asyncio
 import secrets
+import ssl
 import time
 
+import aiohttp
 import pytest
 
 from agent.core.auth import HEADER_NODE, HEADER_SIGNATURE, sign
 from agent.membership import DESCRIBE_PATH
 from agent.service_keys import MEMBERSHIP
-from tests.agent.agents import ADMIN, CLUSTER_KEY, free_ports
+from agent.tls import issue_node_files
+from tests.agent.agents import ADMIN, CLUSTER_KEY, free_ports, member_tls
 from tests.agent.impostor import NODE_ID as IMPOSTOR_ID
-from tests.agent.impostor import SEEN_PATH, impostor_app
+from tests.agent.impostor import SEEN_PATH, start_impostor
 from tests.agent.inprocess import FAST, call, eventually, local_agents, start_app
 
 ROUNDS_WATCHED = 10
@@ -43,8 +46,8 @@ def test_a_keyless_server_joined_by_an_unauthenticated_request_changes_nothing(t
         async with local_agents(tmp_path, 3) as agents:
             await eventually(lambda: agree(agents), timeout_s=20, what="three agents to agree on an orchestrator")
             before = elections(agents)
-            impostor_port = free_ports(1)[0]
-            impostor = await start_app(impostor_app("test", impostor_port), impostor_port)
+            impostor_port, impostor_peer_port = free_ports(2)
+            impostor = await start_impostor("test", "127.0.0.1", impostor_port, impostor_peer_port)
             impostor_url = f"http://127.0.0.1:{impostor_port}"
             try:
                 # The request that took the cluster over, with no credential: refused now.
@@ -66,11 +69,12 @@ def test_a_keyless_server_joined_by_an_unauthenticated_request_changes_nothing(t
                 _, nodes = await call("GET", agents[0].url + "/cluster/nodes")
                 assert IMPOSTOR_ID not in [n["id"] for n in nodes["nodes"]]
                 assert [r["url"] for r in nodes["rejected"]] == [impostor_url]
-                assert "does not hold this cluster's key" in nodes["rejected"][0]["reason"]
-                # One describe from the node that was told to join, then silence: no other
-                # signed request, no prompt, and the other nodes never heard of it.
+                assert "no TLS certificate of this cluster" in nodes["rejected"][0]["reason"]
+                # The public health check of the node that was told to join, a TLS handshake
+                # that fails on its certificate, then silence: no signed request, no prompt,
+                # and the other nodes never heard of it.
                 _, seen = await call("GET", impostor_url + SEEN_PATH)
-                assert [(s["method"], s["path"]) for s in seen] == [("POST", DESCRIBE_PATH)]
+                assert [(s["method"], s["path"]) for s in seen] == [("GET", "/health")]
                 # Told again, or told elsewhere by gossip: still nothing.
                 await call("POST", agents[0].url + "/cluster/join", {"url": impostor_url}, headers=ADMIN)
                 await rounds_pass(agents[0], agents[1], 3)
@@ -86,25 +90,48 @@ def test_signed_requests_bind_the_target_node_and_the_whole_url(tmp_path):
     async def scenario():
         async with local_agents(tmp_path, 2) as agents:
             await eventually(lambda: agree(agents), timeout_s=20, what="two agents to agree")
-            key = CLUSTER_KEY.encode()
+            key, tls = CLUSTER_KEY.encode(), member_tls(tmp_path / "tester-tls")
 
             def signed(path, target, body=b""):
                 return sign(key, "GET", path, body, now=time.time(), nonce=secrets.token_hex(12), node_id="tester",
                             target=target)
 
             headers = signed("/internal/state", agents[0].node_id)
-            status, answer = await call("GET", agents[0].url + "/internal/state", headers=headers)
+            status, answer = await call("GET", agents[0].peer_url + "/internal/state", headers=headers, tls=tls)
             assert status == 200, answer
             # The same request, captured and replayed to another node, is refused there.
-            status, body = await call("GET", agents[1].url + "/internal/state", headers=headers)
+            status, body = await call("GET", agents[1].peer_url + "/internal/state", headers=headers, tls=tls)
             assert status == 401 and "addressed to node" in body["error"]["message"]
             # A query string added to a signed URL breaks the signature.
             headers = signed("/internal/state", agents[0].node_id)
-            status, body = await call("GET", agents[0].url + "/internal/state?x=1", headers=headers)
+            status, body = await call("GET", agents[0].peer_url + "/internal/state?x=1", headers=headers, tls=tls)
             assert status == 401 and "bad signature" in body["error"]["message"]
             # Only describe may be addressed to any node (a first contact), and its answer is signed.
-            status, _ = await call("GET", agents[0].url + "/internal/state", headers=signed("/internal/state", "*"))
+            status, _ = await call("GET", agents[0].peer_url + "/internal/state", headers=signed("/internal/state", "*"),
+                                   tls=tls)
             assert status == 401
+
+    asyncio.run(scenario())
+
+
+def test_internal_endpoints_answer_only_over_tls_with_a_certificate_of_the_cluster(tmp_path):
+    async def scenario():
+        async with local_agents(tmp_path, 1) as (agent,):
+            headers = sign(CLUSTER_KEY.encode(), "GET", "/internal/state", b"", now=time.time(),
+                           nonce=secrets.token_hex(12), node_id="tester", target=agent.node_id)
+            # On the public port, even correctly signed: refused.
+            status, body = await call("GET", agent.url + "/internal/state", headers=headers)
+            assert status == 403 and body["error"]["code"] == "peer_port_only"
+            # On the peer port without a client certificate, or with one of another cluster: no TLS session.
+            stranger = issue_node_files(b"some-other-cluster-key", "stranger", tmp_path / "stranger").client_context()
+            no_certificate = ssl.create_default_context()
+            no_certificate.check_hostname, no_certificate.verify_mode = False, ssl.CERT_NONE
+            for context in (no_certificate, stranger):
+                with pytest.raises((aiohttp.ClientError, ssl.SSLError, ConnectionError)):
+                    await call("GET", agent.peer_url + "/internal/state", headers=headers, tls=context)
+            status, _ = await call("GET", agent.peer_url + "/internal/state", headers=headers,
+                                   tls=member_tls(tmp_path / "tester-tls"))
+            assert status == 200
 
     asyncio.run(scenario())
 
