@@ -24,12 +24,14 @@ from agent.compat import timeout
 from agent.core.capacity import score
 from agent.core.chat_request import ChatRequest, InvalidRequestError, parse_request
 from agent.core.errors import ClusterError, PresetError
+from agent.core.invites import DEFAULT_INVITE_TTL_S, InviteError, JoinString, fingerprint
 from agent.core.model_registry import CapacityError, ModelLoadError, ModelNotLoadedError, RouterError, UnknownModelError
 from agent.dataplane import StageError
 from agent.openapi import openapi_document
 from agent.orchestrator import Completion, Deployment
+from agent.pairing import PAIR_PATH, join_by_invite, seal
 from agent.router import ModelBusyError
-from agent.service_keys import CLIENT, CONFIG, MEMBERSHIP, NODE_ID, ORCHESTRATOR, ROUTER, WORKER
+from agent.service_keys import CLIENT, CONFIG, INVITES, LIFECYCLE, MEMBERSHIP, NODE_ID, ORCHESTRATOR, ROUTER, WORKER
 from shards.errors import ShardsError
 from shards.sampling import SamplingParams
 
@@ -140,13 +142,87 @@ async def cluster_nodes(request: web.Request) -> web.Response:
 
 @routes.post("/cluster/join")
 async def cluster_join(request: web.Request) -> web.Response:
-    """Add a static peer at run time (what `ncm join URL` calls)."""
+    """`ncm join`: {"url": ...} adds a static peer at run time; {"invite": join string} makes
+    this agent a member of the cluster that issued the invite (it restarts to be one)."""
     body = await _read_json(request)
+    if isinstance(body, dict) and isinstance(body.get("invite"), str):
+        return await _join_by_invite(request, body["invite"])
     url = body.get("url") if isinstance(body, dict) else None
     if not isinstance(url, str) or not url.startswith(("http://", "https://")) or len(url) > 255:
-        raise InvalidRequestError("'url' must be an http(s):// URL of another agent", "url")
+        raise InvalidRequestError("'url' must be an http(s):// URL of another agent, or 'invite' a join string", "url")
     request.app[MEMBERSHIP].discovered(url, "static")
     return web.json_response({"message": f"contacting {url} now"})
+
+
+async def _join_by_invite(request: web.Request, text: str) -> web.Response:
+    try:
+        cluster, peers = await join_by_invite(request.app[CONFIG], request.app[CLIENT].session, text)
+    except InviteError as error:
+        raise InvalidRequestError(str(error), "invite", "invite_refused") from None
+    lifecycle = request.app[LIFECYCLE]
+    lifecycle.restart = True
+    lifecycle.stop.set()  # this answer goes out first: stopping waits for requests in flight
+    log.info("joined cluster %r: restarting as its member", cluster)
+    return web.json_response({"message": f"joined cluster {cluster!r}; the agent restarts as its member",
+                              "cluster": cluster, "peers": peers})
+
+
+def _invite_settings(body: Any) -> tuple[float, int]:
+    body = body if isinstance(body, dict) else {}
+    ttl_s, uses = body.get("ttl_s", DEFAULT_INVITE_TTL_S), body.get("uses", 1)
+    if isinstance(ttl_s, bool) or not isinstance(ttl_s, (int, float)):
+        raise InvalidRequestError("'ttl_s' must be a number of seconds", "ttl_s")
+    if isinstance(uses, bool) or not isinstance(uses, int):
+        raise InvalidRequestError("'uses' must be an integer", "uses")
+    return float(ttl_s), uses
+
+
+@routes.post("/cluster/invites")
+async def create_invite(request: web.Request) -> web.Response:
+    """`ncm invite`: a join string for a new device (admin)."""
+    ttl_s, uses = _invite_settings(await _read_json(request) if request.can_read_body else {})
+    try:
+        invite = request.app[INVITES].create(ttl_s=ttl_s, uses=uses)
+    except InviteError as error:
+        raise InvalidRequestError(str(error)) from None
+    membership = request.app[MEMBERSHIP]
+    join = JoinString(request.app[CONFIG].cluster_name, membership.reachable_url(), invite.invite_id, invite.secret,
+                      fingerprint(request.app[CLIENT].key))
+    return web.json_response({"join": join.encode(), **invite.public(time.time())})
+
+
+@routes.get("/cluster/invites")
+async def list_invites(request: web.Request) -> web.Response:
+    return web.json_response({"data": [i.public(time.time()) for i in request.app[INVITES].active()]})
+
+
+@routes.delete("/cluster/invites/{invite_id}")
+async def revoke_invite(request: web.Request) -> web.Response:
+    try:
+        request.app[INVITES].revoke(request.match_info["invite_id"])
+    except InviteError as error:
+        return error_response(404, str(error), code="invite_not_found")
+    return web.json_response({"revoked": request.match_info["invite_id"]})
+
+
+@routes.post(PAIR_PATH)
+async def pair(request: web.Request) -> web.Response:
+    """A new device redeems an invite: the cluster key, sealed with the invite's secret."""
+    body = await _read_json(request)
+    fields = [body.get(k) if isinstance(body, dict) else None for k in ("invite", "nonce", "proof")]
+    if not all(isinstance(f, str) and len(f) <= 128 for f in fields):
+        raise InvalidRequestError("the body must be {\"invite\", \"nonce\", \"proof\"} strings")
+    invite_id, nonce, proof = fields
+    try:
+        invite = request.app[INVITES].redeem(invite_id, nonce, proof)
+    except InviteError as error:
+        log.warning("refused an invite from %s: %s", request.remote, error)
+        return error_response(403, str(error), code="invite_refused")
+    membership = request.app[MEMBERSHIP]
+    peers = [url for url, entry in membership.table.entries.items() if entry.alive]
+    log.info("invite %s redeemed by %s", invite_id, request.remote)
+    return web.json_response({"cluster": request.app[CONFIG].cluster_name, "peers": peers,
+                              **seal(invite.secret, nonce, invite_id, request.app[CLIENT].key)})
 
 
 async def _ask_orchestrator(request: web.Request) -> web.StreamResponse | None:
@@ -255,8 +331,9 @@ ADMIN_ENDPOINTS = frozenset({("POST", "/cluster/join"), ("POST", "/models/load")
 
 
 def changes_cluster(request: web.Request) -> bool:
-    """Requests that change the cluster (they need the admin token)."""
-    return (request.method, request.path) in ADMIN_ENDPOINTS or (request.path == "/models" and _wants_reload(request))
+    """Requests that change the cluster or reveal its invites (they need the admin token)."""
+    return ((request.method, request.path) in ADMIN_ENDPOINTS or request.path.startswith("/cluster/invites")
+            or (request.path == "/models" and _wants_reload(request)))
 
 
 @routes.get("/models")

@@ -1,4 +1,4 @@
-"""`ncm serve`, `ncm join`, `ncm status` and `ncm admin-token`."""
+"""`ncm serve`, `ncm join`, `ncm invite`, `ncm status` and `ncm admin-token`."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from typing import Any
 
 from agent.config import ConfigError, load_config, read_config_file
 from agent.core.errors import NcmError
+from agent.core.invites import JOIN_PREFIX
 
 log = logging.getLogger(__name__)
 DEFAULT_AGENT_URL = "http://127.0.0.1:8080"
@@ -33,12 +34,22 @@ def add_parsers(subparsers: argparse._SubParsersAction) -> None:
     serve.add_argument("--orchestrator", action="store_const", const=True, help="claim the orchestrator role")
     serve.set_defaults(func=run_serve)
 
-    join = subparsers.add_parser("join", help="add a peer to a running agent (when mDNS is blocked)")
-    join.add_argument("url", help="URL of any agent of the cluster, e.g. http://192.168.1.20:8080")
+    join = subparsers.add_parser("join", help="join a cluster with a join string (`ncm invite`), or add a peer by URL")
+    join.add_argument("url", metavar="JOIN_STRING_OR_URL",
+                      help="a join string from `ncm invite` on a member, or the URL of an agent of this cluster")
     join.add_argument("--agent", default=DEFAULT_AGENT_URL, help="the local agent (default %(default)s)")
     join.add_argument("--config", type=Path, help="also save the peer in this config file")
     join.add_argument("--token", help="the cluster's admin token (default: this device's, when readable)")
     join.set_defaults(func=run_join)
+
+    invite = subparsers.add_parser("invite", help="print a join string that lets a new device join this cluster")
+    invite.add_argument("--ttl", default="1h", help="how long it can be used: 90s, 30m, 1h, 2d (default %(default)s)")
+    invite.add_argument("--uses", type=int, default=1, help="how many devices may use it (default %(default)s)")
+    invite.add_argument("--list", action="store_true", help="list the open invites instead")
+    invite.add_argument("--revoke", metavar="ID", help="revoke an open invite instead")
+    invite.add_argument("--agent", default=DEFAULT_AGENT_URL, help="the local agent (default %(default)s)")
+    invite.add_argument("--token", help="the cluster's admin token (default: this device's, when readable)")
+    invite.set_defaults(func=run_invite)
 
     admin = subparsers.add_parser(
         "admin-token", help="print the cluster's admin token (loading, unloading, joining and reloading need it)")
@@ -82,14 +93,15 @@ def run_serve(args: argparse.Namespace) -> int:
     return 0
 
 
-def http_json(method: str, url: str, payload: Any = None, *, token: str | None = None) -> Any:
+def http_json(method: str, url: str, payload: Any = None, *, token: str | None = None,
+              timeout_s: float = HTTP_TIMEOUT_S) -> Any:
     """A small blocking JSON call for the command line; errors become NcmError with the reason."""
     data = None if payload is None else json.dumps(payload).encode()
     request = urllib.request.Request(url, data=data, method=method, headers={"Content-Type": "application/json"})
     if token:
         request.add_header("Authorization", f"Bearer {token}")
     try:
-        with urllib.request.urlopen(request, timeout=HTTP_TIMEOUT_S) as response:
+        with urllib.request.urlopen(request, timeout=timeout_s) as response:
             return json.loads(response.read() or b"null")
     except urllib.error.HTTPError as error:
         try:
@@ -125,7 +137,42 @@ def save_peer(config_path: Path, url: str) -> None:
     temporary.replace(config_path)
 
 
+def parse_duration_s(text: str) -> float:
+    """'90s', '30m', '1h', '2d' or a number of seconds."""
+    units = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+    text = text.strip().lower()
+    try:
+        return float(text[:-1]) * units[text[-1]] if text and text[-1] in units else float(text)
+    except ValueError:
+        raise ConfigError(f"{text!r} is not a duration (90s, 30m, 1h, 2d)") from None
+
+
+def run_invite(args: argparse.Namespace) -> int:
+    base, token = args.agent.rstrip("/") + "/cluster/invites", args.token or local_admin_token()
+    if args.revoke:
+        http_json("DELETE", f"{base}/{args.revoke}", token=token)
+        print(f"revoked invite {args.revoke}")
+        return 0
+    if args.list:
+        invites = http_json("GET", base, token=token)["data"]
+        for invite in invites:
+            print(f"{invite['id']}  {invite['uses_left']} use(s) left, expires in {invite['expires_in_s']:.0f} s")
+        if not invites:
+            print("no open invites")
+        return 0
+    answer = http_json("POST", base, {"ttl_s": parse_duration_s(args.ttl), "uses": args.uses}, token=token)
+    print(answer["join"])
+    print(f"(invite {answer['id']}: {answer['uses_left']} use(s), expires in {answer['expires_in_s']:.0f} s; on the "
+          f"new device: ncm join <this string>, or join = <this string> in ncm-setup.txt)", file=sys.stderr)
+    return 0
+
+
 def run_join(args: argparse.Namespace) -> int:
+    if args.url.strip().startswith(JOIN_PREFIX):
+        answer = http_json("POST", args.agent.rstrip("/") + "/cluster/join", {"invite": args.url.strip()},
+                           token=args.token or local_admin_token(args.config), timeout_s=60.0)
+        print(answer.get("message", "joined"))
+        return 0
     url = args.url.rstrip("/")
     if not url.startswith(("http://", "https://")):
         raise ConfigError(f"{args.url!r} is not an http(s):// URL")

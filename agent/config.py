@@ -17,6 +17,9 @@ from agent.core.errors import NcmError
 from shards.store import ncm_home
 
 INSTALLED_CONFIG_PATH = Path("/etc/ncm/agent.toml")
+CLUSTER_KEY_FILE = "cluster-key"  # in state_dir: the key generated when none is configured
+JOINED_FILE = "joined.toml"  # in state_dir: the cluster key, name and peers a join by invite brought (0600)
+PENDING_JOIN_FILE = "pending-join"  # in state_dir: a join string from the setup file, until it is redeemed
 ENV_PREFIX = "NCM_"
 MIN_CLUSTER_KEY_LENGTH = 16
 
@@ -242,18 +245,26 @@ def load_config(
     environ: Mapping[str, str] | None = None,
     overrides: Mapping[str, Any] | None = None,
 ) -> AgentConfig:
-    """Build the configuration: ``path`` (or /etc/ncm/agent.toml when it exists), then the
-    environment, then ``overrides`` (command-line flags; None values are ignored)."""
+    """Build the configuration: ``path`` (or /etc/ncm/agent.toml when it exists), then what a
+    join by invite left in ``state_dir/joined.toml``, then the environment, then
+    ``overrides`` (command-line flags; None values are ignored)."""
     environ = os.environ if environ is None else environ
     values: dict[str, Any] = {}
     if path is None and INSTALLED_CONFIG_PATH.exists():
         path = INSTALLED_CONFIG_PATH
     if path is not None:
         _apply(values, read_config_file(path), f"config file {path}")
-    _apply(values, environment_settings(environ), "environment NCM_*")
-    _apply(values, {k: v for k, v in (overrides or {}).items() if v is not None}, "command line")
+    environment = environment_settings(environ)
+    flags = {k: v for k, v in (overrides or {}).items() if v is not None}
+    _apply(values, environment, "environment NCM_*")
+    _apply(values, flags, "command line")
+    explicit = frozenset(values)
+    joined = Path(values.get("state_dir") or default_state_dir()) / JOINED_FILE
+    if joined.exists():  # what a join by invite brought: above the file, below environment and flags
+        _apply(values, {k: v for k, v in read_config_file(joined).items() if k not in environment and k not in flags},
+               f"{joined}")
     try:
-        return AgentConfig(**values, explicit=frozenset(values))
+        return AgentConfig(**values, explicit=explicit)
     except ConfigError:
         raise
     except (TypeError, ValueError) as error:  # pragma: no cover - guarded by _coerce

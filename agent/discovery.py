@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from typing import TYPE_CHECKING
 
 import ifaddr
 from zeroconf import IPVersion, ServiceStateChange, Zeroconf
@@ -15,7 +16,9 @@ from zeroconf.asyncio import AsyncServiceBrowser, AsyncServiceInfo, AsyncZerocon
 
 from agent.core.advert import SERVICE_TYPE, NodeAdvert, decode_txt, encode_txt
 from agent.core.errors import WireError
-from agent.membership import Membership
+
+if TYPE_CHECKING:  # membership asks this module for the LAN addresses
+    from agent.membership import Membership
 
 log = logging.getLogger(__name__)
 VIRTUAL_PREFIXES = ("lo", "docker", "veth", "br-", "virbr", "vnet", "tun", "tap", "wg", "zt", "tailscale", "cni", "flannel")

@@ -39,7 +39,9 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 from agent.compat import tomllib
+from agent.config import PENDING_JOIN_FILE
 from agent.core.errors import NcmError
+from agent.core.invites import JOIN_PREFIX, InviteError, JoinString
 
 log = logging.getLogger(__name__)
 
@@ -83,6 +85,7 @@ class BootSetup:
     pull: bool = False
     hostname: str | None = None
     api_token: str | None = dataclasses.field(default=None, repr=False)
+    invite: str | None = dataclasses.field(default=None, repr=False)  # a join string from `ncm invite`
     orchestrator: bool | None = None
     port: int | None = None
     mdns: bool | None = None
@@ -231,6 +234,11 @@ def _setup_value(key: str, raw: str) -> object:
     if key == "peers":
         return tuple(validate_peer_url(item) for item in _split_list(raw))
     if key == "join":
+        if raw.strip().startswith(JOIN_PREFIX):  # an invite from `ncm invite`: redeemed by the agent
+            try:
+                return JoinString.decode(raw)
+            except InviteError as error:
+                raise ValueError(str(error)) from None
         return parse_join_string(raw)
     if key == "model":
         if not _MODEL_RE.match(raw):
@@ -314,7 +322,9 @@ def parse_setup_text(text: str, *, source: str = SETUP_FILE_NAME) -> BootSetup:
         else:
             values[key] = value
     join = values.pop("join", None)
-    if join is not None:
+    if isinstance(join, JoinString):
+        values["invite"] = join.encode()
+    elif join is not None:
         url, key, name = join  # type: ignore[misc]
         if "cluster_key" in values and values["cluster_key"] != key:
             raise SetupFileError(f"{source}: join and cluster_key give two different cluster keys")
@@ -579,6 +589,10 @@ def run_firstboot(
     if pull_model:
         _write_atomic(state_dir / PULL_REQUEST_FILE, pull_model + "\n", mode=0o644)
         log.info("model %s will be pulled once the network is up", pull_model)
+
+    if setup.invite:  # the agent redeems it once the member it names answers
+        _write_atomic(state_dir / PENDING_JOIN_FILE, setup.invite + "\n", mode=0o640, group=group)
+        log.info("the agent will join the cluster of the join string once its member answers")
 
     if created:
         # Written last: its presence tells ncm-firstboot.service that provisioning is done.

@@ -30,6 +30,7 @@ from agent.core.capacity import NodeCapacity, credited_capacity, score
 from agent.core.election import Election, elect, newest
 from agent.core.errors import WireError
 from agent.core.peers import PeerTable
+from agent.discovery import choose_addresses
 from agent.peer_client import PeerAuthError, PeerClient, PeerError
 from agent.probe import CPU_ONLY, detect_capacity, find_accelerators
 
@@ -110,6 +111,15 @@ class Membership:
                 return
             url = f"http://[{remote}]:{port}" if ":" in remote else f"http://{remote}:{port}"
         self.discovered(url, "inbound")
+
+    def reachable_url(self) -> str:
+        """A URL other devices can reach this node at, for a join string: :meth:`self_url` when
+        the address is configured or learned from peers, else the first LAN address."""
+        if not (self.config.advertise_host or self._seen_as):
+            addresses = choose_addresses(self.config.interfaces)
+            if addresses:
+                return f"http://{addresses[0]}:{self.api_port}"
+        return self.self_url()
 
     def self_url(self) -> str:
         """The URL peers reach this node at: advertise_host, else the address peers see us from."""

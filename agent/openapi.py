@@ -118,8 +118,22 @@ def openapi_document() -> dict[str, Any]:
             "/cluster/plan": {"get": _operation("the plan of the main model", 200, 401, 503)},
             "/cluster/nodes": {"get": _operation("this agent's view of the nodes", 200, 401)},
             "/cluster/join": {"post": _operation(
-                "contact another agent (it must prove it holds the cluster key)", 200, 400, 401, admin=True,
-                body={"type": "object", "required": ["url"],
-                      "properties": {"url": {"type": "string", "maxLength": 255, "pattern": "^https?://"}}})},
+                "contact another agent by URL (it must prove it holds the cluster key), or join the cluster of "
+                "a join string (the agent restarts as its member)", 200, 400, 401, admin=True,
+                body={"type": "object", "properties": {
+                    "url": {"type": "string", "maxLength": 255, "pattern": "^https?://"},
+                    "invite": {"type": "string", "pattern": "^ncm1[.]"}}})},
+            "/cluster/invites": {
+                "post": _operation("a join string for a new device", 200, 400, 401, admin=True, body={
+                    "type": "object", "properties": {"ttl_s": {"type": "number", "exclusiveMinimum": True, "minimum": 0},
+                                                     "uses": {"type": "integer", "minimum": 1, "maximum": 100}}}),
+                "get": _operation("the open invites (without their secrets)", 200, 401, admin=True)},
+            "/cluster/invites/{invite_id}": {"delete": _operation(
+                "revoke an invite", 200, 401, 404, admin=True,
+                parameters=[{"name": "invite_id", "in": "path", "required": True, "schema": {"type": "string"}}])},
+            "/cluster/pair": {"post": _operation(
+                "a new device redeems an invite: the cluster key, sealed with the invite's secret", 200, 400, 403,
+                body={"type": "object", "required": ["invite", "nonce", "proof"], "properties": {
+                    "invite": {"type": "string"}, "nonce": {"type": "string"}, "proof": {"type": "string"}}})},
         },
     }

@@ -13,8 +13,10 @@ import hmac
 import json
 import logging
 import secrets
+import os
 import signal
 import socket
+import sys
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -24,7 +26,7 @@ from aiohttp import web
 
 from agent import api
 from agent.compat import TaskGroup, timeout
-from agent.config import AgentConfig, ConfigError
+from agent.config import CLUSTER_KEY_FILE, AgentConfig, ConfigError
 from agent.core.auth import HEADER_NONCE, ReplayGuard, admin_token, sign_answer, verify
 from agent.core.errors import AuthError, StaleRequestError, WireError
 from agent.core.orders import RoutingOrder
@@ -34,12 +36,13 @@ from agent.discovery import Discovery
 from agent.identity import load_or_create_node_id
 from agent.membership import DESCRIBE_PATH, Membership
 from agent.orchestrator import ROUTING_PATH, UNLOAD_PATH, Orchestrator
+from agent.pairing import PAIR_PATH, InviteStore, join_pending
 from agent.peer_client import PeerClient
 from agent.router import ModelRouter
 from agent.sd_notify import SystemdNotifier, format_status, run_watchdog, watchdog_interval_s
 from agent.service_keys import (
-    ADMIN_TOKEN, CLIENT, CONFIG, DATA_PLANE_SOCKETS, LINKS, MEMBERSHIP, NODE_ID, ORCHESTRATOR, REPLAY_GUARD, ROUTER, STORE,
-    WORKER,
+    ADMIN_TOKEN, CLIENT, CONFIG, DATA_PLANE_SOCKETS, INVITES, LIFECYCLE, LINKS, MEMBERSHIP, NODE_ID, ORCHESTRATOR,
+    REPLAY_GUARD, ROUTER, STORE, WORKER, Lifecycle,
 )
 from agent.tls import TLS_DIR, TlsFiles, issue_node_files
 from agent.weights import complete_models, describe_model_files, resolve_model_file
@@ -48,9 +51,8 @@ from shards.fragment import FRAGMENTS_DIR, sweep_fragments
 from shards.store import ModelStore
 
 log = logging.getLogger(__name__)
-CLUSTER_KEY_FILE = "cluster-key"
 SHUTDOWN_TIMEOUT_S = 30.0
-PUBLIC_WITHOUT_TOKEN = ("/health", "/openapi.json")
+PUBLIC_WITHOUT_TOKEN = ("/health", "/openapi.json", PAIR_PATH)
 ANSWER_NONCE = web.RequestKey("answer_nonce", str)  # the nonce of the member's request a signed answer binds
 
 internal = web.RouteTableDef()
@@ -275,6 +277,8 @@ def build_app(config: AgentConfig, *, node_id: str, store: ModelStore, api_port:
     app[STORE] = store
     app[REPLAY_GUARD] = ReplayGuard()
     app[ADMIN_TOKEN] = admin_token(key)
+    app[LIFECYCLE] = Lifecycle(asyncio.Event())
+    app[INVITES] = InviteStore(config.state_dir)
     app[DATA_PLANE_SOCKETS] = set()
     app.on_shutdown.append(close_data_plane)
     app.on_response_prepare.append(sign_answers)
@@ -308,6 +312,7 @@ def build_app(config: AgentConfig, *, node_id: str, store: ModelStore, api_port:
             asyncio.create_task(app[ORCHESTRATOR].run(), name="orchestrator"),
             asyncio.create_task(app[ROUTER].run(), name="model-router"),
             asyncio.create_task(app[WORKER].reap_idle_sessions(), name="session-reaper"),
+            asyncio.create_task(join_pending(config, app[CLIENT].session, app[LIFECYCLE]), name="pending-join"),
         ]
         if discovery is not None:
             tasks.append(asyncio.create_task(discovery.run(), name="mdns-refresh"))
@@ -386,7 +391,8 @@ async def serve(config: AgentConfig) -> None:
     app = runner.app
     log.info("node %s listening on %s:%d, peers over TLS on port %d (cluster %r)", node_id, config.host,
              config.port, app[MEMBERSHIP].peer_port, config.cluster_name)
-    stop = asyncio.Event()
+    lifecycle = app[LIFECYCLE]
+    stop = lifecycle.stop
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, stop.set)
@@ -410,3 +416,8 @@ async def serve(config: AgentConfig) -> None:
         await runner.cleanup()
         if notifier is not None:
             notifier.close()
+    if lifecycle.restart:
+        # Joined a cluster by invite: start again as its member, in the same process (the
+        # service manager sees no exit), reading the key and settings the join left.
+        log.info("restarting as a member of the cluster it joined")
+        os.execv(sys.executable, [sys.executable, "-m", "agent.cli", *sys.argv[1:]])

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
+from dataclasses import dataclass
+
 from aiohttp import web
 
 from agent.config import AgentConfig
@@ -18,3 +21,15 @@ ROUTER = web.AppKey("router", "ModelRouter")
 REPLAY_GUARD = web.AppKey("replay_guard", "ReplayGuard")
 ADMIN_TOKEN = web.AppKey("admin_token", str)
 DATA_PLANE_SOCKETS = web.AppKey("data_plane_sockets", set)
+INVITES = web.AppKey("invites", "InviteStore")
+
+
+@dataclass
+class Lifecycle:
+    """How the service ends: ``stop`` set by a signal (or a join), ``restart`` to start again."""
+
+    stop: asyncio.Event
+    restart: bool = False
+
+
+LIFECYCLE = web.AppKey("lifecycle", Lifecycle)

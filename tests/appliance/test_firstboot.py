@@ -225,3 +225,20 @@ def test_subcommand(tmp_path: Path) -> None:
                               "--config", str(tmp_path / "agent.toml"), "--state-dir", str(tmp_path / "state")])
     with pytest.raises(FirstbootError, match="does not exist"):
         args.func(args)
+
+
+def test_a_join_string_from_ncm_invite_waits_for_the_agent(tmp_path: Path) -> None:
+    """`join = ncm1.…` in the setup file: the agent redeems it once it runs (the member may
+    not be reachable at first boot); the string is kept readable by the service only."""
+    from agent.core.invites import JoinString, fingerprint
+
+    join = JoinString("home", "http://192.168.1.20:8080", "0123abcd0123abcd", bytes(24),
+                      fingerprint(b"cluster-key-0123456789")).encode()
+    result = _run(tmp_path, f"join = {join}\n")
+    pending = tmp_path / "state" / "pending-join"
+    assert pending.read_text().strip() == join
+    assert oct(pending.stat().st_mode & 0o777) == "0o640"
+    assert join not in repr(parse_setup_text(f"join = {join}\n"))  # a secret: never in a repr or log
+    assert result.created_node_id
+    with pytest.raises(SetupFileError, match="damaged"):
+        parse_setup_text("join = ncm1.not-a-real-one\n")
