@@ -29,7 +29,7 @@ from agent.core.model_registry import CapacityError, ModelLoadError, ModelNotLoa
 from agent.dataplane import StageError
 from agent.openapi import openapi_document
 from agent.orchestrator import Completion, Deployment
-from agent.pairing import PAIR_PATH, join_by_invite, seal
+from agent.pairing import PAIR_PATH, join_by_invite, rotate_key, seal
 from agent.router import ModelBusyError
 from agent.service_keys import CLIENT, CONFIG, INVITES, LIFECYCLE, MEMBERSHIP, NODE_ID, ORCHESTRATOR, ROUTER, WORKER
 from shards.errors import ShardsError
@@ -274,6 +274,20 @@ def on_orchestrator(handler: Any) -> Any:
     return wrapper
 
 
+@routes.post("/cluster/remove")
+@on_orchestrator
+async def remove_node(request: web.Request) -> web.Response:
+    """`ncm remove NODE` (admin): the cluster key changes on every other member, so the
+    removed device's key opens nothing any more. Every member restarts to take the new key."""
+    body = await _read_json(request)
+    node = body.get("node") if isinstance(body, dict) else None
+    membership = request.app[MEMBERSHIP]
+    if not isinstance(node, str) or node not in membership.alive_nodes() and membership.table.url_of(node) is None:
+        raise InvalidRequestError("'node' must be the id of a node of this cluster (see GET /cluster/nodes)", "node")
+    return web.json_response(await rotate_key(membership, request.app[CLIENT], request.app[CONFIG],
+                                              request.app[LIFECYCLE], node))
+
+
 @routes.get("/cluster/status")
 @on_orchestrator
 async def cluster_status(request: web.Request) -> web.StreamResponse:
@@ -327,7 +341,8 @@ def _wants_reload(request: web.Request) -> bool:
     return request.query.get("reload") in ("1", "true")
 
 
-ADMIN_ENDPOINTS = frozenset({("POST", "/cluster/join"), ("POST", "/models/load"), ("POST", "/models/unload")})
+ADMIN_ENDPOINTS = frozenset({("POST", "/cluster/join"), ("POST", "/cluster/remove"), ("POST", "/models/load"),
+                             ("POST", "/models/unload")})
 
 
 def changes_cluster(request: web.Request) -> bool:

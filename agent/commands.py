@@ -51,6 +51,12 @@ def add_parsers(subparsers: argparse._SubParsersAction) -> None:
     invite.add_argument("--token", help="the cluster's admin token (default: this device's, when readable)")
     invite.set_defaults(func=run_invite)
 
+    remove = subparsers.add_parser("remove", help="remove a device: the cluster key changes on every other member")
+    remove.add_argument("node", help="the node id (see ncm status)")
+    remove.add_argument("--agent", default=DEFAULT_AGENT_URL, help="any agent of the cluster (default %(default)s)")
+    remove.add_argument("--token", help="the cluster's admin token (default: this device's, when readable)")
+    remove.set_defaults(func=run_remove)
+
     admin = subparsers.add_parser(
         "admin-token", help="print the cluster's admin token (loading, unloading, joining and reloading need it)")
     admin.add_argument("--config", type=Path, help="TOML config file (default: /etc/ncm/agent.toml when it exists)")
@@ -164,6 +170,16 @@ def run_invite(args: argparse.Namespace) -> int:
     print(answer["join"])
     print(f"(invite {answer['id']}: {answer['uses_left']} use(s), expires in {answer['expires_in_s']:.0f} s; on the "
           f"new device: ncm join <this string>, or join = <this string> in ncm-setup.txt)", file=sys.stderr)
+    return 0
+
+
+def run_remove(args: argparse.Namespace) -> int:
+    answer = http_json("POST", args.agent.rstrip("/") + "/cluster/remove", {"node": args.node},
+                       token=args.token or local_admin_token(), timeout_s=60.0)
+    print(f"removed {answer['removed']}; the new cluster key went to {', '.join(answer['rekeyed']) or 'no one'} "
+          f"(they restart with it)")
+    for node, reason in answer.get("unreachable", {}).items():
+        print(f"  {node} did not get it ({reason}): pair it again with ncm invite / ncm join", file=sys.stderr)
     return 0
 
 

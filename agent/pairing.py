@@ -15,7 +15,7 @@ import os
 import secrets
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import aiohttp
 from cryptography.hazmat.primitives import hashes
@@ -25,6 +25,10 @@ from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 from agent.config import JOINED_FILE, PENDING_JOIN_FILE, AgentConfig
 from agent.core.invites import Invite, InviteBook, InviteError, JoinString, fingerprint, pairing_proof
 from agent.service_keys import Lifecycle
+
+if TYPE_CHECKING:
+    from agent.membership import Membership
+    from agent.peer_client import PeerClient
 
 log = logging.getLogger(__name__)
 INVITES_FILE = "invites.json"
@@ -166,3 +170,49 @@ async def join_pending(config: AgentConfig, session: aiohttp.ClientSession, life
         lifecycle.restart = True
         lifecycle.stop.set()
         return
+
+
+REKEY_PATH = "/internal/rekey"
+REKEY_TIMEOUT_S = 10.0
+
+
+def parse_rekey(body: Any) -> tuple[str, bytes, list[str]]:
+    """The body of a rekey order: the cluster name, the new key and the members' URLs."""
+    if not isinstance(body, dict):
+        raise InviteError("a rekey order is a JSON object")
+    cluster, key, peers = body.get("cluster"), body.get("key"), body.get("peers")
+    if not (isinstance(cluster, str) and isinstance(key, str) and 16 <= len(key) <= 256 and isinstance(peers, list)
+            and all(isinstance(p, str) and p.startswith(("http://", "https://")) for p in peers)):
+        raise InviteError("a rekey order has 'cluster', 'key' (16-256 characters) and 'peers' (URLs)")
+    return cluster, key.encode(), peers[:16]
+
+
+async def rotate_key(membership: Membership, client: PeerClient, config: AgentConfig, lifecycle: Lifecycle,
+                     removed: str) -> dict[str, Any]:
+    """Shut ``removed`` out: hand a new cluster key to every other live member over the
+    authenticated, encrypted peer link, then take it here too; every member restarts with it,
+    and the old key (the removed node's) opens nothing any more."""
+    new_key = secrets.token_hex(32)
+    members = [n for n in membership.alive_nodes() if n not in (removed, membership.node_id)]
+    urls = [u for u, e in membership.table.entries.items() if e.alive and e.advert and e.advert.node_id != removed]
+    if removed != membership.node_id:
+        urls.append(membership.self_url())
+    order = {"cluster": config.cluster_name, "key": new_key, "peers": urls}
+
+    async def hand_over(node_id: str) -> None:
+        await client.request_json("POST", membership.peer_address_of(node_id), REKEY_PATH, order, target=node_id,
+                                  timeout_s=REKEY_TIMEOUT_S)
+
+    results = await asyncio.gather(*(hand_over(n) for n in members), return_exceptions=True)
+    failed = {n: str(r) for n, r in zip(members, results) if isinstance(r, BaseException)}
+    for node_id, reason in failed.items():
+        log.warning("could not hand the new cluster key to %s (it has to be paired again): %s", node_id, reason)
+    if removed != membership.node_id:
+        await asyncio.to_thread(keep_membership, config, config.cluster_name, new_key.encode(),
+                                [u for u in urls if u != membership.self_url()])
+        lifecycle.restart = True
+        lifecycle.stop.set()
+    log.info("removed %s: new cluster key handed to %s", removed, ", ".join(n for n in members if n not in failed))
+    return {"removed": removed, "rekeyed": sorted([n for n in members if n not in failed]
+                                                  + ([membership.node_id] if removed != membership.node_id else [])),
+            "unreachable": failed}

@@ -29,6 +29,7 @@ from agent.compat import TaskGroup, timeout
 from agent.config import CLUSTER_KEY_FILE, AgentConfig, ConfigError
 from agent.core.auth import HEADER_NONCE, ReplayGuard, admin_token, sign_answer, verify
 from agent.core.errors import AuthError, StaleRequestError, WireError
+from agent.core.invites import InviteError
 from agent.core.orders import RoutingOrder
 from agent.core.wire import decode_frame, encode_frame
 from agent.dataplane import STREAM_PATH, Links, StageError
@@ -36,7 +37,9 @@ from agent.discovery import Discovery
 from agent.identity import load_or_create_node_id
 from agent.membership import DESCRIBE_PATH, Membership
 from agent.orchestrator import ROUTING_PATH, UNLOAD_PATH, Orchestrator
-from agent.pairing import PAIR_PATH, InviteStore, join_pending
+from agent.pairing import (
+    PAIR_PATH, REKEY_PATH, InviteStore, environment_overrides_join, join_pending, keep_membership, parse_rekey,
+)
 from agent.peer_client import PeerClient
 from agent.router import ModelRouter
 from agent.sd_notify import SystemdNotifier, format_status, run_watchdog, watchdog_interval_s
@@ -188,6 +191,25 @@ async def unload_model(request: web.Request) -> web.Response:
         return web.json_response(await asyncio.shield(request.app[WORKER].unload(name, epoch)))
     except StaleOrderError as error:
         return web.json_response({"error": str(error)}, status=409)
+
+
+@internal.post(REKEY_PATH)
+async def rekey(request: web.Request) -> web.Response:
+    """The orchestrator removed a node: take the new cluster key and restart with it."""
+    overridden = environment_overrides_join()
+    if overridden:
+        return web.json_response({"error": f"{' and '.join(overridden)} in the environment would override "
+                                           "the new key"}, status=409)
+    try:
+        cluster, key, peers = parse_rekey(await request.json())
+    except (InviteError, json.JSONDecodeError) as error:
+        return web.json_response({"error": str(error)}, status=400)
+    await asyncio.to_thread(keep_membership, request.app[CONFIG], cluster, key, peers)
+    lifecycle = request.app[LIFECYCLE]
+    lifecycle.restart = True
+    lifecycle.stop.set()  # this answer goes out first
+    log.info("the cluster key was changed by the orchestrator (a node was removed): restarting with it")
+    return web.json_response({"rekeyed": request.app[NODE_ID]})
 
 
 @internal.get("/internal/state")

@@ -35,9 +35,8 @@ from agent.probe import find_accelerators  # noqa: E402
 from bench.backends import measure  # noqa: E402
 from shards.backends import CPU_BACKEND, backend_chain, detect_platform  # noqa: E402
 from shards.errors import RunnerError  # noqa: E402
-from shards.generate import LocalModel, generate  # noqa: E402
+from shards.generate import LocalModel  # noqa: E402
 from shards.runner import OrtFragmentRunner, chain_forward  # noqa: E402
-from shards.sampling import SamplingParams  # noqa: E402
 from shards.store import ModelStore  # noqa: E402
 
 MODEL = "smollm2-135m"
@@ -87,13 +86,8 @@ def speed(model_dir: Path, backend_name: str, threads: int) -> None:
 
 
 def cluster(backend_name: str, port: int) -> bool:
-    model = LocalModel.open(MODEL, store=ModelStore())
-    try:
-        ids = model.tokenizer.encode_chat(QUESTION, add_generation_prompt=True)
-        reference = "".join(e.text for e in generate(model.runners, model.tokenizer, ids,
-                                                     SamplingParams(temperature=0.0, max_tokens=24)))
-    finally:
-        model.close()
+    with LocalModel.open(MODEL, store=ModelStore()) as model:
+        reference = model.greedy_chat(QUESTION, 24)
     with tempfile.TemporaryDirectory(prefix="ncm-gpu-check-") as tmp:
         processes = start_local_cluster(2, port, Path(tmp), MODEL, log_dir=Path(tmp) / "logs",
                                         node_env=[{"NCM_PROVIDERS": backend_name}, {"NCM_PROVIDERS": "cpu"}])

@@ -313,6 +313,11 @@ class LocalModel:
     def generate(self, prompt_ids: Sequence[int], params: SamplingParams, **kw: Any) -> Iterator[GenerationEvent]:
         return generate(self.runners, self.tokenizer, prompt_ids, params, **kw)
 
+    def greedy_chat(self, messages: Sequence[Mapping[str, Any]], max_tokens: int) -> str:
+        """The text this model alone answers ``messages`` with at temperature 0 (a reference)."""
+        ids = self.tokenizer.encode_chat(messages, add_generation_prompt=True)
+        return "".join(e.text for e in self.generate(ids, SamplingParams(temperature=0.0, max_tokens=max_tokens)))
+
     def close(self) -> None:
         for runner in self.runners:
             runner.close()
