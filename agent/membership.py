@@ -6,9 +6,11 @@ known URL with a signed `POST /internal/describe` (which also tells the peer how
 node, so a node given one peer is known to all); that contact is also the health check
 (`failure_threshold` consecutive failures make a peer dead) and the latency measurement.
 
-Every answer must be signed with the cluster key for the request it answers: a URL whose
-answer is not (a stranger announced over mDNS, or given to `/cluster/join`) is rejected for
-good, so no claim of a non-member reaches the election, the routes or the peer table.
+Contacts go to the peer's TLS port (announced on its public `GET /health`, then in its
+advert), where both ends show a certificate of the cluster's CA, and every answer must be
+signed with the cluster key for the request it answers: a URL that fails either (a stranger
+announced over mDNS, or given to `/cluster/join`) is rejected for good, so no claim of a
+non-member reaches the election, the routes or the peer table.
 """
 
 from __future__ import annotations

@@ -131,6 +131,9 @@ def openapi_document() -> dict[str, Any]:
             "/cluster/invites/{invite_id}": {"delete": _operation(
                 "revoke an invite", 200, 401, 404, admin=True,
                 parameters=[{"name": "invite_id", "in": "path", "required": True, "schema": {"type": "string"}}])},
+            "/cluster/remove": {"post": _operation(
+                "remove a node: a new cluster key for every other member, who restart with it", 200, 400, 401, 503,
+                admin=True, body={"type": "object", "required": ["node"], "properties": {"node": {"type": "string"}}})},
             "/cluster/pair": {"post": _operation(
                 "a new device redeems an invite: the cluster key, sealed with the invite's secret", 200, 400, 403,
                 body={"type": "object", "required": ["invite", "nonce", "proof"], "properties": {

@@ -24,6 +24,7 @@ from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
 from agent.config import JOINED_FILE, PENDING_JOIN_FILE, AgentConfig
 from agent.core.invites import Invite, InviteBook, InviteError, JoinString, fingerprint, pairing_proof
+from agent.files import write_private
 from agent.service_keys import Lifecycle
 
 if TYPE_CHECKING:
@@ -54,15 +55,6 @@ def unseal(secret: bytes, nonce: str, invite_id: str, answer: dict[str, Any]) ->
         raise InviteError("the member's answer does not open with this invite's secret") from None
 
 
-def _write_private(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    temporary = path.with_name(path.name + ".tmp")
-    temporary.touch(mode=0o600)
-    temporary.chmod(0o600)
-    temporary.write_text(text, encoding="utf-8")
-    temporary.replace(path)
-
-
 class InviteStore:
     """The invites this member issued, kept in ``state_dir/invites.json`` (0600)."""
 
@@ -77,7 +69,7 @@ class InviteStore:
         self.book = InviteBook(invites)
 
     def _save(self) -> None:
-        _write_private(self.path, json.dumps(self.book.to_json()))
+        write_private(self.path, json.dumps(self.book.to_json()))
 
     def create(self, *, ttl_s: float, uses: int) -> Invite:
         invite = self.book.create(secrets.token_hex(8), secrets.token_bytes(24), now=time.time(), ttl_s=ttl_s, uses=uses)
@@ -124,7 +116,7 @@ def keep_membership(config: AgentConfig, cluster: str, key: bytes, peers: list[s
     its state directory (0600), above its configuration file, below environment and flags."""
     lines = [f"cluster_name = {json.dumps(cluster)}", f"cluster_key = {json.dumps(key.decode())}",
              "peers = [" + ", ".join(json.dumps(p) for p in peers) + "]"]
-    _write_private(config.state_dir / JOINED_FILE, "\n".join(lines) + "\n")
+    write_private(config.state_dir / JOINED_FILE, "\n".join(lines) + "\n")
 
 
 def environment_overrides_join() -> list[str]:

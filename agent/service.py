@@ -12,8 +12,8 @@ import contextlib
 import hmac
 import json
 import logging
-import secrets
 import os
+import secrets
 import signal
 import socket
 import sys
@@ -34,6 +34,7 @@ from agent.core.orders import RoutingOrder
 from agent.core.wire import decode_frame, encode_frame
 from agent.dataplane import STREAM_PATH, Links, StageError
 from agent.discovery import Discovery
+from agent.files import write_private
 from agent.identity import load_or_create_node_id
 from agent.membership import DESCRIBE_PATH, Membership
 from agent.orchestrator import ROUTING_PATH, UNLOAD_PATH, Orchestrator
@@ -75,10 +76,9 @@ def cluster_key(config: AgentConfig) -> bytes:
     if key is not None:
         return key
     path = config.state_dir / CLUSTER_KEY_FILE
-    config.state_dir.mkdir(parents=True, exist_ok=True)
-    path.write_text(secrets.token_hex(32) + "\n", encoding="utf-8")
-    path.chmod(0o600)
-    log.warning("no cluster_key configured: generated one in %s; give every agent of the cluster the same key", path)
+    write_private(path, secrets.token_hex(32) + "\n")
+    log.warning("no cluster_key configured: generated one in %s; add devices with `ncm invite` here and "
+                "`ncm join` on them", path)
     return path.read_text(encoding="utf-8").strip().encode()
 
 

@@ -21,6 +21,8 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
+from agent.files import write_private
+
 # Valid from long ago to far ahead: devices without a real-time clock boot in 1970 or 2000.
 NOT_BEFORE = datetime.datetime(2000, 1, 1, tzinfo=datetime.timezone.utc)
 NOT_AFTER = datetime.datetime(2200, 1, 1, tzinfo=datetime.timezone.utc)
@@ -99,9 +101,5 @@ def issue_node_files(cluster_key: bytes, node_id: str, directory: Path) -> TlsFi
                        (files.key, node_key.private_bytes(serialization.Encoding.PEM,
                                                           serialization.PrivateFormat.PKCS8,
                                                           serialization.NoEncryption()))):
-        temporary = path.with_suffix(".tmp")
-        temporary.touch(mode=0o600)
-        temporary.chmod(0o600)
-        temporary.write_bytes(data)
-        temporary.replace(path)
+        write_private(path, data)
     return files
