@@ -159,9 +159,7 @@ async def _join_by_invite(request: web.Request, text: str) -> web.Response:
         cluster, peers = await join_by_invite(request.app[CONFIG], request.app[CLIENT].session, text)
     except InviteError as error:
         raise InvalidRequestError(str(error), "invite", "invite_refused") from None
-    lifecycle = request.app[LIFECYCLE]
-    lifecycle.restart = True
-    lifecycle.stop.set()  # this answer goes out first: stopping waits for requests in flight
+    request.app[LIFECYCLE].restart_now()  # this answer goes out first: stopping waits for requests in flight
     log.info("joined cluster %r: restarting as its member", cluster)
     return web.json_response({"message": f"joined cluster {cluster!r}; the agent restarts as its member",
                               "cluster": cluster, "peers": peers})
@@ -218,10 +216,9 @@ async def pair(request: web.Request) -> web.Response:
     except InviteError as error:
         log.warning("refused an invite from %s: %s", request.remote, error)
         return error_response(403, str(error), code="invite_refused")
-    membership = request.app[MEMBERSHIP]
-    peers = [url for url, entry in membership.table.entries.items() if entry.alive]
     log.info("invite %s redeemed by %s", invite_id, request.remote)
-    return web.json_response({"cluster": request.app[CONFIG].cluster_name, "peers": peers,
+    return web.json_response({"cluster": request.app[CONFIG].cluster_name,
+                              "peers": request.app[MEMBERSHIP].live_peer_urls(),
                               **seal(invite.secret, nonce, invite_id, request.app[CLIENT].key)})
 
 
@@ -282,7 +279,7 @@ async def remove_node(request: web.Request) -> web.Response:
     body = await _read_json(request)
     node = body.get("node") if isinstance(body, dict) else None
     membership = request.app[MEMBERSHIP]
-    if not isinstance(node, str) or node not in membership.alive_nodes() and membership.table.url_of(node) is None:
+    if not isinstance(node, str) or (node not in membership.alive_nodes() and membership.table.url_of(node) is None):
         raise InvalidRequestError("'node' must be the id of a node of this cluster (see GET /cluster/nodes)", "node")
     return web.json_response(await rotate_key(membership, request.app[CLIENT], request.app[CONFIG],
                                               request.app[LIFECYCLE], node))

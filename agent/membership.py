@@ -93,10 +93,14 @@ class Membership:
             configured_orchestrator=self.config.orchestrator,
         )
 
+    def live_peer_urls(self, *, without: str | None = None) -> list[str]:
+        """The URLs of the live peers (but node ``without``)."""
+        return [url for url, e in self.table.entries.items()
+                if e.alive and not (without is not None and e.advert is not None and e.advert.node_id == without)]
+
     def describe(self, caller_host: str | None = None) -> dict[str, Any]:
         """The answer to a peer's describe: my advert, my live peers, and how I see the caller."""
-        peers = [url for url, entry in self.table.entries.items() if entry.alive]
-        return {"advert": self.advert().to_json(), "peers": peers, "you": caller_host,
+        return {"advert": self.advert().to_json(), "peers": self.live_peer_urls(), "you": caller_host,
                 "detected": self.detected.to_dict(), "accelerators": self.accelerators.to_dict(), **self.extra_describe()}
 
     def introduction(self) -> dict[str, Any]:

@@ -23,7 +23,9 @@ from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
 from agent.config import JOINED_FILE, PENDING_JOIN_FILE, AgentConfig
-from agent.core.invites import Invite, InviteBook, InviteError, JoinString, fingerprint, pairing_proof
+from agent.core.invites import (
+    Invite, InviteBook, InviteError, JoinString, MemberUnreachable, fingerprint, pairing_proof,
+)
 from agent.files import write_private
 from agent.service_keys import Lifecycle
 
@@ -99,8 +101,8 @@ async def redeem(session: aiohttp.ClientSession, join: JoinString) -> tuple[byte
         async with session.post(join.url.rstrip("/") + PAIR_PATH, json=body,
                                 timeout=aiohttp.ClientTimeout(total=PAIR_TIMEOUT_S)) as response:
             answer = await response.json(content_type=None)
-    except (aiohttp.ClientError, TimeoutError, ValueError, OSError) as error:
-        raise InviteError(f"cannot reach the member at {join.url}: {type(error).__name__}: {error}") from None
+    except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, OSError) as error:
+        raise MemberUnreachable(f"cannot reach the member at {join.url}: {type(error).__name__}: {error}") from None
     if response.status != 200 or not isinstance(answer, dict):
         message = answer.get("error", {}).get("message") if isinstance(answer, dict) else None
         raise InviteError(f"the member at {join.url} refused the invite: {message or f'HTTP {response.status}'}")
@@ -119,18 +121,18 @@ def keep_membership(config: AgentConfig, cluster: str, key: bytes, peers: list[s
     write_private(config.state_dir / JOINED_FILE, "\n".join(lines) + "\n")
 
 
-def environment_overrides_join() -> list[str]:
-    """Settings of this process's environment that a join could not change."""
-    return [name for name in ("NCM_CLUSTER_KEY", "NCM_CLUSTER_NAME") if os.environ.get(name)]
+def check_environment_allows_a_new_key() -> None:
+    """InviteError when this process's environment sets what a join or rekey would change."""
+    overridden = [name for name in ("NCM_CLUSTER_KEY", "NCM_CLUSTER_NAME") if os.environ.get(name)]
+    if overridden:
+        raise InviteError(f"{' and '.join(overridden)} in the environment would override the new cluster key; "
+                          "remove them to join by invite or take part in a removal")
 
 
 async def join_by_invite(config: AgentConfig, session: aiohttp.ClientSession, text: str) -> tuple[str, list[str]]:
     """Redeem the join string ``text`` and keep the membership it brings; returns the cluster
     name and its members' URLs. The agent must restart to act as the member it now is."""
-    overridden = environment_overrides_join()
-    if overridden:
-        raise InviteError(f"{' and '.join(overridden)} in the environment would override what the join brings; "
-                          "remove them to join by invite")
+    check_environment_allows_a_new_key()
     join = JoinString.decode(text)
     key, peers = await redeem(session, join)
     await asyncio.to_thread(keep_membership, config, join.cluster, key, peers)
@@ -149,18 +151,17 @@ async def join_pending(config: AgentConfig, session: aiohttp.ClientSession, life
     while True:
         try:
             cluster, _ = await join_by_invite(config, session, text)
-        except InviteError as error:
-            if not str(error).startswith("cannot reach"):
-                log.error("the join string from the setup file was refused: %s", error)
-                path.replace(path.with_name(PENDING_JOIN_FILE + ".refused"))
-                return
+        except MemberUnreachable as error:
             log.warning("%s; trying again in %g s", error, retry_s)
             await asyncio.sleep(retry_s)
             continue
+        except InviteError as error:
+            log.error("the join string from the setup file was refused: %s", error)
+            path.replace(path.with_name(PENDING_JOIN_FILE + ".refused"))
+            return
         path.unlink(missing_ok=True)
         log.info("joined cluster %r with the join string from the setup file: restarting as its member", cluster)
-        lifecycle.restart = True
-        lifecycle.stop.set()
+        lifecycle.restart_now()
         return
 
 
@@ -168,8 +169,15 @@ REKEY_PATH = "/internal/rekey"
 REKEY_TIMEOUT_S = 10.0
 
 
-def parse_rekey(body: Any) -> tuple[str, bytes, list[str]]:
-    """The body of a rekey order: the cluster name, the new key and the members' URLs."""
+def take_new_key(config: AgentConfig, body: Any) -> None:
+    """Keep the new key of a rekey order (the orchestrator removed a node); the agent must
+    restart to use it. InviteError when the order is malformed or the environment forbids it."""
+    check_environment_allows_a_new_key()
+    cluster, key, peers = _parse_rekey(body)
+    keep_membership(config, cluster, key, peers)
+
+
+def _parse_rekey(body: Any) -> tuple[str, bytes, list[str]]:
     if not isinstance(body, dict):
         raise InviteError("a rekey order is a JSON object")
     cluster, key, peers = body.get("cluster"), body.get("key"), body.get("peers")
@@ -185,11 +193,10 @@ async def rotate_key(membership: Membership, client: PeerClient, config: AgentCo
     authenticated, encrypted peer link, then take it here too; every member restarts with it,
     and the old key (the removed node's) opens nothing any more."""
     new_key = secrets.token_hex(32)
+    stays = removed != membership.node_id  # this node keeps its membership (it is not the one removed)
     members = [n for n in membership.alive_nodes() if n not in (removed, membership.node_id)]
-    urls = [u for u, e in membership.table.entries.items() if e.alive and e.advert and e.advert.node_id != removed]
-    if removed != membership.node_id:
-        urls.append(membership.self_url())
-    order = {"cluster": config.cluster_name, "key": new_key, "peers": urls}
+    others = membership.live_peer_urls(without=removed)
+    order = {"cluster": config.cluster_name, "key": new_key, "peers": others + ([membership.self_url()] if stays else [])}
 
     async def hand_over(node_id: str) -> None:
         await client.request_json("POST", membership.peer_address_of(node_id), REKEY_PATH, order, target=node_id,
@@ -199,12 +206,10 @@ async def rotate_key(membership: Membership, client: PeerClient, config: AgentCo
     failed = {n: str(r) for n, r in zip(members, results) if isinstance(r, BaseException)}
     for node_id, reason in failed.items():
         log.warning("could not hand the new cluster key to %s (it has to be paired again): %s", node_id, reason)
-    if removed != membership.node_id:
-        await asyncio.to_thread(keep_membership, config, config.cluster_name, new_key.encode(),
-                                [u for u in urls if u != membership.self_url()])
-        lifecycle.restart = True
-        lifecycle.stop.set()
-    log.info("removed %s: new cluster key handed to %s", removed, ", ".join(n for n in members if n not in failed))
-    return {"removed": removed, "rekeyed": sorted([n for n in members if n not in failed]
-                                                  + ([membership.node_id] if removed != membership.node_id else [])),
-            "unreachable": failed}
+    rekeyed = [n for n in members if n not in failed]
+    if stays:
+        await asyncio.to_thread(keep_membership, config, config.cluster_name, new_key.encode(), others)
+        lifecycle.restart_now()
+        rekeyed.append(membership.node_id)
+    log.info("removed %s: new cluster key handed to %s", removed, ", ".join(rekeyed))
+    return {"removed": removed, "rekeyed": sorted(rekeyed), "unreachable": failed}

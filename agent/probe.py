@@ -134,12 +134,12 @@ def find_accelerators(providers: tuple[str, ...] = ()) -> Accelerators:
     usable: list[Calibration] = []
     for backend in chain:
         reason = self_test(backend)
-        try:
-            if reason is None:
+        if reason is None:
+            try:
                 usable.append(calibrate(backend))
                 continue
-        except RunnerError as error:
-            reason = str(error)
+            except RunnerError as error:
+                reason = str(error)
         unusable_reasons.append((backend.name, f"self-test failed: {reason}"))
         log.warning("backend %s is not usable: %s", backend.name, reason)
     return Accelerators(tuple(usable), tuple(unusable_reasons))

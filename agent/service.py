@@ -38,9 +38,7 @@ from agent.files import write_private
 from agent.identity import load_or_create_node_id
 from agent.membership import DESCRIBE_PATH, Membership
 from agent.orchestrator import ROUTING_PATH, UNLOAD_PATH, Orchestrator
-from agent.pairing import (
-    PAIR_PATH, REKEY_PATH, InviteStore, environment_overrides_join, join_pending, keep_membership, parse_rekey,
-)
+from agent.pairing import PAIR_PATH, REKEY_PATH, InviteStore, join_pending, take_new_key
 from agent.peer_client import PeerClient
 from agent.router import ModelRouter
 from agent.sd_notify import SystemdNotifier, format_status, run_watchdog, watchdog_interval_s
@@ -196,18 +194,11 @@ async def unload_model(request: web.Request) -> web.Response:
 @internal.post(REKEY_PATH)
 async def rekey(request: web.Request) -> web.Response:
     """The orchestrator removed a node: take the new cluster key and restart with it."""
-    overridden = environment_overrides_join()
-    if overridden:
-        return web.json_response({"error": f"{' and '.join(overridden)} in the environment would override "
-                                           "the new key"}, status=409)
     try:
-        cluster, key, peers = parse_rekey(await request.json())
+        await asyncio.to_thread(take_new_key, request.app[CONFIG], await request.json())
     except (InviteError, json.JSONDecodeError) as error:
-        return web.json_response({"error": str(error)}, status=400)
-    await asyncio.to_thread(keep_membership, request.app[CONFIG], cluster, key, peers)
-    lifecycle = request.app[LIFECYCLE]
-    lifecycle.restart = True
-    lifecycle.stop.set()  # this answer goes out first
+        return web.json_response({"error": str(error)}, status=409)
+    request.app[LIFECYCLE].restart_now()  # this answer goes out first
     log.info("the cluster key was changed by the orchestrator (a node was removed): restarting with it")
     return web.json_response({"rekeyed": request.app[NODE_ID]})
 

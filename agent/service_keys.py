@@ -31,5 +31,10 @@ class Lifecycle:
     stop: asyncio.Event
     restart: bool = False
 
+    def restart_now(self) -> None:
+        """Stop (requests in flight finish first) and start again in the same process."""
+        self.restart = True
+        self.stop.set()
+
 
 LIFECYCLE = web.AppKey("lifecycle", Lifecycle)

@@ -31,6 +31,10 @@ class InviteError(NcmError):
     """An invite or join string cannot be used; the message says why."""
 
 
+class MemberUnreachable(InviteError):
+    """The member a join string names did not answer (try again later)."""
+
+
 def fingerprint(cluster_key: bytes) -> str:
     """What a newcomer checks the delivered key against (reveals nothing of the key)."""
     return hmac.new(cluster_key, b"ncm cluster fingerprint", hashlib.sha256).hexdigest()[:32]
