@@ -180,11 +180,6 @@ class Membership:
     def scores(self) -> dict[str, float]:
         return {node_id: score(advert.capacity) for node_id, advert in self.alive_nodes().items()}
 
-    def url_of(self, node_id: str) -> str | None:
-        if node_id == self.node_id:
-            return None
-        return self.table.url_of(node_id)
-
     def discovered(self, url: str, source: str) -> None:
         url = url.rstrip("/")
         if (self._seen_as or self.config.advertise_host) and url == self.self_url():
