@@ -1,5 +1,9 @@
 """Errors raised by the model layer: one base, one subclass per kind of problem."""
 
+from __future__ import annotations
+
+from collections.abc import Iterable
+
 
 class ShardsError(Exception):
     """Base of every error raised by ``shards``."""
@@ -17,6 +21,15 @@ class UnsupportedArchitectureError(ModelFormatError):
     """The model's architecture is not one ncm can run."""
 
 
+class UnmappedTensorError(ModelFormatError):
+    """A checkpoint holds tensors the importer would not use: importing it anyway would
+    silently drop weights, so the import is refused. ``names`` holds every such tensor."""
+
+    def __init__(self, message: str, names: Iterable[str] = ()) -> None:
+        super().__init__(message)
+        self.names = tuple(names)
+
+
 class TokenizerError(ShardsError):
     """The model's tokenizer or chat template is missing or unusable."""
 
@@ -31,3 +44,11 @@ class FragmentError(ShardsError):
 
 class RunnerError(ShardsError):
     """A fragment runner was used wrongly (unknown session, wrong input shape...)."""
+
+
+class CorruptWeightsError(ModelFormatError):
+    """Stored weight files do not match the sha256 of the model's manifest (``paths``: which)."""
+
+    def __init__(self, message: str, paths: tuple[str, ...] = ()) -> None:
+        super().__init__(message)
+        self.paths = paths

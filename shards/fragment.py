@@ -44,6 +44,7 @@ from shards.errors import FragmentError, ModelFormatError
 from shards.manifest import Manifest, layer_key
 from shards.store import MANIFEST_FILE
 from shards.tensorfile import read_tensors
+from shards.verify import verify_weight_files
 
 log = logging.getLogger(__name__)
 FLAVOURS = ("cpu", "portable", "static")
@@ -309,8 +310,7 @@ class _Builder:
         g, m = self.g, self.m
         qkv = self.linear(xn, t, ["q_proj", "k_proj", "v_proj"], f"l{li}.qkv")
         if m.attention_bias:
-            b = np.concatenate([t["q_bias"], t["k_bias"], t["v_bias"]]).astype(np.float32)
-            qkv = g.op1("Add", [qkv, g.const(f"l{li}.qkv.bias", b)])
+            qkv = self.add_bias(qkv, t, ["q_bias", "k_bias", "v_bias"], f"l{li}.qkv")
         outs = g.op("GroupQueryAttention",
                     [qkv, "", "", f"past_key.{li}", f"past_value.{li}", pro["seqlens"], pro["total"],
                      pro["cos"], pro["sin"], pro["pos"]],
@@ -360,12 +360,22 @@ class _Builder:
         o = g.op1("Reshape", [o, g.const("o_flat_shape", np.array([1, -1, m.n_heads * hd], np.int64))])
         return o, k_out, v_out
 
+    def add_bias(self, y: str, t: dict[str, np.ndarray], names: list[str], label: str) -> str:
+        """y + concat(t[names]) (float32, whatever the weight format)."""
+        b = np.concatenate([t[n].astype(np.float32) for n in names])
+        return self.g.op1("Add", [y, self.g.const(label + ".bias", b)])
+
     def mlp(self, xn: str, t: dict[str, np.ndarray], li: int) -> str:
         g, f = self.g, self.m.intermediate_size
         gu = self.linear(xn, t, ["gate_proj", "up_proj"], f"l{li}.gate_up")
+        if self.m.mlp_bias:
+            gu = self.add_bias(gu, t, ["gate_bias", "up_bias"], f"l{li}.gate_up")
         gate, up = g.op("Split", [gu, g.const("split_ff", np.array([f, f], np.int64))], n_out=2, axis=-1)
         act = g.op1("Mul", [gate, g.op1("Sigmoid", [gate])])
-        return self.linear(g.op1("Mul", [act, up]), t, ["down_proj"], f"l{li}.down")
+        down = self.linear(g.op1("Mul", [act, up]), t, ["down_proj"], f"l{li}.down")
+        if self.m.mlp_bias:
+            down = self.add_bias(down, t, ["down_bias"], f"l{li}.down")
+        return down
 
     # --- whole graph ----------------------------------------------------------------------------
     def build(self) -> onnx.ModelProto:
@@ -413,6 +423,8 @@ class _Builder:
             att = self.attention_cpu if s.flavour == "cpu" else self.attention_plain
             a, k_out, v_out = att(xn, t, li, pro)
             o = self.linear(a, t, ["o_proj"], f"l{li}.o_proj")
+            if m.attention_output_bias:
+                o = self.add_bias(o, t, ["o_bias"], f"l{li}.o_proj")
             xn2, residual = self.add_rms(o, residual, t["post_norm"], f"l{li}.post_norm")
             pending = self.mlp(xn2, t, li)
             new_len: int | str = s.prefill_chunk if static else "P_plus_T"
@@ -443,7 +455,8 @@ def build_fragment(model_dir: Path, first_layer: int, last_layer: int, *, flavou
     """Build (or reuse from cache) the ONNX fragment for layers [first, last]; returns its path.
 
     The cache lives under ``cache_dir`` or ``<model_dir>/fragments/`` and is keyed by the
-    model's weights, the range, the flavour and the shapes; writes are atomic.
+    model's weights, the range, the flavour and the shapes; writes are atomic. A fragment is
+    built only from weight files that match the manifest's sha256 (CorruptWeightsError if not).
     """
     model_dir = Path(model_dir)
     m = load_manifest(model_dir)
@@ -460,6 +473,7 @@ def build_fragment(model_dir: Path, first_layer: int, last_layer: int, *, flavou
     final = root / (prefix + key[:20])
     if (final / ONNX_FILE).is_file():
         return final / ONNX_FILE
+    verify_weight_files(model_dir, m, m.fragment_files(spec.first_layer, spec.last_layer))
     (root / BLOB_POOL).mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=TMP_PREFIX, dir=root))
     try:

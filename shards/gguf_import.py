@@ -3,6 +3,10 @@
 llama.cpp's converter permutes the rows of llama ``attn_q`` / ``attn_k`` so that rotary pairs
 are interleaved (GPT-J style); we undo that permutation so stored weights are in the Hugging
 Face layout (rotate-half rotary), the layout every ncm fragment uses. qwen2 is not permuted.
+
+Optional tensors are all-or-nothing per model, decided by layer 0: ``attn_q/k/v.bias``
+(q/k/v biases), ``attn_output.bias`` and ``ffn_gate/up/down.bias``. Every tensor of the file
+must be one of the model's or on :data:`IGNORED_LAYER_TENSORS`.
 """
 
 from __future__ import annotations
@@ -25,13 +29,17 @@ _LAYER_NAMES = {
     "attn_k.weight": "k_proj",
     "attn_v.weight": "v_proj",
     "attn_output.weight": "o_proj",
-    "attn_q.bias": "q_bias",
-    "attn_k.bias": "k_bias",
-    "attn_v.bias": "v_bias",
     "ffn_gate.weight": "gate_proj",
     "ffn_up.weight": "up_proj",
     "ffn_down.weight": "down_proj",
 }
+_QKV_BIASES = {"attn_q.bias": "q_bias", "attn_k.bias": "k_bias", "attn_v.bias": "v_bias"}
+_O_BIAS = {"attn_output.bias": "o_bias"}
+_MLP_BIASES = {"ffn_gate.bias": "gate_bias", "ffn_up.bias": "up_bias", "ffn_down.bias": "down_bias"}
+# Per-layer tensors (``blk.N.<name>``) skipped by name because they hold nothing the model
+# needs: rotary inverse frequencies (GGUF's name for Hugging Face's ``rotary_emb.inv_freq``
+# buffer), which the rope metadata determines.
+IGNORED_LAYER_TENSORS = ("attn_rot_embd",)
 
 
 def unpermute_rope_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
@@ -66,8 +74,14 @@ class GgufSource:
                 f"{self.path.name}: architecture {arch!r} is not supported (supported: {', '.join(SUPPORTED)})")
         self.arch = arch
         self.tensors = {t.name: t for t in self.reader.tensors}
+        self.consumed: set[str] = set()
         self._check_sizes()
         self.params = self._params()
+        self._layer_map = dict(_LAYER_NAMES)
+        for on, names in ((self.params["attention_bias"], _QKV_BIASES),
+                          (self.params["attention_output_bias"], _O_BIAS), (self.params["mlp_bias"], _MLP_BIASES)):
+            if on:
+                self._layer_map |= names
 
     def _field(self, key: str, default: Any = ModelFormatError) -> Any:
         f = self.reader.fields.get(key)
@@ -121,8 +135,24 @@ class GgufSource:
             "context_length": int(self._field(f"{a}.context_length")),
             "tied_embeddings": "output.weight" not in self.tensors,
             "attention_bias": "blk.0.attn_q.bias" in self.tensors,
+            "attention_output_bias": "blk.0.attn_output.bias" in self.tensors,
+            "mlp_bias": "blk.0.ffn_gate.bias" in self.tensors,
             "rope_freq_factors": ff,
         }
+
+    def tensor_names(self) -> set[str]:
+        return set(self.tensors)
+
+    def planned_names(self) -> set[str]:
+        names = {"token_embd.weight", "output_norm.weight"}
+        names.update(n for n in ("output.weight", "rope_freqs.weight") if n in self.tensors)
+        for i in range(self.params["n_layers"]):
+            names.update(f"blk.{i}.{gname}" for gname in self._layer_map)
+        return names
+
+    def ignored_names(self) -> set[str]:
+        n = self.params["n_layers"]
+        return {f"blk.{i}.{s}" for i in range(n) for s in IGNORED_LAYER_TENSORS} & set(self.tensors)
 
     def _tensor(self, name: str) -> np.ndarray:
         import gguf
@@ -130,6 +160,7 @@ class GgufSource:
         t = self.tensors.get(name)
         if t is None:
             raise ModelFormatError(f"{self.path.name}: tensor {name} is missing")
+        self.consumed.add(name)
         try:
             arr = gguf.quants.dequantize(t.data, t.tensor_type)
         except (NotImplementedError, ValueError) as e:
@@ -140,14 +171,7 @@ class GgufSource:
 
     def layer(self, i: int) -> dict[str, np.ndarray]:
         """Float32 tensors of layer ``i`` (HF layout, linear weights [out, in])."""
-        out = {}
-        for gname, cname in _LAYER_NAMES.items():
-            full = f"blk.{i}.{gname}"
-            if full not in self.tensors:
-                if cname.endswith("_bias"):
-                    continue
-                raise ModelFormatError(f"{self.path.name}: tensor {full} is missing")
-            out[cname] = self._tensor(full)
+        out = {cname: self._tensor(f"blk.{i}.{gname}") for gname, cname in self._layer_map.items()}
         if self.arch == "llama":
             out["q_proj"] = unpermute_rope_rows(out["q_proj"], self.params["n_heads"])
             out["k_proj"] = unpermute_rope_rows(out["k_proj"], self.params["n_kv_heads"])

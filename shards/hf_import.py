@@ -1,7 +1,10 @@
 """Read a Hugging Face model folder (config.json + *.safetensors + tokenizer.json).
 
-Supported ``model_type``: ``llama`` (incl. ``rope_scaling`` type "llama3") and ``qwen2``
-(q/k/v biases, tied embeddings). Tensors are read with numpy (see :mod:`shards.tensorfile`).
+Supported ``model_type``: ``llama`` (incl. ``rope_scaling`` type "llama3", ``attention_bias``:
+q/k/v/o biases, ``mlp_bias``: gate/up/down biases) and ``qwen2`` (q/k/v biases, tied
+embeddings). Tensors are read with numpy (see :mod:`shards.tensorfile`). Every tensor of the
+checkpoint must be one the config calls for, or on :data:`IGNORED_LAYER_TENSORS`; a tied
+checkpoint may also store ``lm_head.weight`` if it equals the embedding.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from shards.errors import ModelFormatError, TokenizerError, UnsupportedArchitectureError
+from shards.errors import ModelFormatError, TokenizerError, UnmappedTensorError, UnsupportedArchitectureError
 from shards.tensorfile import read_header, read_tensors
 
 log = logging.getLogger(__name__)
@@ -27,13 +30,17 @@ _LAYER_NAMES = {
     "self_attn.k_proj.weight": "k_proj",
     "self_attn.v_proj.weight": "v_proj",
     "self_attn.o_proj.weight": "o_proj",
-    "self_attn.q_proj.bias": "q_bias",
-    "self_attn.k_proj.bias": "k_bias",
-    "self_attn.v_proj.bias": "v_bias",
     "mlp.gate_proj.weight": "gate_proj",
     "mlp.up_proj.weight": "up_proj",
     "mlp.down_proj.weight": "down_proj",
 }
+_QKV_BIASES = {"self_attn.q_proj.bias": "q_bias", "self_attn.k_proj.bias": "k_bias", "self_attn.v_proj.bias": "v_bias"}
+_O_BIAS = {"self_attn.o_proj.bias": "o_bias"}
+_MLP_BIASES = {"mlp.gate_proj.bias": "gate_bias", "mlp.up_proj.bias": "up_bias", "mlp.down_proj.bias": "down_bias"}
+# Per-layer tensors (``model.layers.N.<name>``) skipped by name because they hold nothing the
+# model needs: rotary inverse frequencies, a buffer older transformers versions saved, which
+# the rope settings of config.json determine.
+IGNORED_LAYER_TENSORS = ("self_attn.rotary_emb.inv_freq",)
 
 
 def llama3_freq_factors(head_dim: int, theta: float, scaling: dict[str, Any]) -> tuple[float, ...]:
@@ -96,7 +103,13 @@ class HfSource:
             for name in header:
                 self.index[name] = f
         self.prefix = "model."
+        self.consumed: set[str] = set()
         self.params = self._params()
+        self._layer_map = dict(_LAYER_NAMES)
+        for on, names in ((self.params["attention_bias"], _QKV_BIASES),
+                          (self.params["attention_output_bias"], _O_BIAS), (self.params["mlp_bias"], _MLP_BIASES)):
+            if on:
+                self._layer_map |= names
 
     def _params(self) -> dict[str, Any]:
         c = self.config
@@ -108,8 +121,8 @@ class HfSource:
             theta = float(c.get("rope_theta", rp.get("rope_theta", 10000.0)))
             rs = c.get("rope_scaling") or rp
             ff = None
-            if c.get("hidden_act", "silu") != "silu" or c.get("mlp_bias"):
-                raise UnsupportedArchitectureError(f"{self.path.name}: only bias-free SiLU MLPs are supported")
+            if c.get("hidden_act", "silu") != "silu":
+                raise UnsupportedArchitectureError(f"{self.path.name}: only SiLU MLPs are supported")
             if c.get("use_sliding_window"):
                 raise UnsupportedArchitectureError(f"{self.path.name}: sliding-window attention is not supported")
             if rs:
@@ -121,9 +134,10 @@ class HfSource:
                 elif kind not in (None, "default"):
                     raise UnsupportedArchitectureError(f"{self.path.name}: rope scaling {kind!r} is not supported")
             tied = bool(c.get("tie_word_embeddings", False)) or "lm_head.weight" not in self.index
-            bias = self.arch == "qwen2" or bool(c.get("attention_bias", False))
-            if bias and "model.layers.0.self_attn.q_proj.bias" not in self.index:
-                bias = False
+            # as transformers builds them: qwen2 has q/k/v biases only; llama's attention_bias
+            # gives q/k/v and o_proj biases, its mlp_bias gate/up/down ones
+            llama = self.arch == "llama"
+            attention_bias = bool(c.get("attention_bias", False)) if llama else True
             return {
                 "architecture": self.arch,
                 "n_layers": int(c["num_hidden_layers"]),
@@ -137,33 +151,53 @@ class HfSource:
                 "rms_norm_eps": float(c.get("rms_norm_eps", 1e-6)),
                 "context_length": int(c.get("max_position_embeddings", 4096)),
                 "tied_embeddings": tied,
-                "attention_bias": bias,
+                "attention_bias": attention_bias,
+                "attention_output_bias": llama and attention_bias,
+                "mlp_bias": llama and bool(c.get("mlp_bias", False)),
                 "rope_freq_factors": ff,
             }
         except (KeyError, TypeError, ValueError) as e:
             raise ModelFormatError(f"{self.path.name}: config.json lacks or garbles {e}") from e
 
+    def tensor_names(self) -> set[str]:
+        return set(self.index)
+
+    def planned_names(self) -> set[str]:
+        names = {"model.embed_tokens.weight", "model.norm.weight"}
+        if "lm_head.weight" in self.index:  # read, or (tied) compared with the embedding
+            names.add("lm_head.weight")
+        for i in range(self.params["n_layers"]):
+            names.update(f"model.layers.{i}.{hname}" for hname in self._layer_map)
+        return names
+
+    def ignored_names(self) -> set[str]:
+        n = self.params["n_layers"]
+        return {f"model.layers.{i}.{s}" for i in range(n) for s in IGNORED_LAYER_TENSORS} & set(self.index)
+
     def _get(self, name: str) -> np.ndarray:
         f = self.index.get(name)
         if f is None:
             raise ModelFormatError(f"{self.path.name}: tensor {name} is missing")
+        self.consumed.add(name)
         return read_tensors(f, [name])[name].astype(np.float32, copy=False)
 
     def layer(self, i: int) -> dict[str, np.ndarray]:
-        out = {}
-        for hname, cname in _LAYER_NAMES.items():
-            full = f"model.layers.{i}.{hname}"
-            if cname.endswith("_bias") and not self.params["attention_bias"]:
-                continue
-            out[cname] = self._get(full)
-        return out
+        return {cname: self._get(f"model.layers.{i}.{hname}") for hname, cname in self._layer_map.items()}
 
     def embed(self) -> np.ndarray:
         return self._get("model.embed_tokens.weight")
 
     def head(self) -> dict[str, np.ndarray]:
-        w = self._get("model.embed_tokens.weight" if self.params["tied_embeddings"] else "lm_head.weight")
-        return {"norm": self._get("model.norm.weight"), "lm_head": w}
+        norm = self._get("model.norm.weight")
+        if not self.params["tied_embeddings"]:
+            return {"norm": norm, "lm_head": self._get("lm_head.weight")}
+        w = self._get("model.embed_tokens.weight")
+        if "lm_head.weight" in self.index:  # a stored copy of the tied matrix is fine, another matrix is not
+            copy = self._get("lm_head.weight")
+            if copy.shape != w.shape or not np.array_equal(copy, w):
+                raise UnmappedTensorError(f"{self.path.name}: lm_head.weight differs from the embedding that "
+                                          "config.json ties it to, so the import would drop it", ["lm_head.weight"])
+        return {"norm": norm, "lm_head": w}
 
     def tokenizer_spec(self) -> Any:
         from shards.tokenizer import tokenizer_spec_from_hf

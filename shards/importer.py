@@ -9,19 +9,24 @@ Weights are stored per layer (``weights/layer_NNN.safetensors``) plus ``weights/
 - ``q4``: the layers' linear weights as 4-bit blocks for ``MatMulNBits`` (see
   :mod:`shards.quant`), quantised from the dequantised float32 weights; lm_head as 8-bit
   blocks (the logits are the most sensitive matrix); the embedding table as float16.
+
+Every tensor of the checkpoint is used or the import is refused (UnmappedTensorError, naming
+them): a tensor the importer does not map would be a weight silently dropped. Each source
+names the few harmless extras it skips in an explicit, documented list.
 """
 
 from __future__ import annotations
 
 import hashlib
 import logging
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, Protocol
 
 import numpy as np
 from tqdm import tqdm
 
-from shards.errors import ModelFormatError
+from shards.errors import ModelFormatError, UnmappedTensorError
 from shards.manifest import WEIGHT_FORMATS, Manifest, WeightFile, layer_key
 from shards.quant import quantize_q4, quantize_q8
 from shards.store import ModelStore
@@ -37,6 +42,13 @@ class ModelSource(Protocol):
     the Hugging Face layout (linear weights [out, in]) under ncm's canonical names."""
 
     params: dict[str, Any]  # Manifest fields describing the model's shape
+    consumed: set[str]  # checkpoint names of the tensors read so far
+
+    def tensor_names(self) -> set[str]: ...  # every tensor the checkpoint holds
+
+    def planned_names(self) -> set[str]: ...  # those layer()/embed()/head() will read, per params
+
+    def ignored_names(self) -> set[str]: ...  # those on the source's documented harmless list
 
     def layer(self, i: int) -> dict[str, np.ndarray]: ...
 
@@ -111,7 +123,8 @@ def _check_layer(src_params: dict[str, Any], i: int, t: dict[str, np.ndarray]) -
     kv = src_params["n_kv_heads"] * src_params["head_dim"]
     want = {"q_proj": (q, h), "k_proj": (kv, h), "v_proj": (kv, h), "o_proj": (h, q),
             "gate_proj": (f, h), "up_proj": (f, h), "down_proj": (h, f),
-            "input_norm": (h,), "post_norm": (h,), "q_bias": (q,), "k_bias": (kv,), "v_bias": (kv,)}
+            "input_norm": (h,), "post_norm": (h,), "q_bias": (q,), "k_bias": (kv,), "v_bias": (kv,),
+            "o_bias": (h,), "gate_bias": (f,), "up_bias": (f,), "down_bias": (h,)}
     for name, arr in t.items():
         if tuple(arr.shape) != want[name]:
             raise ModelFormatError(f"layer {i}: {name} has shape {arr.shape}, expected {want[name]}")
@@ -119,18 +132,30 @@ def _check_layer(src_params: dict[str, Any], i: int, t: dict[str, np.ndarray]) -
             raise ModelFormatError(f"layer {i}: {name} holds NaN or infinite values")
 
 
+def refuse_unused(source: str, unused: Iterable[str], shown: int = 5) -> None:
+    """UnmappedTensorError naming the first ``shown`` of ``unused`` (then a count), if any."""
+    names = sorted(unused)
+    if names:
+        more = f" and {len(names) - shown} more" if len(names) > shown else ""
+        plural = "tensor" if len(names) == 1 else "tensors"
+        raise UnmappedTensorError(f"{source}: {len(names)} {plural} the importer does not map (importing would "
+                                  f"drop them): {', '.join(names[:shown])}{more}", names)
+
+
 def import_model(path: Path | str, *, name: str | None = None, weights: str = "f32",
                  store: ModelStore | None = None, progress: bool = True) -> Manifest:
     """Import a GGUF file or HF folder as model ``name``; returns its manifest.
 
-    Raises UnsupportedArchitectureError, ModelFormatError or TokenizerError; on any error
-    nothing is left in the store.
+    Raises UnsupportedArchitectureError, UnmappedTensorError (a tensor the import would not
+    use), ModelFormatError or TokenizerError; on any error nothing is left in the store.
     """
     if weights not in WEIGHT_FORMATS:
         raise ModelFormatError(f"unknown weight format {weights!r} (use one of {', '.join(WEIGHT_FORMATS)})")
     store = store or ModelStore()
     path = Path(path)
     src = open_source(path)
+    everything, ignored = src.tensor_names(), src.ignored_names()
+    refuse_unused(path.name, everything - src.planned_names() - ignored)  # before any work
     name = name or default_name(path)
     spec = src.tokenizer_spec()  # TokenizerError before anything is written
     params = dict(src.params)
@@ -160,6 +185,7 @@ def import_model(path: Path | str, *, name: str | None = None, weights: str = "f
                 raise ModelFormatError(f"lm_head has shape {head['lm_head'].shape}")
             files["head"] = _write(tmp, f"{WEIGHTS_DIR}/head.safetensors", convert_tensors(head, weights))
             bar.update()
+            refuse_unused(path.name, everything - src.consumed - ignored)  # what was actually read
         finally:
             bar.close()
         save_tokenizer_spec(spec, tmp)
@@ -170,4 +196,4 @@ def import_model(path: Path | str, *, name: str | None = None, weights: str = "f
     return manifest
 
 
-__all__ = ["import_model", "open_source", "convert_tensors", "default_name"]
+__all__ = ["import_model", "open_source", "convert_tensors", "default_name", "refuse_unused"]

@@ -57,9 +57,19 @@ def _pos_float(name: str, v: Any) -> None:
         raise ModelFormatError(f"manifest: {name} must be a positive number, got {v!r}")
 
 
+# Written to the manifest only when true: bias-free models keep the manifest (and so the
+# fragment cache keys) of earlier builds, and a peer whose build predates them refuses only
+# the models it could not run.
+_OPTIONAL_FLAGS = ("attention_output_bias", "mlp_bias")
+
+
 @dataclass(frozen=True)
 class Manifest:
-    """Description of one stored model; validated on construction (ModelFormatError)."""
+    """Description of one stored model; validated on construction (ModelFormatError).
+
+    ``attention_bias``: q/k/v projections have biases (``q_bias``, ``k_bias``, ``v_bias`` in
+    the layer files); ``attention_output_bias``: o_proj has one (``o_bias``); ``mlp_bias``:
+    gate/up/down have them (``gate_bias``, ``up_bias``, ``down_bias``)."""
 
     name: str
     architecture: str
@@ -81,6 +91,8 @@ class Manifest:
     rope_freq_factors: tuple[float, ...] | None = None
     source: str = ""
     version: int = MANIFEST_VERSION
+    attention_output_bias: bool = False
+    mlp_bias: bool = False
 
     def __post_init__(self) -> None:
         if not valid_model_name(self.name):
@@ -103,8 +115,9 @@ class Manifest:
         if self.weight_format == "q4" and (self.hidden_size % 32 or self.intermediate_size % 32
                                            or (self.n_heads * self.head_dim) % 32):
             raise ModelFormatError("manifest: q4 needs matrix input sizes that are multiples of 32")
-        if not isinstance(self.tied_embeddings, bool) or not isinstance(self.attention_bias, bool):
-            raise ModelFormatError("manifest: tied_embeddings / attention_bias must be booleans")
+        flags = ("tied_embeddings", "attention_bias", *_OPTIONAL_FLAGS)
+        if not all(isinstance(getattr(self, f), bool) for f in flags):
+            raise ModelFormatError(f"manifest: {' / '.join(flags)} must be booleans")
         if not isinstance(self.source_digest, str) or not _SHA_RE.match(self.source_digest):
             raise ModelFormatError("manifest: source_digest must be a sha256 hex digest")
         if self.rope_freq_factors is not None:
@@ -163,7 +176,8 @@ class Manifest:
 
     # --- JSON ----------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
-        d = {f.name: getattr(self, f.name) for f in fields(self)}
+        d = {f.name: getattr(self, f.name) for f in fields(self)
+             if f.name not in _OPTIONAL_FLAGS or getattr(self, f.name)}
         d["files"] = {k: asdict(v) for k, v in self.files.items()}
         d["rope_freq_factors"] = list(self.rope_freq_factors) if self.rope_freq_factors else None
         return d

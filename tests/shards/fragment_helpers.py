@@ -55,8 +55,12 @@ def write_word_tokenizer(folder: Path, vocab_size: int) -> None:
         {"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>", "add_bos_token": True}))
 
 
-def make_hf_checkpoint(folder: Path, arch: str, *, seed: int = 0):
-    """Save a tiny random llama / qwen2 checkpoint in ``folder``; returns the torch model (eval, fp32)."""
+def make_hf_checkpoint(folder: Path, arch: str, *, seed: int = 0, attention_bias: bool = False,
+                       mlp_bias: bool = False):
+    """Save a tiny random llama / qwen2 checkpoint in ``folder``; returns the torch model (eval, fp32).
+
+    ``attention_bias`` / ``mlp_bias`` (llama only) give q/k/v/o and gate/up/down biases, as the
+    Llama config options of those names do."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
@@ -66,19 +70,19 @@ def make_hf_checkpoint(folder: Path, arch: str, *, seed: int = 0):
                   initializer_range=0.15, rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2)
     if arch == "llama":
         cfg = LlamaConfig(**common, tie_word_embeddings=False, rope_theta=10000.0,
+                          attention_bias=attention_bias, mlp_bias=mlp_bias,
                           rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                                         "high_freq_factor": 4.0, "original_max_position_embeddings": 64})
         model = LlamaForCausalLM(cfg)
     else:
+        assert not (attention_bias or mlp_bias), "qwen2 has q/k/v biases and no others"
         cfg = Qwen2Config(**common, tie_word_embeddings=True, rope_theta=1000000.0)
         model = Qwen2ForCausalLM(cfg)
-        with torch.no_grad():  # random (non-zero) q/k/v biases
-            for layer in model.model.layers:
-                for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
-                    proj.bias.normal_(0.0, 0.3)
-    with torch.no_grad():  # non-trivial norm weights
+    with torch.no_grad():  # random (non-zero) biases, non-trivial norm weights
         for name, p in model.named_parameters():
-            if name.endswith("layernorm.weight") or name == "model.norm.weight":
+            if name.endswith(".bias"):
+                p.normal_(0.0, 0.3)
+            elif name.endswith("layernorm.weight") or name == "model.norm.weight":
                 p.uniform_(0.5, 1.5)
     model.eval()
     folder.mkdir(parents=True, exist_ok=True)
@@ -87,10 +91,11 @@ def make_hf_checkpoint(folder: Path, arch: str, *, seed: int = 0):
     return model
 
 
-def write_gguf_from_hf(model, path: Path, arch: str) -> Path:
+def write_gguf_from_hf(model, path: Path, arch: str, extra: dict[str, np.ndarray] | None = None) -> Path:
     """Write ``model`` (a tiny transformers llama / qwen2) as a GGUF the way llama.cpp's
     converter does: llama Q/K rows permuted for interleaved rotary, tied lm_head omitted,
-    llama3 rope factors as ``rope_freqs.weight``, plus a small gpt2-style tokenizer."""
+    llama3 rope factors as ``rope_freqs.weight``, plus a small gpt2-style tokenizer.
+    Every tensor of the model is written (AssertionError otherwise), then the ``extra`` ones."""
     import gguf
 
     from shards.hf_import import llama3_freq_factors
@@ -133,21 +138,62 @@ def write_gguf_from_hf(model, path: Path, arch: str) -> Path:
              "self_attn.q_proj.weight": "attn_q.weight", "self_attn.k_proj.weight": "attn_k.weight",
              "self_attn.v_proj.weight": "attn_v.weight", "self_attn.o_proj.weight": "attn_output.weight",
              "self_attn.q_proj.bias": "attn_q.bias", "self_attn.k_proj.bias": "attn_k.bias",
-             "self_attn.v_proj.bias": "attn_v.bias", "mlp.gate_proj.weight": "ffn_gate.weight",
-             "mlp.up_proj.weight": "ffn_up.weight", "mlp.down_proj.weight": "ffn_down.weight"}
+             "self_attn.v_proj.bias": "attn_v.bias", "self_attn.o_proj.bias": "attn_output.bias",
+             "mlp.gate_proj.weight": "ffn_gate.weight", "mlp.up_proj.weight": "ffn_up.weight",
+             "mlp.down_proj.weight": "ffn_down.weight", "mlp.gate_proj.bias": "ffn_gate.bias",
+             "mlp.up_proj.bias": "ffn_up.bias", "mlp.down_proj.bias": "ffn_down.bias"}
+    written = {"model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"}
     for i in range(cfg.num_hidden_layers):
         for hf, gg in names.items():
             key = f"model.layers.{i}.{hf}"
             if key not in sd:
                 continue
+            written.add(key)
             t = sd[key]
             if arch == "llama" and gg.startswith("attn_q."):
                 t = permute(t, n_heads)
             elif arch == "llama" and gg.startswith("attn_k."):
                 t = permute(t, n_kv)
             w.add_tensor(f"blk.{i}.{gg}", np.ascontiguousarray(t))
+    assert set(sd) <= written, f"not written to the GGUF: {sorted(set(sd) - written)}"
+    for name, t in (extra or {}).items():
+        w.add_tensor(name, np.ascontiguousarray(t))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
     return path
+
+
+def add_tensors(checkpoint: Path, extra: dict[str, np.ndarray]) -> None:
+    """Add ``extra`` tensors to a one-file Hugging Face checkpoint's ``model.safetensors``."""
+    from shards.tensorfile import read_tensors, write_tensors
+
+    path = checkpoint / "model.safetensors"
+    write_tensors(path, read_tensors(path) | extra)
+
+
+def load_dequantised(model, model_dir: Path, manifest) -> None:
+    """Replace ``model``'s (a tiny transformers llama / qwen2) linear weights, embedding and lm_head
+    by those a q4 import stored, dequantised (the lm_head untied; biases are stored as they are)."""
+    import torch
+
+    from shards.quant import dequantize
+    from shards.tensorfile import read_tensors
+
+    def deq(t: dict, name: str) -> torch.Tensor:
+        return torch.from_numpy(dequantize({k.split(".", 1)[1]: v for k, v in t.items() if k.startswith(name + ".")}))
+
+    with torch.no_grad():
+        for i, layer in enumerate(model.model.layers):
+            t = read_tensors(model_dir / manifest.files[f"layer.{i}"].path)
+            for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
+                getattr(layer.self_attn, proj).weight.copy_(deq(t, proj))
+            for proj in ("gate_proj", "up_proj", "down_proj"):
+                getattr(layer.mlp, proj).weight.copy_(deq(t, proj))
+        head = read_tensors(model_dir / manifest.files["head"].path)
+        emb = read_tensors(model_dir / manifest.files["embed"].path)["embed"]
+        hidden, vocab = model.config.hidden_size, model.config.vocab_size
+        model.lm_head = torch.nn.Linear(hidden, vocab, bias=False)  # untie: the q4 head is 8-bit, the table f16
+        model.lm_head.weight.copy_(deq(head, "lm_head"))
+        model.model.embed_tokens.weight.copy_(torch.from_numpy(emb.astype(np.float32)))

@@ -4,14 +4,15 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 import shutil
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from fragment_helpers import PROMPT_IDS, SMOLLM2, chain, make_hf_checkpoint
-from shards.errors import ModelFormatError, TokenizerError, UnsupportedArchitectureError
+from fragment_helpers import PROMPT_IDS, SMOLLM2, add_tensors, chain, make_hf_checkpoint
+from shards.errors import ModelFormatError, TokenizerError, UnmappedTensorError, UnsupportedArchitectureError
 from shards.gguf_import import unpermute_rope_rows
 from shards.importer import default_name, import_model
 from shards.runner import chain_forward, open_chain
@@ -186,3 +187,67 @@ def test_failure_midway_keeps_previous_model(tiny_llama, tmp_path) -> None:
 def test_unknown_weight_format(tiny_llama, tmp_path) -> None:
     with pytest.raises(ModelFormatError, match="q8"):
         import_model(tiny_llama, weights="q8", store=ModelStore(tmp_path), progress=False)
+
+
+# --- every tensor is used or the import is refused ------------------------------------------
+@pytest.mark.parametrize("extra", [
+    "model.layers.1.self_attn.q_norm.weight",  # unknown to the importer
+    "model.layers.0.self_attn.o_proj.bias",  # a bias the config (attention_bias: false) does not declare
+    "model.layers.3.mlp.up_proj.weight",  # a layer past num_hidden_layers
+    "lm_head.bias",
+])
+def test_hf_unmapped_tensor_is_refused(tiny_llama, tmp_path, extra) -> None:
+    folder = tmp_path / "extra"
+    shutil.copytree(tiny_llama, folder)
+    add_tensors(folder, {extra: np.ones(64, np.float32)})
+    store = ModelStore(tmp_path / "home")
+    with pytest.raises(UnmappedTensorError, match=re.escape(extra)) as caught:
+        import_model(folder, store=store, progress=False)
+    assert caught.value.names == (extra,)
+    assert_store_empty(store)
+
+
+def test_many_unmapped_tensors_are_named_then_counted(tiny_llama, tmp_path) -> None:
+    folder = tmp_path / "extras"
+    shutil.copytree(tiny_llama, folder)
+    extras = [f"model.layers.{i}.self_attn.{p}_norm.weight" for i in range(3) for p in ("q", "k", "k2")]
+    add_tensors(folder, {name: np.ones(16, np.float32) for name in extras})
+    with pytest.raises(UnmappedTensorError, match=r"9 tensors .* and 4 more") as caught:
+        import_model(folder, store=ModelStore(tmp_path / "home"), progress=False)
+    assert sorted(caught.value.names) == sorted(extras)
+
+
+def test_documented_harmless_extras_are_ignored(tiny_llama, tmp_path) -> None:
+    """Rotary inverse-frequency buffers (old checkpoints saved them) carry nothing the rope
+    settings do not: they are on the importer's explicit ignore list."""
+    folder = tmp_path / "inv_freq"
+    shutil.copytree(tiny_llama, folder)
+    add_tensors(folder, {f"model.layers.{i}.self_attn.rotary_emb.inv_freq": np.ones(8, np.float32) for i in range(3)})
+    store = ModelStore(tmp_path / "home")
+    plain = import_model(tiny_llama, name="plain", store=store, progress=False)
+    m = import_model(folder, name="with-inv-freq", store=store, progress=False)
+    assert m.files == plain.files
+
+
+@pytest.fixture(scope="module")
+def tiny_qwen2(tmp_path_factory) -> Path:
+    folder = tmp_path_factory.mktemp("tiny") / "qwen2"
+    make_hf_checkpoint(folder, "qwen2")
+    return folder
+
+
+def test_tied_lm_head_copy_is_accepted_a_different_one_refused(tiny_qwen2, tmp_path) -> None:
+    """A tied checkpoint may also store lm_head.weight: fine when it is the embedding, refused
+    (named) when it differs, since the tied model would not use it."""
+    emb = read_tensors(tiny_qwen2 / "model.safetensors", ["model.embed_tokens.weight"])["model.embed_tokens.weight"]
+    store = ModelStore(tmp_path / "home")
+    same = tmp_path / "same"
+    shutil.copytree(tiny_qwen2, same)
+    add_tensors(same, {"lm_head.weight": emb.copy()})
+    assert import_model(same, name="same", store=store, progress=False).tied_embeddings
+    other = tmp_path / "other"
+    shutil.copytree(tiny_qwen2, other)
+    add_tensors(other, {"lm_head.weight": emb * 2})
+    with pytest.raises(UnmappedTensorError, match="lm_head.weight"):
+        import_model(other, name="other", store=store, progress=False)
+    assert [p.name for p in store.models_dir.iterdir()] == ["same"]

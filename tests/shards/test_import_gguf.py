@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 
-from fragment_helpers import make_hf_checkpoint, write_gguf_from_hf
+from fragment_helpers import load_dequantised, make_hf_checkpoint, write_gguf_from_hf
+from shards.errors import UnmappedTensorError
 from shards.importer import import_model
 from shards.runner import chain_forward, open_chain
 from shards.store import ModelStore
@@ -36,31 +39,14 @@ def test_q4_fragments_compute_the_dequantised_model(tmp_path, monkeypatch) -> No
     """The q4 graph (MatMulNBits + offsets, 8-bit lm_head) equals fp32 math on the dequantised weights."""
     import torch
 
-    from shards.quant import dequantize
-    from shards.tensorfile import read_tensors
-
     model = make_hf_checkpoint(tmp_path / "hf", "qwen2", seed=8)
     store = ModelStore(tmp_path / "home")
     m = import_model(write_gguf_from_hf(model, tmp_path / "q.gguf", "qwen2"), name="q", weights="q4",
                      store=store, progress=False)
     d = store.model_dir("q")
-
-    def deq(t: dict, name: str) -> torch.Tensor:
-        return torch.from_numpy(dequantize({k.split(".", 1)[1]: v for k, v in t.items() if k.startswith(name + ".")}))
-
+    load_dequantised(model, d, m)
+    ids = np.arange(3, 50, dtype=np.int64)
     with torch.no_grad():
-        for i, layer in enumerate(model.model.layers):
-            t = read_tensors(d / m.files[f"layer.{i}"].path)
-            for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
-                getattr(layer.self_attn, proj).weight.copy_(deq(t, proj))
-            for proj in ("gate_proj", "up_proj", "down_proj"):
-                getattr(layer.mlp, proj).weight.copy_(deq(t, proj))
-        head = read_tensors(d / m.files["head"].path)
-        emb = read_tensors(d / m.files["embed"].path)["embed"]
-        model.lm_head = torch.nn.Linear(64, 96, bias=False)  # untie: the q4 head is 8-bit, the table f16
-        model.lm_head.weight.copy_(deq(head, "lm_head"))
-        model.model.embed_tokens.weight.copy_(torch.from_numpy(emb.astype(np.float32)))
-        ids = np.arange(3, 50, dtype=np.int64)
         ref = model(torch.from_numpy(ids[None, :])).logits[0].numpy()
     fast = chain_forward(open_chain(d, [(0, 2)], threads=1), "s", ids)[0]
     # default accuracy_level 4 (int8 activations, fast): close on this chaotic random net
@@ -69,3 +55,34 @@ def test_q4_fragments_compute_the_dequantised_model(tmp_path, monkeypatch) -> No
     monkeypatch.setattr("shards.fragment.Q4_ACCURACY_LEVEL", 0)
     exact = chain_forward(open_chain(d, [(0, 2)], threads=1), "s", ids)[0]
     np.testing.assert_allclose(exact, ref, atol=1e-4, rtol=0)
+
+
+def test_gguf_biased_llama_matches_transformers(tmp_path) -> None:
+    """A llama with attention_bias and mlp_bias: attn_output.bias and ffn_*.bias are applied."""
+    import torch
+
+    model = make_hf_checkpoint(tmp_path / "hf", "llama", seed=9, attention_bias=True, mlp_bias=True)
+    store = ModelStore(tmp_path / "home")
+    m = import_model(write_gguf_from_hf(model, tmp_path / "b.gguf", "llama"), store=store, progress=False)
+    assert m.attention_bias and m.attention_output_bias and m.mlp_bias
+    ids = np.random.default_rng(4).integers(3, 96, size=70).astype(np.int64)
+    with torch.no_grad():
+        ref = model(torch.from_numpy(ids[None, :])).logits[0].numpy()
+    runners = open_chain(store.model_dir(m.name), [(0, 0), (1, 2)], threads=1)
+    ours = np.concatenate([chain_forward(runners, "s", ids[:60]), chain_forward(runners, "s", ids[60:])], axis=1)[0]
+    np.testing.assert_allclose(ours, ref, atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("extra", ["blk.1.attn_q_norm.weight", "blk.1.attn_output.bias", "blk.3.ffn_up.weight",
+                                   "output.bias"])
+def test_gguf_unmapped_tensor_is_refused(tmp_path, extra) -> None:
+    """A tensor the importer would not read (unknown, a bias in one layer only, a layer past
+    block_count...) fails the import with its name, and nothing is stored."""
+    model = make_hf_checkpoint(tmp_path / "hf", "llama", seed=10)
+    shape = (64, 160) if extra.endswith("ffn_up.weight") else (64,)
+    path = write_gguf_from_hf(model, tmp_path / "x.gguf", "llama", extra={extra: np.ones(shape, np.float32)})
+    store = ModelStore(tmp_path / "home")
+    with pytest.raises(UnmappedTensorError, match=re.escape(extra)) as caught:
+        import_model(path, store=store, progress=False)
+    assert caught.value.names == (extra,)
+    assert not store.models_dir.exists() or list(store.models_dir.iterdir()) == []

@@ -5,10 +5,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from fragment_helpers import greedy, make_hf_checkpoint
+from fragment_helpers import greedy, load_dequantised, make_hf_checkpoint
 from shards.importer import import_model
 from shards.runner import chain_forward, open_chain
 from shards.store import ModelStore
+from shards.tensorfile import read_tensors
 
 pytestmark = pytest.mark.slow
 
@@ -38,6 +39,8 @@ def test_manifest_reflects_config(checkpoints, arch) -> None:
     assert (m.architecture, m.n_layers, m.hidden_size, m.n_heads, m.n_kv_heads, m.head_dim) == (arch, 3, 64, 4, 2, 16)
     assert m.tied_embeddings is (arch == "qwen2")
     assert m.attention_bias is (arch == "qwen2")
+    assert not m.attention_output_bias and not m.mlp_bias
+    assert not {"attention_output_bias", "mlp_bias"} & set(m.to_dict())  # bias-free manifests as before
     assert (m.rope_freq_factors is not None) is (arch == "llama")
 
 
@@ -89,4 +92,46 @@ def test_sharded_checkpoint_with_index(tmp_path) -> None:
     m = import_model(tmp_path / "src", name="sharded", store=store, progress=False)
     ids = np.arange(3, 30, dtype=np.int64)
     ours = chain_forward(open_chain(store.model_dir(m.name), [(0, 2)], threads=1), "s", ids)[0]
+    np.testing.assert_allclose(ours, torch_logits(model, ids), atol=1e-4, rtol=0)
+
+
+BIASES = {"attention": dict(attention_bias=True), "mlp": dict(mlp_bias=True),
+          "attention+mlp": dict(attention_bias=True, mlp_bias=True)}
+
+
+@pytest.mark.parametrize("biases", list(BIASES))
+def test_biased_llama_logits_match_transformers(tmp_path, biases) -> None:
+    """Llama ``attention_bias`` (q/k/v and o_proj biases) and ``mlp_bias`` (gate/up/down): every
+    bias is stored and applied, in the dynamic and the static flavours."""
+    kw = BIASES[biases]
+    model = make_hf_checkpoint(tmp_path / "src", "llama", seed=11, **kw)
+    store = ModelStore(tmp_path / "home")
+    m = import_model(tmp_path / "src", name="biased", store=store, progress=False)
+    assert (m.attention_bias, m.attention_output_bias) == (kw.get("attention_bias", False),) * 2
+    assert m.mlp_bias is kw.get("mlp_bias", False)
+    assert store.manifest(m.name) == m  # the flags survive the manifest's JSON
+    d = store.model_dir(m.name)
+    ids = np.random.default_rng(5).integers(3, 96, size=60).astype(np.int64)
+    ref = torch_logits(model, ids)
+    runners = open_chain(d, [(0, 1), (2, 2)], threads=1)
+    ours = np.concatenate([chain_forward(runners, "s", ids[:50])] +
+                          [chain_forward(runners, "s", ids[i:i + 1]) for i in range(50, 60)], axis=1)[0]
+    np.testing.assert_allclose(ours, ref, atol=1e-4, rtol=0)
+    static = open_chain(d, [(0, 0), (1, 2)], flavour="static", max_context=64, prefill_chunk=8, threads=1)
+    rows, _ = greedy(static, "s", ids[:37], 0)
+    np.testing.assert_allclose(rows[0], ref[36], atol=1e-4, rtol=0)
+
+
+def test_biased_llama_q4_computes_the_dequantised_model(tmp_path, monkeypatch) -> None:
+    """q4 with biases: the linear weights are quantised, the biases stay float and are applied."""
+    model = make_hf_checkpoint(tmp_path / "src", "llama", seed=12, attention_bias=True, mlp_bias=True)
+    store = ModelStore(tmp_path / "home")
+    m = import_model(tmp_path / "src", name="biased-q4", weights="q4", store=store, progress=False)
+    d = store.model_dir(m.name)
+    layer = read_tensors(d / m.files["layer.0"].path)
+    assert {layer[b].dtype for b in ("q_bias", "o_bias", "gate_bias", "up_bias", "down_bias")} == {np.dtype(np.float32)}
+    load_dequantised(model, d, m)
+    monkeypatch.setattr("shards.fragment.Q4_ACCURACY_LEVEL", 0)  # float activations: exact
+    ids = np.arange(3, 50, dtype=np.int64)
+    ours = chain_forward(open_chain(d, [(0, 2)], threads=1), "s", ids)[0]
     np.testing.assert_allclose(ours, torch_logits(model, ids), atol=1e-4, rtol=0)
