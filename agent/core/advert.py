@@ -77,7 +77,7 @@ class NodeAdvert:
                 configured_orchestrator=bool(data.get("configured_orchestrator", False)),
                 peer_port=int(data.get("peer_port", 0)),
             )
-        except (KeyError, TypeError, ValueError, InvalidNodeError) as error:
+        except (KeyError, TypeError, ValueError, OverflowError, InvalidNodeError) as error:
             raise WireError(f"malformed node description: {error}") from None
 
 

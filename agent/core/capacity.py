@@ -3,21 +3,53 @@
 score(n) = (w_v·VRAM + w_r·RAM + w_n·NPU − w_l·latency/100) · (1 − 0.5·load), floored at 1e-3,
 with w = (2.0, 0.5, 1.5, 0.25) normalised to sum 1. VRAM and RAM are in GiB, NPU in TOPS,
 latency in milliseconds and load in [0, 1].
+
+The score is exact: a rational number computed from the figures as written (a float counts as
+its shortest decimal form, so 0.1 GiB is 1/10 GiB), with exact weights (8/17, 2/17, 6/17,
+1/17). Equal figures give equal scores and proportional figures give proportional scores, so
+the planner's tie rules (§2) decide ties, never floating-point rounding.
 """
 
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass
-from typing import Any, Mapping
+from fractions import Fraction
+from typing import Any, Mapping, Union
 
 from agent.core.errors import InvalidNodeError
 
-_RAW_WEIGHTS = (2.0, 0.5, 1.5, 0.25)
+Number = Union[int, float, Fraction]
+"""What scores, latencies and costs may be given as: int, float or an exact Fraction."""
+
+_RAW_WEIGHTS = (Fraction(2), Fraction(1, 2), Fraction(3, 2), Fraction(1, 4))
 WEIGHT_VRAM, WEIGHT_RAM, WEIGHT_NPU, WEIGHT_LATENCY = (w / sum(_RAW_WEIGHTS) for w in _RAW_WEIGHTS)
-SCORE_FLOOR = 1e-3
-LOAD_PENALTY = 0.5
+SCORE_FLOOR = Fraction(1, 1000)
+LOAD_PENALTY = Fraction(1, 2)
 MAX_NODE_ID_LENGTH = 64
+
+
+def is_number(value: object) -> bool:
+    """True for an int, float or other rational number (a bool is not a number here)."""
+    return not isinstance(value, bool) and isinstance(value, (int, float, numbers.Rational))
+
+
+def exact(value: Number) -> Fraction:
+    """``value`` as an exact Fraction: ints and rationals as they are, a float as its shortest
+    decimal form (``repr``), so that 0.1 is 1/10 and not the binary neighbour of 1/10.
+
+    Distinct floats stay distinct and keep their order. A non-finite float is a ValueError.
+    """
+    if isinstance(value, Fraction):
+        return value
+    if isinstance(value, float):
+        if not math.isfinite(value):
+            raise ValueError(f"{value!r} is not a finite number")
+        return Fraction(repr(float(value)))  # float(): a float subclass may print otherwise
+    if is_number(value):
+        return Fraction(value.numerator, value.denominator)  # type: ignore[union-attr]
+    raise TypeError(f"{value!r} is not a number")
 
 
 def validate_node_id(node_id: object) -> str:
@@ -94,15 +126,15 @@ class NodeCapacity:
         }
 
 
-def score(node: NodeCapacity) -> float:
-    """The capacity score of §1 (always >= SCORE_FLOOR)."""
+def score(node: NodeCapacity) -> Fraction:
+    """The capacity score of §1, exact (always >= SCORE_FLOOR); ``float()`` it for display."""
     raw = (
-        WEIGHT_VRAM * node.vram_gib
-        + WEIGHT_RAM * node.ram_gib
-        + WEIGHT_NPU * node.npu_tops
-        - WEIGHT_LATENCY * node.latency_ms / 100.0
+        WEIGHT_VRAM * exact(node.vram_gib)
+        + WEIGHT_RAM * exact(node.ram_gib)
+        + WEIGHT_NPU * exact(node.npu_tops)
+        - WEIGHT_LATENCY * exact(node.latency_ms) / 100
     )
-    return max(SCORE_FLOOR, raw * (1.0 - LOAD_PENALTY * node.load))
+    return max(SCORE_FLOOR, raw * (1 - LOAD_PENALTY * exact(node.load)))
 
 
 def credited_capacity(detected: NodeCapacity, usable_kinds: frozenset[str] | set[str], *,

@@ -122,5 +122,5 @@ class RoutingOrder:
             )
         except WireError:
             raise
-        except (KeyError, TypeError, ValueError, IndexError) as error:
+        except (KeyError, TypeError, ValueError, IndexError, OverflowError) as error:
             raise WireError(f"malformed routing order: {error}") from None

@@ -1,7 +1,11 @@
 """Layer split, contiguous blocks and head replication (redundancy design §2–§5).
 
 Everything here is a pure function of its arguments: the same scores give the same plan on
-every agent. Scores come from :func:`agent.core.capacity.score`; tests feed them directly.
+every agent. Scores come from :func:`agent.core.capacity.score` (exact fractions); tests feed
+them directly. Scores may be ints, floats or Fractions; every comparison and every quota is
+made on their exact values (a float counts as its shortest decimal form, see
+:func:`agent.core.capacity.exact`), so mathematically equal scores and quotas always tie and
+the design's tie rules decide, never floating-point rounding.
 """
 
 from __future__ import annotations
@@ -14,7 +18,7 @@ from functools import cached_property
 from fractions import Fraction
 from typing import Any, Iterable, Mapping
 
-from agent.core.capacity import validate_node_id
+from agent.core.capacity import Number, exact, is_number, validate_node_id
 from agent.core.errors import ShardingError
 
 DEFAULT_REPLICATE_HEAD_RATIO = 0.25
@@ -60,13 +64,17 @@ def merge_ranges(ranges: Iterable[LayerRange]) -> tuple[LayerRange, ...]:
     return tuple(merged)
 
 
-def _check_scores(scores: Mapping[str, float]) -> None:
+def _exact_scores(scores: Mapping[str, Number]) -> dict[str, Fraction]:
+    """Check ``scores`` and return them as exact fractions (ShardingError if unusable)."""
     if not scores:
         raise ShardingError("no nodes to plan over: at least one node is needed")
+    result: dict[str, Fraction] = {}
     for node_id, value in scores.items():
         validate_node_id(node_id)
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+        if not is_number(value) or (isinstance(value, float) and not math.isfinite(value)) or value <= 0:
             raise ShardingError(f"node {node_id!r} has score {value!r}; scores must be finite and > 0")
+        result[node_id] = exact(value)
+    return result
 
 
 def _check_count(name: str, value: object, minimum: int) -> int:
@@ -75,40 +83,43 @@ def _check_count(name: str, value: object, minimum: int) -> int:
     return value
 
 
-def _by_priority(scores: Mapping[str, float]) -> list[str]:
-    """Node ids by descending score, ties by ascending node id (the pipeline order of §3)."""
+def _by_priority(scores: Mapping[str, Fraction]) -> list[str]:
+    """Node ids by descending (exact) score, ties by ascending node id (the pipeline order of §3)."""
     return sorted(scores, key=lambda node_id: (-scores[node_id], node_id))
 
 
 def assign_layers(
-    scores: Mapping[str, float],
+    scores: Mapping[str, Number],
     total_layers: int,
     min_layers_per_node: int = DEFAULT_MIN_LAYERS_PER_NODE,
 ) -> dict[str, int]:
     """How many primary layers each node gets (§2), by largest remainder.
 
-    Quotas are computed exactly (rational arithmetic), so the result never depends on
-    floating-point rounding. Remainder layers go one by one to the largest fractional parts,
-    ties to the higher score, then to the lower node id. A node below ``min_layers_per_node``
-    takes layers, one at a time, from the node holding the most layers that can still give
-    one (ties: the lower score gives, then the higher node id).
+    Scores and quotas are exact rationals (a float score counts as its shortest decimal
+    form), so the result never depends on floating-point rounding: equal quotas and equal
+    fractional parts really tie, and the rules below decide. Remainder layers go one by one
+    to the largest fractional parts, ties to the higher score, then to the lower node id. A
+    node below ``min_layers_per_node`` takes layers, one at a time, from the node holding the
+    most layers that can still give one (ties: the lower score gives, then the higher node id).
     """
-    _check_scores(scores)
+    return _assign_exact(_exact_scores(scores), total_layers, min_layers_per_node)
+
+
+def _assign_exact(exact_scores: Mapping[str, Fraction], total_layers: int, min_layers_per_node: int) -> dict[str, int]:
     _check_count("total_layers", total_layers, 1)
     _check_count("min_layers_per_node", min_layers_per_node, 0)
-    node_count = len(scores)
+    node_count = len(exact_scores)
     if node_count * min_layers_per_node > total_layers:
         raise ShardingError(
             f"{node_count} nodes with min_layers_per_node={min_layers_per_node} need at least "
             f"{node_count * min_layers_per_node} layers, but the model has {total_layers}: "
             f"use fewer nodes or a lower minimum"
         )
-    exact = {node_id: Fraction(value) for node_id, value in scores.items()}
-    total_score = sum(exact.values())
-    quotas = {node_id: total_layers * value / total_score for node_id, value in exact.items()}
+    total_score = sum(exact_scores.values())
+    quotas = {node_id: total_layers * value / total_score for node_id, value in exact_scores.items()}
     counts = {node_id: math.floor(quota) for node_id, quota in quotas.items()}
     remainder = total_layers - sum(counts.values())
-    by_fraction = sorted(scores, key=lambda n: (-(quotas[n] - counts[n]), -scores[n], n))
+    by_fraction = sorted(exact_scores, key=lambda n: (-(quotas[n] - counts[n]), -exact_scores[n], n))
     for node_id in by_fraction[:remainder]:
         counts[node_id] += 1
 
@@ -117,7 +128,7 @@ def assign_layers(
         for node_id in counts:
             counts[node_id] = max(counts[node_id], min_layers_per_node)
         # Donors: most layers first; ties, the lower score gives first, then the higher id.
-        donors = [(-c, scores[n], _Reversed(n)) for n, c in counts.items() if c > min_layers_per_node]
+        donors = [(-c, exact_scores[n], _Reversed(n)) for n, c in counts.items() if c > min_layers_per_node]
         heapq.heapify(donors)
         for _ in range(deficit):
             if not donors:  # pragma: no cover - excluded by the node_count * minimum check
@@ -139,12 +150,13 @@ class _Reversed:
         return self.value > other.value
 
 
-def head_size(total_layers: int, replicate_head_ratio: float) -> int:
+def head_size(total_layers: int, replicate_head_ratio: Number) -> int:
     """H = max(1, round(L·ρ)) with H <= L − 1 (§4); 0 when the model has a single layer.
 
-    ``round`` is half-up, so 2.5 layers round to 3 on every platform.
+    ``round`` is half-up on the exact product (ρ as written: 0.1 is 1/10), so 2.5 layers
+    round to 3 on every platform.
     """
-    return min(max(1, math.floor(total_layers * replicate_head_ratio + 0.5)), total_layers - 1)
+    return min(max(1, math.floor(total_layers * exact(replicate_head_ratio) + Fraction(1, 2))), total_layers - 1)
 
 
 @dataclass(frozen=True)
@@ -153,20 +165,26 @@ class ShardingPlan:
 
     ``primaries`` lists (node, range) in pipeline order; ``replicas`` lists (node, range) in the
     order replicas were chosen (ascending score). ``scores`` holds every planned node, also
-    those left without layers. Validated on construction (§5 invariants).
+    those left without layers, each score as it was given (int, float or exact Fraction);
+    orderings use their exact values. Validated on construction (§5 invariants).
     """
 
     total_layers: int
     primaries: tuple[tuple[str, LayerRange], ...]
     replicas: tuple[tuple[str, LayerRange], ...]
-    scores: tuple[tuple[str, float], ...]
+    scores: tuple[tuple[str, Number], ...]
     replicate_head_ratio: float = DEFAULT_REPLICATE_HEAD_RATIO
     replica_count: int | None = None
     min_layers_per_node: int = DEFAULT_MIN_LAYERS_PER_NODE
     _starts: tuple[int, ...] = field(init=False, repr=False, compare=False)
+    _exact_by_node: dict[str, Fraction] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         _check_count("total_layers", self.total_layers, 1)
+        exact_scores = _exact_scores(dict(self.scores))
+        if len(exact_scores) != len(self.scores):
+            raise ShardingError("a node appears twice in the plan's scores")
+        object.__setattr__(self, "_exact_by_node", exact_scores)
         expected_first = 0
         seen: set[str] = set()
         for node_id, layers in self.primaries:
@@ -206,9 +224,8 @@ class ShardingPlan:
         return dict(self.primaries).get(node_id)
 
     def all_nodes(self) -> list[str]:
-        """Every planned node, by descending score."""
-        scores = dict(self.scores)
-        return _by_priority(scores)
+        """Every planned node, by descending score (ties by ascending node id)."""
+        return _by_priority(self._exact_by_node)
 
     # --- redundancy map (§5) -------------------------------------------------------------
     def _check_layer(self, layer: int) -> None:
@@ -256,7 +273,8 @@ class ShardingPlan:
         """Layers a node can actually run: primaries and replicas."""
         return sum(layers.size for layers in self.fragments(node_id))
 
-    def score_of(self, node_id: str) -> float:
+    def score_of(self, node_id: str) -> Number:
+        """The node's score as given to the plan."""
         return dict(self.scores)[node_id]
 
     def to_dict(self) -> dict[str, Any]:
@@ -272,7 +290,7 @@ class ShardingPlan:
             "nodes": [
                 {
                     "id": node_id,
-                    "score": scores[node_id],
+                    "score": float(scores[node_id]),  # JSON: the nearest float
                     "primary": primaries[node_id].to_list() if node_id in primaries else None,
                     "replicas": [r.to_list() for holder, r in self.replicas if holder == node_id],
                     "fragments": [r.to_list() for r in self.fragments(node_id)],
@@ -284,7 +302,12 @@ class ShardingPlan:
 
 
 def plan_from_dict(data: Any) -> ShardingPlan:
-    """Rebuild a plan from :meth:`ShardingPlan.to_dict` (what workers report); ShardingError if unusable."""
+    """Rebuild a plan from :meth:`ShardingPlan.to_dict` (what workers report); ShardingError if unusable.
+
+    Layers, replicas and settings come back as they were; scores come back as the floats of
+    the JSON (an exact Fraction score becomes its nearest float), so a plan made from float
+    scores round-trips to an equal plan, and any plan to the same ``to_dict``.
+    """
     try:
         nodes = data["nodes"]
         primaries = sorted(
@@ -304,7 +327,7 @@ def plan_from_dict(data: Any) -> ShardingPlan:
 
 
 def make_plan(
-    scores: Mapping[str, float],
+    scores: Mapping[str, Number],
     total_layers: int,
     *,
     replicate_head_ratio: float = DEFAULT_REPLICATE_HEAD_RATIO,
@@ -312,15 +335,17 @@ def make_plan(
     min_layers_per_node: int = DEFAULT_MIN_LAYERS_PER_NODE,
 ) -> ShardingPlan:
     """Plan ``total_layers`` over the nodes of ``scores`` (§2–§4)."""
-    if isinstance(replicate_head_ratio, bool) or not isinstance(replicate_head_ratio, (int, float)) or not 0.0 <= replicate_head_ratio <= 1.0:
+    if not is_number(replicate_head_ratio) or not 0 <= replicate_head_ratio <= 1:
         raise ShardingError(f"replicate_head_ratio must be in [0, 1], got {replicate_head_ratio!r}")
     if replica_count is not None:
         _check_count("replica_count", replica_count, 0)
-    counts = assign_layers(scores, total_layers, min_layers_per_node)
+    exact_scores = _exact_scores(scores)
+    counts = _assign_exact(exact_scores, total_layers, min_layers_per_node)
+    order = _by_priority(exact_scores)
 
     primaries: list[tuple[str, LayerRange]] = []
     next_layer = 0
-    for node_id in _by_priority(scores):
+    for node_id in order:
         if counts[node_id]:
             primaries.append((node_id, LayerRange(next_layer, next_layer + counts[node_id] - 1)))
             next_layer += counts[node_id]
@@ -329,7 +354,7 @@ def make_plan(
     head = head_size(total_layers, replicate_head_ratio)
     if head > 0:
         head_owners = {node_id for node_id, layers in primaries if layers.first < head}
-        candidates = sorted((n for n in scores if n not in head_owners), key=lambda n: (scores[n], n))
+        candidates = sorted((n for n in exact_scores if n not in head_owners), key=lambda n: (exact_scores[n], n))
         wanted = replica_count if replica_count is not None else max(1, len(scores) // 3)
         replicas = [(node_id, LayerRange(0, head - 1)) for node_id in candidates[:wanted]]
 
@@ -337,7 +362,7 @@ def make_plan(
         total_layers=total_layers,
         primaries=tuple(primaries),
         replicas=tuple(replicas),
-        scores=tuple((node_id, float(scores[node_id])) for node_id in _by_priority(scores)),
+        scores=tuple((node_id, scores[node_id]) for node_id in order),
         replicate_head_ratio=float(replicate_head_ratio),
         replica_count=replica_count,
         min_layers_per_node=min_layers_per_node,

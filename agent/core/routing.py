@@ -4,14 +4,21 @@ A route is the ordered list of hops a request takes: each hop is one node runnin
 contiguous range of layers. Routes are chosen by cost; when a node dies, its hops are
 replaced in place by the cheapest live holders of the same layers, or, when some layer has
 no live holder, the decision is to degrade onto a fallback model planned over the survivors.
+
+Costs are exact: latencies and scores count as exact rationals (a float as its shortest
+decimal form, see :func:`agent.core.capacity.exact`), so routes of mathematically equal cost
+really tie. Among them the route with fewer hops wins, then the earlier candidate (the
+primary owner first).
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from fractions import Fraction
 from typing import Iterable, Mapping
 
+from agent.core.capacity import Number, exact, is_number
 from agent.core.errors import ClusterError, RoutingFailure, ShardingError
 from agent.core.plan import LayerRange, ShardingPlan, make_plan
 
@@ -20,17 +27,25 @@ DEFAULT_CAPACITY_SCORE = 1.0
 DEFAULT_FALLBACK_MODEL = "ncm-tiny"
 
 
+def _finite(value: object) -> bool:
+    return is_number(value) and not (isinstance(value, float) and not math.isfinite(value))
+
+
 @dataclass(frozen=True)
 class Telemetry:
-    """What the orchestrator measured of a node: round-trip latency and current score."""
+    """What the orchestrator measured of a node: round-trip latency and current score.
 
-    latency_ms: float = DEFAULT_LATENCY_MS
-    capacity_score: float = DEFAULT_CAPACITY_SCORE
+    Either may be an int, a float or an exact Fraction (the score from
+    :func:`agent.core.capacity.score` is one); costs use their exact values.
+    """
+
+    latency_ms: Number = DEFAULT_LATENCY_MS
+    capacity_score: Number = DEFAULT_CAPACITY_SCORE
 
     def __post_init__(self) -> None:
-        if not (math.isfinite(self.latency_ms) and self.latency_ms >= 0):
+        if not (_finite(self.latency_ms) and self.latency_ms >= 0):
             raise ValueError(f"latency_ms must be finite and >= 0, got {self.latency_ms!r}")
-        if not (math.isfinite(self.capacity_score) and self.capacity_score > 0):
+        if not (_finite(self.capacity_score) and self.capacity_score > 0):
             raise ValueError(f"capacity_score must be finite and > 0, got {self.capacity_score!r}")
 
 
@@ -81,16 +96,18 @@ def _telemetry(telemetry: Mapping[str, Telemetry], node_id: str) -> Telemetry:
     return telemetry.get(node_id, DEFAULT_TELEMETRY)
 
 
-def node_cost(node_id: str, layer_count: int, telemetry: Mapping[str, Telemetry]) -> float:
-    """Cost of one hop: entering the node (latency/100, as in the score) plus its layers."""
-    measured = _telemetry(telemetry, node_id)
-    return measured.latency_ms / 100.0 + layer_count / measured.capacity_score
+def node_cost(node_id: str, layer_count: int, telemetry: Mapping[str, Telemetry]) -> Fraction:
+    """Cost of one hop, exact: entering the node (latency/100, as in the score) plus
+    layer_count/score for its layers."""
+    cost = _HopCost.of(_telemetry(telemetry, node_id))
+    return cost.enter + layer_count * cost.per_layer
 
 
-def route_cost(route: Route, telemetry: Mapping[str, Telemetry] | None = None) -> float:
-    """Total cost of a route; nodes without telemetry use DEFAULT_LATENCY_MS / DEFAULT_CAPACITY_SCORE."""
+def route_cost(route: Route, telemetry: Mapping[str, Telemetry] | None = None) -> Fraction:
+    """Total cost of a route, exact; nodes without telemetry use DEFAULT_LATENCY_MS /
+    DEFAULT_CAPACITY_SCORE."""
     telemetry = telemetry or {}
-    return sum(node_cost(hop.node_id, hop.layers.size, telemetry) for hop in route.hops)
+    return sum((node_cost(hop.node_id, hop.layers.size, telemetry) for hop in route.hops), Fraction(0))
 
 
 def live_holders(plan: ShardingPlan, layer: int, alive: Iterable[str]) -> tuple[str, ...]:
@@ -99,37 +116,139 @@ def live_holders(plan: ShardingPlan, layer: int, alive: Iterable[str]) -> tuple[
     return tuple(node_id for node_id in plan.holders(layer) if node_id in alive_set)
 
 
+def _approx(value: Fraction) -> float:
+    """The nearest float of ``value``; infinity when it is beyond the float range."""
+    try:
+        return float(value)
+    except OverflowError:
+        return math.inf
+
+
+@dataclass(frozen=True)
+class _HopCost:
+    """A node's costs, exact and as the nearest floats: entering it, and each of its layers."""
+
+    enter: Fraction
+    per_layer: Fraction
+    enter_approx: float
+    per_layer_approx: float
+
+    @classmethod
+    def of(cls, measured: Telemetry) -> _HopCost:
+        enter = exact(measured.latency_ms) / 100
+        per_layer = 1 / exact(measured.capacity_score)
+        return cls(enter, per_layer, _approx(enter), _approx(per_layer))
+
+
+# Float costs only filter: two costs whose floats differ by more than their worst rounding
+# error are ordered by their floats (which is then their exact order); closer ones are compared
+# exactly. Over n layers a float path cost sums at most 2n terms, each term and each sum rounded
+# once, so it is within (2n + 2)·2^-53 of its exact value, relatively; telling two costs apart
+# needs twice that of the larger one, and the slack below is twice that again.
+_FLOAT_EPSILON = 2.0**-52
+_UNDERFLOW_SLACK = 1e-290  # absolute errors of subnormal floats
+
+
+class _Path:
+    """The best way found through the layers so far that ends on ``node_id``: the float of its
+    cost, its exact cost (computed on demand), its hop count and the path it extends."""
+
+    __slots__ = ("node_id", "cost", "approx", "hops", "previous", "entered", "_exact")
+
+    def __init__(self, node_id: str, cost: _HopCost, approx: float, hops: int, previous: _Path | None,
+                 entered: bool) -> None:
+        self.node_id = node_id
+        self.cost = cost
+        self.approx = approx
+        self.hops = hops
+        self.previous = previous
+        self.entered = entered  # a new hop begins here (the node was entered at this layer)
+        self._exact: Fraction | None = None
+
+    def exact_cost(self) -> Fraction:
+        chain: list[_Path] = []
+        path: _Path | None = self
+        while path is not None and path._exact is None:
+            chain.append(path)
+            path = path.previous
+        total = Fraction(0) if path is None else path._exact
+        for step in reversed(chain):
+            total = total + step.cost.per_layer + (step.cost.enter if step.entered else 0)
+            step._exact = total
+        return total  # type: ignore[return-value]
+
+
+def _compare(a: _Path, b: _Path, slack: float) -> int:
+    """-1, 0 or 1 as ``a`` is better, as good as or worse than ``b``: exact cost, then fewer hops."""
+    difference = a.approx - b.approx
+    bound = slack * max(a.approx, b.approx) + _UNDERFLOW_SLACK
+    if difference < -bound:
+        return -1
+    if difference > bound:
+        return 1
+    exact_a, exact_b = a.exact_cost(), b.exact_cost()
+    if exact_a != exact_b:
+        return -1 if exact_a < exact_b else 1
+    return (a.hops > b.hops) - (a.hops < b.hops)
+
+
+def _best(paths: list[_Path], slack: float) -> _Path:
+    """The best of ``paths`` (exact cost, then fewer hops); ties go to the earlier one."""
+    lowest = min(path.approx for path in paths)
+    # Paths whose float is clearly above the lowest cannot be the best; compare the rest.
+    near = [path for path in paths if not path.approx - lowest > slack * path.approx + _UNDERFLOW_SLACK]
+    best = near[0]
+    for path in near[1:]:
+        if _compare(path, best, slack) < 0:
+            best = path
+    return best
+
+
 def _cheapest_segment(
     candidates: list[tuple[str, ...]], first_layer: int, telemetry: Mapping[str, Telemetry]
 ) -> list[Hop]:
     """Cheapest way through consecutive layers given each layer's candidate holders.
 
     Dynamic programme over layers: staying on a node adds 1/score per layer, switching to a
-    node adds its latency/100 too (one more network hop). Ties go to the earlier candidate
-    (the primary owner first), so the result is deterministic.
+    node (or starting on it) adds its latency/100 too (one more network hop). Costs are
+    compared exactly. Among ways of equal cost the one with fewer hops wins (staying on a node
+    beats switching to an equally cheap one); then the earlier candidate (the primary owner
+    first), so the result is deterministic.
     """
-    per_layer: list[dict[str, tuple[float, str | None]]] = []
-    previous: dict[str, tuple[float, str | None]] = {}
+    slack = 4 * (len(candidates) + 2) * _FLOAT_EPSILON
+    costs: dict[str, _HopCost] = {}
+    previous: dict[str, _Path] = {}
     for holders in candidates:
-        best_prev_node = min(previous, key=lambda n: previous[n][0], default=None)
-        best_prev_cost = previous[best_prev_node][0] if best_prev_node is not None else 0.0
-        current: dict[str, tuple[float, str | None]] = {}
+        best = _best(list(previous.values()), slack) if previous else None
+        current: dict[str, _Path] = {}
         for node_id in holders:
-            measured = _telemetry(telemetry, node_id)
-            layer_cost = 1.0 / measured.capacity_score
-            enter = best_prev_cost + measured.latency_ms / 100.0 + layer_cost
-            choice: tuple[float, str | None] = (enter, best_prev_node)
-            if node_id in previous and previous[node_id][0] + layer_cost <= enter:
-                choice = (previous[node_id][0] + layer_cost, node_id)
-            current[node_id] = choice
-        per_layer.append(current)
+            cost = costs.get(node_id)
+            if cost is None:
+                cost = costs[node_id] = _HopCost.of(_telemetry(telemetry, node_id))
+            enter_approx = (best.approx if best is not None else 0.0) + cost.enter_approx + cost.per_layer_approx
+            enter_hops = best.hops + 1 if best is not None else 1
+            stay_from = previous.get(node_id)
+            if stay_from is None:
+                current[node_id] = _Path(node_id, cost, enter_approx, enter_hops, best, True)
+                continue
+            stay_approx = stay_from.approx + cost.per_layer_approx
+            difference = stay_approx - enter_approx
+            bound = slack * (enter_approx if difference < 0 else stay_approx) + _UNDERFLOW_SLACK
+            if difference < -bound:  # staying is clearly cheaper
+                current[node_id] = _Path(node_id, cost, stay_approx, stay_from.hops, stay_from, False)
+            elif difference > bound:  # switching is clearly cheaper
+                current[node_id] = _Path(node_id, cost, enter_approx, enter_hops, best, True)
+            else:
+                stay = _Path(node_id, cost, stay_approx, stay_from.hops, stay_from, False)
+                enter = _Path(node_id, cost, enter_approx, enter_hops, best, True)
+                current[node_id] = stay if _compare(stay, enter, slack) <= 0 else enter
         previous = current
 
-    node = min(previous, key=lambda n: previous[n][0])
     owners: list[str] = []
-    for table in reversed(per_layer):
-        owners.append(node)
-        node = table[node][1]  # type: ignore[assignment]
+    path: _Path | None = _best(list(previous.values()), slack)
+    while path is not None:
+        owners.append(path.node_id)
+        path = path.previous
     owners.reverse()
 
     hops: list[Hop] = []
@@ -205,7 +324,7 @@ class FailoverDecision:
 
 
 def rebalance(
-    plan: ShardingPlan, scores: Mapping[str, float], total_layers: int | None = None
+    plan: ShardingPlan, scores: Mapping[str, Number], total_layers: int | None = None
 ) -> ShardingPlan:
     """Re-plan over ``scores``' nodes keeping the plan's layer count (or ``total_layers``),
     head ratio, replica count and minimum (§7, §8). A plan that does not fit is a ClusterError."""
@@ -231,13 +350,13 @@ def failover(
     allow_fallback: bool = True,
     fallback_model: str = DEFAULT_FALLBACK_MODEL,
     fallback_layers: int | None = None,
-    survivor_scores: Mapping[str, float] | None = None,
+    survivor_scores: Mapping[str, Number] | None = None,
 ) -> FailoverDecision:
     """Decide how to go on after ``dead`` nodes failed on ``route`` (§6, §7).
 
     1. If every layer the dead nodes served on this route has a live holder, each dead hop is
-       replaced, in its position, by the cheapest live holders of its layers, and consecutive
-       duplicates are merged (a node reappearing later keeps that hop): not degraded.
+       replaced, in its position, by the cheapest live holders of its layers (of equally cheap
+       ways, the one with fewer hops), and consecutive duplicates are merged (a node reappearing later keeps that hop): not degraded.
     2. Otherwise, with a fallback allowed, the live nodes of the route are the survivors and
        the fallback model (``fallback_layers`` layers, default the plan's) is rebalanced over
        them: degraded. No survivor: ClusterError.

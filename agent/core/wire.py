@@ -61,7 +61,7 @@ def validate_header(header: Any) -> dict[str, Any]:
     if not isinstance(header, dict):
         raise WireError("frame header must be a map")
     kind = header.get("kind")
-    if kind not in SCHEMAS:
+    if not isinstance(kind, str) or kind not in SCHEMAS:
         raise WireError(f"unknown frame kind {kind!r}")
     for name, expected in SCHEMAS[kind].items():
         if name not in header:

@@ -1,4 +1,5 @@
 import math
+from fractions import Fraction
 
 import pytest
 from hypothesis import given
@@ -14,12 +15,38 @@ from agent.core.capacity import (
     score,
 )
 from agent.core.errors import InvalidNodeError, NcmError
-from tests.core.strategies import capacities
+from tests.core.strategies import capacities, integer_clusters
 
 
 def test_weights_are_the_design_weights_normalised():
     assert (WEIGHT_VRAM, WEIGHT_RAM, WEIGHT_NPU, WEIGHT_LATENCY) == pytest.approx((2 / 4.25, 0.5 / 4.25, 1.5 / 4.25, 0.25 / 4.25))
     assert WEIGHT_VRAM + WEIGHT_RAM + WEIGHT_NPU + WEIGHT_LATENCY == pytest.approx(1.0)
+
+
+def test_weights_and_floor_are_exact():
+    assert (WEIGHT_VRAM, WEIGHT_RAM, WEIGHT_NPU, WEIGHT_LATENCY) == (
+        Fraction(8, 17), Fraction(2, 17), Fraction(6, 17), Fraction(1, 17))
+    assert WEIGHT_VRAM + WEIGHT_RAM + WEIGHT_NPU + WEIGHT_LATENCY == 1
+    assert SCORE_FLOOR == Fraction(1, 1000)
+
+
+def test_score_is_exact_from_the_figures_as_written():
+    assert score(NodeCapacity("n", ram_gib=1)) == Fraction(2, 17)
+    assert score(NodeCapacity("n", ram_gib=3)) == 3 * score(NodeCapacity("n", ram_gib=1))
+    # 0.1 GiB is a tenth of a GiB, 0.1 load takes off 1/20: not their binary neighbours.
+    assert score(NodeCapacity("n", vram_gib=0.1, load=0.1)) == Fraction(8, 17) / 10 * Fraction(19, 20)
+    assert score(NodeCapacity("n", vram_gib=8, ram_gib=16, latency_ms=2)) == Fraction(8 * 8 + 2 * 16, 17) - Fraction(2, 1700)
+    # Different figures, equal weighted sums: exactly equal scores.
+    assert score(NodeCapacity("p", vram_gib=3)) == score(NodeCapacity("q", vram_gib=2, ram_gib=1, npu_tops=1))
+    assert float(score(NodeCapacity("n", ram_gib=1))) == pytest.approx(0.5 / 4.25)
+
+
+@given(integer_clusters(min_nodes=1, max_nodes=1))
+def test_score_of_whole_figures_is_the_exact_formula(nodes):
+    (node,) = nodes
+    raw = Fraction(8 * int(node.vram_gib) + 2 * int(node.ram_gib) + 6 * int(node.npu_tops), 17)
+    expected = max(Fraction(1, 1000), raw * (1 - Fraction(str(node.load)) / 2))
+    assert score(node) == expected
 
 
 def test_score_formula_by_hand():

@@ -1,18 +1,33 @@
 """§2–§5 of the redundancy design: split, contiguous blocks, head replication, redundancy map."""
 
+import json
 import math
 from fractions import Fraction
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
+from agent.core.capacity import NodeCapacity, score
 from agent.core.errors import ShardingError
-from agent.core.plan import LayerRange, ShardingPlan, assign_layers, head_size, make_plan, merge_ranges
-from tests.core.strategies import cluster_scores
+from agent.core.plan import (
+    LayerRange,
+    ShardingPlan,
+    assign_layers,
+    head_size,
+    make_plan,
+    merge_ranges,
+    plan_from_dict,
+)
+from tests.core.strategies import cluster_scores, integer_clusters
 
 LAYERS = st.integers(1, 200)
 RATIOS = st.sampled_from([0.0, 0.1, 0.25, 0.5, 0.75, 1.0]) | st.floats(0, 1)
+
+
+def written(value):
+    """A figure as written (its shortest decimal form), exactly."""
+    return Fraction(str(value))
 
 
 @st.composite
@@ -36,9 +51,10 @@ def test_split_sums_to_total_and_meets_minimum(case):
 @given(cluster_scores(), LAYERS)
 def test_without_minimum_each_share_is_within_one_of_its_quota(scores, layers):
     counts = assign_layers(scores, layers, 0)
-    total = sum(Fraction(s) for s in scores.values())
+    exact = {node_id: written(s) if isinstance(s, float) else Fraction(s) for node_id, s in scores.items()}
+    total = sum(exact.values())
     for node_id, count in counts.items():
-        quota = layers * Fraction(scores[node_id]) / total
+        quota = layers * exact[node_id] / total
         assert math.floor(quota) <= count <= math.floor(quota) + 1
 
 
@@ -162,7 +178,7 @@ def test_head_size_rule(layers, ratio):
         assert size == 0
     else:
         assert 1 <= size <= layers - 1
-        assert size == min(max(1, math.floor(layers * ratio + 0.5)), layers - 1)
+        assert size == min(max(1, math.floor(layers * written(ratio) + Fraction(1, 2))), layers - 1)
 
 
 @given(plannable(), RATIOS, st.none() | st.integers(0, 70))
@@ -219,3 +235,95 @@ def test_nodes_without_layers_can_hold_replicas():
     assert plan.replicas == (("tiny", LayerRange(0, 1)),)
     assert plan.holders(0) == ("big", "tiny")
     assert plan.layer_count("tiny") == 2
+
+
+# --- exact ties (§1–§2 with integer inputs) -----------------------------------------------------
+def reference_score(node):
+    """§1 with exact arithmetic, written out independently of agent.core.capacity."""
+    raw = (
+        2 * written(node.vram_gib) + Fraction(1, 2) * written(node.ram_gib) + Fraction(3, 2) * written(node.npu_tops)
+        - Fraction(1, 4) * written(node.latency_ms) / 100
+    ) / Fraction(17, 4)
+    return max(Fraction(1, 1000), raw * (1 - written(node.load) / 2))
+
+
+def reference_split(scores, layers, minimum):
+    """§2 as the design states it, one rule at a time."""
+    total = sum(scores.values())
+    quotas = {n: layers * s / total for n, s in scores.items()}
+    counts = {n: math.floor(q) for n, q in quotas.items()}
+    left = layers - sum(counts.values())
+    # Larger fractional part, then higher score, then lower node id.
+    for n in sorted(scores, key=lambda n: (-(quotas[n] - counts[n]), -scores[n], n))[:left]:
+        counts[n] += 1
+    missing = sum(max(0, minimum - c) for c in counts.values())
+    counts = {n: max(c, minimum) for n, c in counts.items()}
+    for _ in range(missing):
+        # The node holding most layers that can still give one; ties: lower score, then higher id.
+        donor = max((n for n in counts if counts[n] > minimum), key=lambda n: (counts[n], -scores[n], n))
+        counts[donor] -= 1
+    return counts
+
+
+def test_ram_1_and_3_gib_quotas_tie_and_the_higher_score_gets_both_layers():
+    """Quotas 0.5 / 1.5: equal fractional parts, so the higher score takes the remainder layer."""
+    nodes = [NodeCapacity("a", ram_gib=1), NodeCapacity("b", ram_gib=3)]
+    scores = {node.node_id: score(node) for node in nodes}
+    assert scores["b"] == 3 * scores["a"]
+    assert assign_layers(scores, 2, 0) == {"a": 0, "b": 2}
+    plan = make_plan(scores, 2, min_layers_per_node=0)
+    assert plan.primaries == (("b", LayerRange(0, 1)),)
+
+
+def test_float_scores_count_as_written():
+    # 0.1 and 0.3 are 1:3 as written (not as binary floats): quotas 0.5 / 1.5 tie.
+    assert assign_layers({"a": 0.1, "b": 0.3}, 2, 0) == {"a": 0, "b": 2}
+    assert assign_layers({"a": Fraction(1, 10), "b": Fraction(3, 10)}, 2, 0) == {"a": 0, "b": 2}
+
+
+def test_head_size_rounds_the_exact_product_half_up():
+    assert head_size(90, 0.35) == 32  # 31.5 layers, not the binary 31.499…
+    assert head_size(45, 0.7) == 32
+
+
+@st.composite
+def integer_case(draw):
+    nodes = draw(integer_clusters())
+    layers = draw(st.integers(len(nodes), 40))
+    minimum = draw(st.integers(0, layers // len(nodes)))
+    return nodes, layers, minimum
+
+
+@given(integer_case())
+@example(([NodeCapacity("a", ram_gib=1), NodeCapacity("b", ram_gib=3)], 2, 0))  # the RAM 1 / 3 GiB tie
+@settings(max_examples=300)
+def test_integer_clusters_follow_the_tie_rules_exactly(case):
+    nodes, layers, minimum = case
+    scores = {node.node_id: score(node) for node in nodes}
+    expected_scores = {node.node_id: reference_score(node) for node in nodes}
+    expected = reference_split(expected_scores, layers, minimum)
+    assert assign_layers(scores, layers, minimum) == expected
+    plan = make_plan(scores, layers, min_layers_per_node=minimum)
+    order = sorted((n for n in expected if expected[n]), key=lambda n: (-expected_scores[n], n))
+    assert plan.nodes() == order
+    assert {n: plan.primary_range(n).size for n in order} == {n: expected[n] for n in order}
+
+
+def test_exact_scores_go_to_json_as_floats_and_come_back():
+    scores = {"a": Fraction(2, 17), "b": Fraction(6, 17), "c": 1, "d": 0.25}
+    plan = make_plan(scores, 8, replica_count=1)
+    assert plan.score_of("a") == Fraction(2, 17)
+    data = plan.to_dict()
+    assert all(type(node["score"]) is float for node in data["nodes"])
+    assert json.loads(json.dumps(data)) == data
+    again = plan_from_dict(data)
+    assert again.to_dict() == data
+    assert (again.primaries, again.replicas) == (plan.primaries, plan.replicas)
+    floats = make_plan({n: float(s) for n, s in scores.items()}, 8, replica_count=1)
+    assert plan_from_dict(floats.to_dict()) == floats
+
+
+@pytest.mark.parametrize("bad", [0, -1, float("inf"), float("nan"), "1", True, None])
+def test_a_plan_with_an_unusable_score_is_rejected(bad):
+    with pytest.raises(ShardingError, match="scores must be finite and > 0"):
+        ShardingPlan(2, (("a", LayerRange(0, 1)),), (), (("a", bad),))

@@ -1,9 +1,12 @@
 """§6–§7 of the redundancy design: routes, failover, forwarding tables, degraded mode."""
 
+from fractions import Fraction
+
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
+from agent.core.capacity import NodeCapacity, score
 from agent.core.errors import ClusterError, RoutingFailure
 from agent.core.plan import LayerRange, make_plan
 from agent.core.routing import (
@@ -19,7 +22,7 @@ from agent.core.routing import (
     rebalance,
     route_cost,
 )
-from tests.core.strategies import cluster_scores
+from tests.core.strategies import cluster_scores, integer_clusters
 
 
 def route_of(*hops):
@@ -41,6 +44,19 @@ def test_route_cost_uses_defaults_for_nodes_without_telemetry():
     assert route_cost(route) == pytest.approx(expected)
     measured = {"A": Telemetry(latency_ms=100.0, capacity_score=4.0)}
     assert route_cost(route, measured) == pytest.approx(1.0 + 4 / 4.0 + DEFAULT_LATENCY_MS / 100 + 2.0)
+
+
+def test_costs_are_exact():
+    route = route_of(("A", 0, 2), ("B", 3, 3))
+    measured = {"A": Telemetry(latency_ms=0.1, capacity_score=Fraction(2, 17)), "B": Telemetry(latency_ms=3, capacity_score=0.3)}
+    assert route_cost(route, measured) == Fraction(1, 1000) + 3 * Fraction(17, 2) + Fraction(3, 100) + Fraction(10, 3)
+
+
+@pytest.mark.parametrize("fields", [{"latency_ms": -1}, {"latency_ms": float("inf")}, {"capacity_score": 0},
+                                    {"capacity_score": Fraction(-1, 3)}, {"capacity_score": "1"}, {"latency_ms": True}])
+def test_bad_telemetry_is_rejected(fields):
+    with pytest.raises(ValueError):
+        Telemetry(**fields)
 
 
 def test_choose_route_is_the_primary_pipeline_when_all_is_well(four):
@@ -241,3 +257,100 @@ def test_standby_hops_are_the_hops_of_every_single_failover():
     for node_id, ranges in standby.items():
         for layers in ranges:
             assert all(node_id in plan.holders(layer) for layer in range(layers.first, layers.last + 1))
+
+
+# --- exact ties: equal-cost ways prefer fewer hops ----------------------------------------------
+def test_failover_with_zero_latency_hands_a_dead_hop_to_one_substitute():
+    """b, d and e score exactly alike (8·3 = 8·2 + 2·1 + 6·1 = 8·1 + 2·8): with latency 0 any mix
+    of them costs the same for layers 0-2, so the dead head goes whole to the first replica."""
+    figures = {"a": (3, 5, 1), "b": (3, 0, 0), "c": (4, 6, 1), "d": (2, 1, 1), "e": (1, 8, 0)}
+    nodes = [NodeCapacity(n, vram_gib=v, ram_gib=r, npu_tops=t) for n, (v, r, t) in figures.items()]
+    scores = {node.node_id: score(node) for node in nodes}
+    assert scores["b"] == scores["d"] == scores["e"]
+    plan = make_plan(scores, 12, replica_count=3)
+    assert [n for n, _ in plan.primaries] == ["c", "a", "b", "d", "e"]  # equal scores: by node id
+    assert [n for n, _ in plan.replicas] == ["b", "d", "e"]
+    telemetry = {n: Telemetry(latency_ms=0, capacity_score=s) for n, s in scores.items()}
+    route = choose_route(plan, scores, telemetry)
+    assert route.hops[0] == Hop("c", LayerRange(0, 2))
+    decision = failover(route, ["c"], plan, set(scores) - {"c"}, telemetry)
+    assert not decision.degraded
+    assert decision.route.hops[0] == Hop("b", LayerRange(0, 2))
+    assert decision.route.hops[1:] == route.hops[1:]
+
+
+def whole_figure_score(node):
+    """§1 for whole GiB / TOPS, no latency and no load, written out independently."""
+    return max(Fraction(1, 1000), Fraction(8 * int(node.vram_gib) + 2 * int(node.ram_gib) + 6 * int(node.npu_tops), 17))
+
+
+def reference_cheapest(candidates, costs):
+    """(cost, hops) of the cheapest way through the layers, fewest hops among equally cheap ones."""
+    best = {}
+    for holders in candidates:
+        low = min(best.values(), default=(Fraction(0), 0))
+        best = {
+            n: min([(low[0] + costs[n][0] + costs[n][1], low[1] + 1)]
+                   + ([(best[n][0] + costs[n][1], best[n][1])] if n in best else []))
+            for n in holders
+        }
+    return min(best.values())
+
+
+def cost_and_hops(route, layers, costs):
+    """(cost, hops) of the part of ``route`` that runs ``layers``, counted from its first layer."""
+    owners = [route.node_for_layer(layer) for layer in layers]
+    cost, hops = Fraction(0), 0
+    for index, node in enumerate(owners):
+        if index == 0 or owners[index - 1] != node:
+            cost += costs[node][0]
+            hops += 1
+        cost += costs[node][1]
+    return cost, hops
+
+
+@st.composite
+def tie_case(draw):
+    nodes = draw(integer_clusters(min_nodes=2, max_nodes=8, loads=False))
+    layers = draw(st.integers(len(nodes), 30))
+    plan = make_plan(
+        {node.node_id: score(node) for node in nodes}, layers,
+        replicate_head_ratio=draw(st.sampled_from([0.25, 0.5, 0.9])),
+        replica_count=draw(st.none() | st.integers(0, len(nodes))),
+        min_layers_per_node=draw(st.integers(0, 1)),
+    )
+    latency = {node.node_id: draw(st.sampled_from([0, 0, 0, 5, 100])) for node in nodes}
+    dead = draw(st.sets(st.sampled_from(sorted(latency)), min_size=1, max_size=len(nodes) - 1))
+    return nodes, plan, latency, dead
+
+
+_EXAMPLE_NODES = [NodeCapacity(n, vram_gib=v, ram_gib=r, npu_tops=t)
+                  for n, (v, r, t) in {"a": (3, 5, 1), "b": (3, 0, 0), "c": (4, 6, 1), "d": (2, 1, 1), "e": (1, 8, 0)}.items()]
+
+
+@given(tie_case())
+@example((_EXAMPLE_NODES, make_plan({node.node_id: score(node) for node in _EXAMPLE_NODES}, 12, replica_count=3),
+          dict.fromkeys("abcde", 0), {"c"}))
+@settings(max_examples=300)
+def test_routes_are_cheapest_then_fewest_hops_with_exact_ties(case):
+    nodes, plan, latency, dead = case
+    scores = {node.node_id: score(node) for node in nodes}
+    telemetry = {n: Telemetry(latency_ms=latency[n], capacity_score=scores[n]) for n in scores}
+    costs = {node.node_id: (Fraction(latency[node.node_id], 100), 1 / whole_figure_score(node)) for node in nodes}
+    everything = range(plan.total_layers)
+
+    route = choose_route(plan, scores, telemetry)
+    candidates = [live_holders(plan, layer, scores) for layer in everything]
+    assert cost_and_hops(route, everything, costs) == reference_cheapest(candidates, costs)
+    assert route_cost(route, telemetry) == cost_and_hops(route, everything, costs)[0]
+
+    alive = set(scores) - dead
+    try:
+        decision = failover(route, dead, plan, alive, telemetry, allow_fallback=False)
+    except RoutingFailure:
+        return
+    for hop in route.hops:
+        if hop.node_id in dead:
+            layers = range(hop.layers.first, hop.layers.last + 1)
+            candidates = [live_holders(plan, layer, alive) for layer in layers]
+            assert cost_and_hops(decision.route, layers, costs) == reference_cheapest(candidates, costs), hop
