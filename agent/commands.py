@@ -222,6 +222,8 @@ def run_status(args: argparse.Namespace) -> int:
         score = f"{node['score']:.2f}" if node.get("score") is not None else "-"
         print(f"{(node['id'] or '?') + (' *' if node.get('self') else ''):<34} {node['url']:<26} "
               f"{'yes' if node['alive'] else 'no':<6} {node.get('role') or '-':<13} {score:>8}  {layers}")
+    for node_id, fault in sorted((status.get("faults") or {}).items()):
+        print(f"left out of plans: {node_id}: {fault.get('cause')} ({fault.get('message')})")
     return 0
 
 

@@ -10,6 +10,12 @@ going when a device dies (redundancy design §6–§8):
 - a device joins or comes back: the model is re-planned over every live node (no more often
   than `replan_min_interval_s`), and requests in flight finish on the plan they started on.
 
+A plan changes atomically: every node stages the new order (weights fetched, fragments built)
+while the old one keeps serving, and only when every node of the new route has staged it is it
+committed everywhere; otherwise it is aborted everywhere and the old plan goes on. A node that
+could not stage it is marked with the cause (``disk_full``, ``out_of_memory``...) and left out
+of plans until something about it changes.
+
 Several models can be deployed at once, each under its router name (see :mod:`agent.router`,
 which decides what is loaded): :meth:`measure` plans a model and works out the memory each
 device needs, :meth:`load` deploys it, :meth:`unload` drops it from every worker.
@@ -19,11 +25,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -38,7 +45,7 @@ from agent.core.presets import ModelPreset, ModelSettings
 from agent.core.routing import Route, Telemetry, choose_route, describe_layers, failover, standby_hops
 from agent.dataplane import StageError
 from agent.membership import Membership
-from agent.peer_client import PeerClient
+from agent.peer_client import PeerClient, PeerError
 from agent.weights import complete_models, ensure_model_files
 from agent.worker import Worker
 from shards.errors import ShardsError
@@ -50,6 +57,9 @@ from shards.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 ROUTING_PATH = "/internal/routing"
+COMMIT_PATH = "/internal/routing/commit"
+ABORT_PATH = "/internal/routing/abort"
+ORDER_STEP_TIMEOUT_S = 30.0
 UNLOAD_PATH = "/internal/unload"
 UNLOAD_TIMEOUT_S = 30.0
 RUNTIME_OVERHEAD_BYTES = 24 * 1024 * 1024  # per fragment: the runtime session and its buffers
@@ -82,6 +92,17 @@ class Deployment:
     tokenizer: Tokenizer
     settings: ModelSettings
     effective_bytes: dict[str, int]
+
+
+@dataclass(frozen=True)
+class NodeFault:
+    """Why a node could not stage a plan; it is left out of plans while ``fingerprint`` (what
+    it advertises and holds) is unchanged and it has not withdrawn the fault itself."""
+
+    cause: str
+    message: str
+    fingerprint: str
+    reported: bool = False  # the node itself has reported the fault (so withdrawing it means something)
 
 
 @dataclass(frozen=True)
@@ -122,6 +143,8 @@ class Orchestrator:
         self.state = "starting"
         self.message = "waiting for the membership to settle"
         self._deployed_members: frozenset[str] = frozenset()
+        self.faults: dict[str, NodeFault] = {}
+        self._replan_pending = False  # a node left out of plans may be planned again
         self._last_replan = -float("inf")
         self._lock = asyncio.Lock()
         self._tokenizers: dict[str, Tokenizer] = {}
@@ -162,6 +185,7 @@ class Orchestrator:
             "route": order.route.to_list() if order else None,
             "models": {name: {"serving": d.order.model, "degraded": d.order.degraded, "plan_version": d.order.plan_version,
                               "route": d.order.route.to_list()} for name, d in sorted(self.deployments.items())},
+            "faults": {node: {"cause": f.cause, "message": f.message} for node, f in sorted(self.faults.items())},
         }
 
     def _set_state(self, state: str, message: str) -> None:
@@ -253,13 +277,17 @@ class Orchestrator:
 
         results = await asyncio.gather(*(send(n) for n in nodes), return_exceptions=True)
         failed = {n: r for n, r in zip(nodes, results) if isinstance(r, BaseException)}
-        if failed:
-            for node_id, error in failed.items():
-                log.warning("node %s did not take plan %d: %s", node_id, order.plan_version, error)
-            route_failures = [n for n in failed if n in route.nodes]
-            if route_failures:
-                raise ClusterError(f"node(s) {', '.join(route_failures)} could not take plan {order.plan_version}: "
-                                   f"{failed[route_failures[0]]}")
+        staged = [n for n in nodes if n not in failed]
+        for node_id, error in failed.items():
+            log.warning("node %s did not stage plan %d: %s", node_id, order.plan_version, error)
+            self._record_fault(node_id, error)
+        route_failures = [n for n in failed if n in route.nodes]
+        if route_failures:
+            await self._order_step(ABORT_PATH, order, staged)
+            first = route_failures[0]
+            cause = self.faults[first].cause if first in self.faults else "unreachable"
+            raise ClusterError(f"node(s) {', '.join(route_failures)} could not stage plan {order.plan_version} "
+                               f"({cause}): {failed[first]}")
         effective = {}
         for node_id, result in zip(nodes, results):
             if isinstance(result, dict):
@@ -267,11 +295,75 @@ class Orchestrator:
                 if isinstance(memory, int) and memory > 0:
                     effective[node_id] = memory
         deployment = Deployment(name, order, plan, await self._tokenizer(model), settings, effective)
+        # Every node of the route holds the order (a staged order answers steps): requests may
+        # use it from now on, and the nodes switch to it.
         self.deployments[name] = deployment
         self._deployed_members = frozenset(alive)
+        await self._order_step(COMMIT_PATH, order, staged)
         log.info("plan %d deployed (%s as %s): %s", order.plan_version, model, name,
                  " -> ".join(f"{h.node_id[:8]}[{h.layers}]" for h in route.hops))
         return deployment
+
+    async def _order_step(self, path: str, order: RoutingOrder, nodes: list[str]) -> None:
+        """Commit or abort ``order`` on ``nodes`` (a node that misses it is logged: a commit it
+        missed leaves it serving the older plan, whose requests it still answers)."""
+        body = {"name": order.name, "plan_version": order.plan_version, "epoch": order.epoch}
+
+        async def step(node_id: str) -> None:
+            if node_id == self.node_id:
+                call = self.worker.commit if path == COMMIT_PATH else self.worker.abort
+                await call(order.name, order.plan_version, order.epoch)
+            else:
+                await self.client.request_json("POST", order.addresses[node_id], path, body, target=node_id,
+                                               timeout_s=ORDER_STEP_TIMEOUT_S)
+
+        results = await asyncio.gather(*(step(n) for n in nodes), return_exceptions=True)
+        for node_id, result in zip(nodes, results):
+            if isinstance(result, BaseException):
+                log.warning("node %s missed the %s of plan %d: %s", node_id, path.rsplit("/", 1)[-1],
+                            order.plan_version, result)
+
+    # --- nodes that could not stage a plan ----------------------------------------------------
+    def _fingerprint(self, node_id: str) -> str:
+        advert = self.membership.alive_nodes().get(node_id)
+        capacity = advert.capacity.to_dict() if advert else None
+        return json.dumps([capacity, self.holdings().get(node_id)], sort_keys=True)
+
+    def _reported_fault(self, node_id: str) -> Any:
+        if node_id == self.node_id:
+            return self.worker.fault
+        return ((self.membership.peer_extras().get(node_id) or {}).get("worker") or {}).get("fault")
+
+    def _record_fault(self, node_id: str, error: BaseException) -> None:
+        if node_id == self.node_id:
+            fault = self.worker.fault
+        elif isinstance(error, PeerError) and isinstance(error.answer, dict) and error.answer.get("cause"):
+            fault = {"cause": str(error.answer["cause"]), "message": str(error.answer.get("error", ""))}
+        else:
+            return  # unreachable, or a stale order: nothing to hold against the node
+        if fault:
+            self.faults[node_id] = NodeFault(fault["cause"], fault["message"], self._fingerprint(node_id))
+            log.warning("node %s is left out of plans until it changes: %s (%s)", node_id, fault["cause"],
+                        fault["message"])
+
+    def _clear_faults(self, members: frozenset[str]) -> bool:
+        """Forget the faults of nodes that left, changed, or withdrew them; True if a live node
+        may be planned again."""
+        cleared = False
+        for node_id, fault in list(self.faults.items()):
+            reported = self._reported_fault(node_id) is not None
+            if node_id not in members:
+                del self.faults[node_id]
+            elif self._fingerprint(node_id) != fault.fingerprint or (fault.reported and not reported):
+                del self.faults[node_id]
+                cleared = True
+                log.info("node %s changed: it is planned again", node_id)
+            elif reported and not fault.reported:
+                self.faults[node_id] = replace(fault, reported=True)
+        return cleared
+
+    def _plannable_scores(self) -> dict[str, Any]:
+        return {n: s for n, s in self.membership.scores().items() if n not in self.faults}
 
     def _newest_worker_plan(self) -> int:
         versions = [self.worker.current.plan_version if self.worker.current else 0]
@@ -283,7 +375,7 @@ class Orchestrator:
 
     async def _send_order(self, node_id: str, order: RoutingOrder) -> dict[str, Any]:
         if node_id == self.node_id:
-            return await self.worker.apply(order)
+            return await self.worker.stage(order)
         return await self.client.request_json("POST", order.addresses[node_id], ROUTING_PATH, order.to_json(),
                                               target=node_id, timeout_s=DEPLOY_TIMEOUT_S)
 
@@ -297,7 +389,7 @@ class Orchestrator:
     async def _plan_model(self, preset: ModelPreset) -> PlannedModel:
         self._require_orchestrator()
         holdings = self.holdings()
-        scores = self.membership.scores()
+        scores = self._plannable_scores()
         manifest = await ensure_model_files(self.client, self.store, preset.store_model, lambda m: [],
                                             self._addressed(self._sources(preset.store_model, holdings)))
         settings = preset.settings
@@ -506,15 +598,18 @@ class Orchestrator:
                         with contextlib.suppress(ClusterError):
                             await self.recover(deployment, lost)
                 self.on_members(members)
-                if self.deployments and members - self._deployed_members:
+                self._replan_pending |= self._clear_faults(members)
+                if self.deployments and (members - self._deployed_members or self._replan_pending):
                     wait_s = self._last_replan + self.config.replan_min_interval_s - time.monotonic()
                     if wait_s > 0:
                         log.info("re-planning in %.1f s (minimum interval between re-plans)", wait_s)
                         await asyncio.sleep(wait_s)
                         changes.set()  # look again after the pause
                         continue
+                    reason = "a node joined" if members - self._deployed_members else "a node that could not stage a plan changed"
+                    self._replan_pending = False
                     for name in list(self.deployments):
-                        await self.replan(name, "a node joined")
+                        await self.replan(name, reason)
                 self._deployed_members = members
             except ClusterError as error:
                 log.error("%s", error)

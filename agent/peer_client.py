@@ -23,10 +23,11 @@ USER_AGENT = "ncm-agent"
 class PeerError(NcmError):
     """A peer did not answer, answered late or answered with an error."""
 
-    def __init__(self, url: str, message: str, status: int | None = None) -> None:
+    def __init__(self, url: str, message: str, status: int | None = None, answer: Any = None) -> None:
         super().__init__(f"{url}: {message}")
         self.url = url
         self.status = status
+        self.answer = answer  # the peer's JSON error answer, when it sent one
 
 
 class PeerAuthError(PeerError):
@@ -90,7 +91,7 @@ class PeerClient:
                 responder = self.check_answer(url, headers, response.status, response.headers, raw, target=target)
                 if response.status >= 400:
                     raise PeerError(str(url), f"HTTP {response.status}: {raw[:300].decode(errors='replace')}",
-                                    response.status)
+                                    response.status, _json_or_none(raw))
                 return (json.loads(raw) if raw else None), responder
         except asyncio.TimeoutError:
             raise PeerError(str(url), f"no answer within {timeout_s:g} s") from None
@@ -130,3 +131,9 @@ class PeerClient:
             await ws.close()
         raise failure
 
+
+def _json_or_none(raw: bytes) -> Any:
+    try:
+        return json.loads(raw)
+    except (ValueError, UnicodeDecodeError):
+        return None

@@ -37,7 +37,7 @@ from agent.discovery import Discovery
 from agent.files import write_private
 from agent.identity import load_or_create_node_id
 from agent.membership import DESCRIBE_PATH, Membership
-from agent.orchestrator import ROUTING_PATH, UNLOAD_PATH, Orchestrator
+from agent.orchestrator import ABORT_PATH, COMMIT_PATH, ROUTING_PATH, UNLOAD_PATH, Orchestrator
 from agent.pairing import PAIR_PATH, REKEY_PATH, InviteStore, join_pending, take_new_key
 from agent.peer_client import PeerClient
 from agent.router import ModelRouter
@@ -48,9 +48,11 @@ from agent.service_keys import (
 )
 from agent.tls import TLS_DIR, TlsFiles, issue_node_files
 from agent.weights import complete_models, describe_model_files, resolve_model_file
-from agent.worker import StaleOrderError, Worker
+from agent.worker import StaleOrderError, Worker, failure_cause
 from shards.fragment import FRAGMENTS_DIR, sweep_fragments
+from shards.errors import ShardsError
 from shards.store import ModelStore
+from shards.verify import intact
 
 log = logging.getLogger(__name__)
 SHUTDOWN_TIMEOUT_S = 30.0
@@ -163,18 +165,48 @@ async def describe(request: web.Request) -> web.Response:
 
 @internal.post(ROUTING_PATH)
 async def set_routing(request: web.Request) -> web.Response:
+    """Stage an order: build its fragments; the order served changes at the commit."""
     try:
         order = RoutingOrder.from_json(await request.json())
     except (WireError, json.JSONDecodeError) as error:
         return web.json_response({"error": str(error)}, status=400)
+    worker = request.app[WORKER]
     try:
         # Shielded: a deployment goes on even if the orchestrator's connection drops meanwhile.
-        return web.json_response(await asyncio.shield(request.app[WORKER].apply(order)))
+        return web.json_response(await asyncio.shield(worker.stage(order)))
     except StaleOrderError as error:
         return web.json_response({"error": str(error)}, status=409)
     except Exception as error:  # noqa: BLE001 - reported to the orchestrator, the agent keeps running
-        log.exception("cannot apply plan %d", order.plan_version)
-        return web.json_response({"error": f"{type(error).__name__}: {error}"}, status=500)
+        log.debug("plan %d not staged", order.plan_version, exc_info=True)
+        fault = worker.fault or {"cause": failure_cause(error), "message": f"{type(error).__name__}: {error}"}
+        return web.json_response({"error": fault["message"], "cause": fault["cause"]}, status=500)
+
+
+async def _order_step(request: web.Request, action: str) -> web.Response:
+    try:
+        body = await request.json()
+        name, plan_version, epoch = str(body["name"]), int(body["plan_version"]), int(body["epoch"])
+    except (json.JSONDecodeError, KeyError, TypeError, ValueError, OverflowError):
+        return web.json_response({"error": "expected {\"name\": str, \"plan_version\": int, \"epoch\": int}"},
+                                 status=400)
+    worker = request.app[WORKER]
+    step = worker.commit if action == "commit" else worker.abort
+    try:
+        return web.json_response(await asyncio.shield(step(name, plan_version, epoch)))
+    except StaleOrderError as error:
+        return web.json_response({"error": str(error)}, status=409)
+
+
+@internal.post(COMMIT_PATH)
+async def commit_routing(request: web.Request) -> web.Response:
+    """Switch to a staged order: every node of its route has staged it."""
+    return await _order_step(request, "commit")
+
+
+@internal.post(ABORT_PATH)
+async def abort_routing(request: web.Request) -> web.Response:
+    """Drop a staged order: some node of its route could not stage it."""
+    return await _order_step(request, "abort")
 
 
 @internal.post(UNLOAD_PATH)
@@ -183,7 +215,7 @@ async def unload_model(request: web.Request) -> web.Response:
     try:
         body = await request.json()
         name, epoch = str(body["name"]), int(body["epoch"])
-    except (json.JSONDecodeError, KeyError, TypeError, ValueError):
+    except (json.JSONDecodeError, KeyError, TypeError, ValueError, OverflowError):
         return web.json_response({"error": "expected {\"name\": str, \"epoch\": int}"}, status=400)
     try:
         return web.json_response(await asyncio.shield(request.app[WORKER].unload(name, epoch)))
@@ -223,10 +255,18 @@ async def model_file(request: web.Request) -> web.StreamResponse:
     name = request.match_info["name"]
     if not store.has(name):
         raise web.HTTPNotFound(text=f"model {name} is not here")
+    relative = request.match_info["path"]
     try:
-        path = resolve_model_file(store.models_dir / name, request.match_info["path"])
+        path = resolve_model_file(store.models_dir / name, relative)
     except FileNotFoundError:
         raise web.HTTPNotFound(text="no such file") from None
+    try:
+        entry = next((e for e in store.manifest(name).files.values() if e.path == relative), None)
+    except ShardsError:
+        raise web.HTTPNotFound(text=f"model {name} is unreadable here") from None
+    if entry is not None and not await asyncio.to_thread(intact, store.models_dir / name, entry):
+        log.warning("not offering %s of %s to a peer: it does not match the manifest", relative, name)
+        raise web.HTTPNotFound(text=f"{relative} is corrupt here")
     return web.FileResponse(path, chunk_size=1 << 20)  # honours Range: transfers resume
 
 

@@ -9,12 +9,13 @@ files come first, so a node that holds only some layers still has a usable model
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import json
 import logging
 import os
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import aiohttp
 
@@ -23,6 +24,7 @@ from agent.peer_client import PeerClient, PeerError
 from shards.errors import ShardsError
 from shards.manifest import Manifest
 from shards.store import ModelStore
+from shards.verify import hash_file
 
 log = logging.getLogger(__name__)
 CHUNK_BYTES = 1 << 20
@@ -36,16 +38,17 @@ class WeightTransferError(NcmError):
     """No peer could provide a model file intact."""
 
 
-def _hash_file(path: Path) -> Any:
-    digest = hashlib.sha256()
-    with path.open("rb") as handle:
-        for block in iter(lambda: handle.read(CHUNK_BYTES), b""):
-            digest.update(block)
-    return digest
+class StoreWriteError(NcmError):
+    """This node cannot write a fetched file into its own store (a full disk, a read-only
+    store): no other source would do better. ``errno_code`` is the OS error number."""
+
+    def __init__(self, message: str, errno_code: int | None) -> None:
+        super().__init__(message)
+        self.errno_code = errno_code
 
 
 def file_digest(path: Path) -> str:
-    return _hash_file(path).hexdigest()
+    return hash_file(path).hexdigest()
 
 
 def describe_model_files(model_dir: Path) -> dict[str, Any]:
@@ -93,14 +96,15 @@ async def _download(client: PeerClient, source: Source, name: str, relative: str
                     sha256: str) -> None:
     node_id, base_url = source
     part = dest.with_name(dest.name + ".part")
-    dest.parent.mkdir(parents=True, exist_ok=True)
+    with _writing(dest):
+        dest.parent.mkdir(parents=True, exist_ok=True)
     offset = part.stat().st_size if part.exists() else 0
     if offset > size:
         part.unlink()
         offset = 0
     digest = hashlib.sha256()
     if offset:
-        digest = await asyncio.to_thread(_hash_file, part)
+        digest = await asyncio.to_thread(hash_file, part)
         log.info("resuming %s of %s at %d / %d bytes", relative, name, offset, size)
     url, headers = client.signed_request("GET", base_url, f"/internal/models/{name}/files/{relative}",
                                          target=node_id)
@@ -118,20 +122,42 @@ async def _download(client: PeerClient, source: Source, name: str, relative: str
             client.check_answer(url, headers, response.status, response.headers, None, target=node_id)
             if response.status == 200 and offset:
                 offset, digest = 0, hashlib.sha256()  # the source ignored the range: start over
-            with part.open("ab" if offset else "wb") as handle:
+            with _writing(dest):
+                handle = part.open("ab" if offset else "wb")
+            try:
                 async for block in response.content.iter_chunked(CHUNK_BYTES):
-                    handle.write(block)
+                    with _writing(dest):
+                        handle.write(block)
                     digest.update(block)
                     offset += len(block)
                     if offset >= next_report and size > 0:
                         log.info("fetching %s/%s: %d%% of %d bytes", name, relative, 100 * offset // size, size)
                         next_report = offset + max(size // 10, CHUNK_BYTES)
+            finally:
+                with _writing(dest):
+                    handle.close()
+    except StoreWriteError:
+        part.unlink(missing_ok=True)  # what did fit would only keep the store full
+        raise
     except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as error:
         raise PeerError(base_url, f"transfer of {relative} broke: {type(error).__name__}: {error}") from None
     if offset != size or digest.hexdigest() != sha256:
         part.unlink(missing_ok=True)
         raise WeightTransferError(f"{relative} from {base_url} is corrupt (size or sha256 mismatch)")
-    os.replace(part, dest)
+    with _writing(dest):
+        os.replace(part, dest)
+
+
+@contextlib.contextmanager
+def _writing(dest: Path) -> Iterator[None]:
+    """OS errors of writing into the local store become StoreWriteError (not a peer's fault)."""
+    try:
+        yield
+    except StoreWriteError:
+        raise
+    except OSError as error:
+        raise StoreWriteError(f"cannot write {dest.name} into the model store: {error.strerror or error}",
+                              error.errno) from error
 
 
 async def _listing(client: PeerClient, name: str, sources: list[Source], errors: list[str]) -> tuple[Source, dict[str, Any]]:
@@ -179,7 +205,8 @@ async def ensure_model_files(
         meta_files = {k: (int(v["bytes"]), str(v["sha256"])) for k, v in listing.get("meta_files", {}).items() if k in META_FILES}
     except (ShardsError, KeyError, TypeError, ValueError) as error:
         raise WeightTransferError(f"{source[1]} sent an unusable manifest of {name!r}: {error}") from None
-    model_dir.mkdir(parents=True, exist_ok=True)
+    with _writing(model_dir):
+        model_dir.mkdir(parents=True, exist_ok=True)
     ordered = [source] + [s for s in sources if s != source]
     for meta_name, (size, digest) in meta_files.items():
         dest = model_dir / meta_name
@@ -193,5 +220,6 @@ async def ensure_model_files(
         entry = manifest.files[key]
         await _fetch_from_any(client, ordered, name, entry.path, model_dir / entry.path, entry.bytes, entry.sha256, errors)
     if not (model_dir / MANIFEST_FILE).is_file():
-        store.write_manifest(model_dir, manifest)
+        with _writing(model_dir / MANIFEST_FILE):
+            store.write_manifest(model_dir, manifest)
     return manifest

@@ -1,15 +1,24 @@
 """The worker: the layer fragments this node serves, and the step handler of the data plane
 (run my layers, forward to the next stage, sample at the tail).
 
-A worker keeps, for every model the router has loaded, the newest routing order, plus every
+A worker keeps, for every model the router has loaded, the routing order it serves, plus every
 older one that a request in flight still uses, so requests finish on the plan they started on;
 fragments no kept order needs are freed. Unloading a model drops its order.
+
+A new order takes two steps, so that a plan changes on every node or on none: the worker
+*stages* it (fetches its weights, builds its fragments; the order it serves is untouched) and
+switches to it when the orchestrator *commits* it, or drops it when the orchestrator *aborts*
+it because another node could not stage it. A staged order already answers steps, and the
+order a commit replaces stays usable for :data:`RETIRE_GRACE_S`, so a request routed on either
+never meets a node that has let go of its plan.
 """
 
 from __future__ import annotations
 
 import asyncio
+import errno
 import logging
+import shutil
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -24,14 +33,18 @@ from agent.core.orders import RoutingOrder
 from agent.dataplane import Links, StageError, error_from_header
 from agent.peer_client import PeerClient
 from agent.probe import device_memory
-from agent.weights import ensure_model_files
-from shards.errors import ShardsError
+from agent.weights import StoreWriteError, WeightTransferError, ensure_model_files
+from shards.errors import CorruptWeightsError, ShardsError
+from shards.fragment import prune_blobs
 from shards.runner import FragmentRunner, OrtFragmentRunner
 from shards.sampling import Sampler, SamplingParams
 from shards.store import ModelStore
+from shards.verify import discard
 
 log = logging.getLogger(__name__)
 SESSION_IDLE_TIMEOUT_S = 300.0
+MAX_REPAIRS_KEPT = 8
+RETIRE_GRACE_S = 30.0  # a replaced order keeps answering this long, for steps already under way
 SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "seed")
 RunnerKey = tuple[str, int, int, int, int]  # model, first layer, last layer, max context, prefill chunk
 
@@ -47,6 +60,31 @@ def _rss_bytes() -> int:
 class StaleOrderError(StageError):
     def __init__(self, message: str) -> None:
         super().__init__("stale_order", message, None)
+
+
+_FULL = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG}
+_NOT_WRITABLE = {errno.EROFS, errno.EACCES, errno.EPERM}
+
+
+def failure_cause(error: BaseException) -> str:
+    """Why staging an order failed, as a short code the orchestrator and the operator see:
+    ``disk_full``, ``store_not_writable``, ``out_of_memory``, ``corrupt_weights``,
+    ``fetch_failed`` or ``stage_failed``."""
+    seen: BaseException | None = error
+    while seen is not None:
+        code = seen.errno_code if isinstance(seen, StoreWriteError) else getattr(seen, "errno", None)
+        if code in _FULL:
+            return "disk_full"
+        if code in _NOT_WRITABLE:
+            return "store_not_writable"
+        if isinstance(seen, MemoryError) or "Failed to allocate" in str(seen) or "bad_alloc" in str(seen):
+            return "out_of_memory"
+        if isinstance(seen, CorruptWeightsError):
+            return "corrupt_weights"
+        if isinstance(seen, WeightTransferError):
+            return "fetch_failed"
+        seen = seen.__cause__ or seen.__context__
+    return "stage_failed"
 
 
 @dataclass
@@ -66,12 +104,15 @@ class Worker:
         self.client = client
         self.links = links
         self.orders: dict[int, RoutingOrder] = {}
-        self.serving: dict[str, RoutingOrder] = {}  # router name -> newest order
+        self.serving: dict[str, RoutingOrder] = {}  # router name -> the order it serves
+        self.staged: dict[str, RoutingOrder] = {}  # router name -> an order built, not yet committed
+        self.retiring: dict[int, float] = {}  # plan version -> monotonic time it may be freed after
+        self.fault: dict[str, Any] | None = None  # why the last order could not be staged
+        self.repairs: list[dict[str, Any]] = []  # the latest corrupt weight files found here
         self.memory_bytes: dict[str, int] = {}  # router name -> what loading it took (effective)
         self.newest_epoch = 0
         self.runners: dict[RunnerKey, FragmentRunner] = {}
         self.state = "idle"
-        self.error: str | None = None
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ncm-compute")
         self.sessions: dict[str, _SessionInfo] = {}
         self._apply_lock = asyncio.Lock()
@@ -95,8 +136,9 @@ class Worker:
             (h.layers.first, h.layers.last) for h in order.hops_of(self.node_id)}
         return {self._key(order, a, b) for a, b in ranges}
 
-    async def apply(self, order: RoutingOrder) -> dict[str, Any]:
-        """`set_routing`: hold the fragments ``order`` gives me (fetching weights first)."""
+    async def stage(self, order: RoutingOrder) -> dict[str, Any]:
+        """`set_routing`: build what ``order`` needs (fetching weights first); the order served
+        does not change until :meth:`commit`. On failure :attr:`fault` says why."""
         self.check_epoch(order.epoch)
         async with self._apply_lock:
             self.check_epoch(order.epoch)
@@ -106,7 +148,7 @@ class Worker:
             self.newest_epoch = order.epoch
             wanted = self._keys(order, with_standby=True)
             missing = sorted(wanted - set(self.runners))
-            self.state = "loading"
+            previous_state, self.state = self.state, "loading"
             try:
                 if missing:
                     await ensure_model_files(
@@ -116,29 +158,69 @@ class Worker:
                     )
                 rss_before = _rss_bytes()
                 for key in missing:
-                    self.runners[key] = await asyncio.get_running_loop().run_in_executor(
-                        self.executor, self._open_runner, self.store.models_dir / order.model, key
-                    )
+                    self.runners[key] = await self._open_verified(order, key)
                 grown = _rss_bytes() - rss_before
             except Exception as error:
-                self.state, self.error = "failed", f"{type(error).__name__}: {error}"
+                cause = failure_cause(error)
+                self.state = previous_state
+                self.fault = {"cause": cause, "message": f"{type(error).__name__}: {error}",
+                              "model": order.model, "plan_version": order.plan_version}
+                log.error("cannot stage plan %d (%s): %s", order.plan_version, cause, self.fault["message"])
+                self._retire()  # free what was built for it
                 raise
             reported = sum(self.runners[k].memory_bytes() for k in wanted)
             if missing or order.name not in self.memory_bytes:
                 self.memory_bytes[order.name] = max(reported, grown) + self._kv_budget_bytes(order, wanted)
             self.orders[order.plan_version] = order
-            self.serving[order.name] = order
-            self._retire()
-            self.state, self.error = "ready", None
+            self.staged[order.name] = order
+            self._retire()  # an older staged order of this model is replaced
+            self.state, self.fault = "ready", None
             serving = self._keys(order, with_standby=False)
-            log.info("plan %d (epoch %d): %s layers %s; standby %s", order.plan_version, order.epoch, order.model,
-                     _ranges(serving) or "none", _ranges(wanted - serving) or "none")
+            log.info("plan %d (epoch %d) staged: %s layers %s; standby %s", order.plan_version, order.epoch,
+                     order.model, _ranges(serving) or "none", _ranges(wanted - serving) or "none")
             return self.status()
+
+    async def commit(self, name: str, plan_version: int, epoch: int) -> dict[str, Any]:
+        """Switch model ``name`` to its staged order ``plan_version``."""
+        self.check_epoch(epoch)
+        async with self._apply_lock:
+            order = self.staged.get(name)
+            if order is None or order.plan_version != plan_version:
+                serving = self.serving.get(name)
+                if serving is not None and serving.plan_version == plan_version:
+                    return self.status()  # committed already
+                raise StaleOrderError(f"plan {plan_version} of {name} is not staged here")
+            del self.staged[name]
+            previous = self.serving.get(name)
+            self.serving[name] = order
+            if previous is not None and previous.plan_version != plan_version:
+                self.retiring[previous.plan_version] = time.monotonic() + RETIRE_GRACE_S
+            self._retire()
+            log.info("plan %d of %s committed", plan_version, name)
+            return self.status()
+
+    async def abort(self, name: str, plan_version: int, epoch: int) -> dict[str, Any]:
+        """Drop the staged order ``plan_version`` of ``name`` (another node could not stage it)."""
+        self.check_epoch(epoch)
+        async with self._apply_lock:
+            order = self.staged.get(name)
+            if order is not None and order.plan_version == plan_version:
+                del self.staged[name]
+                self._retire()
+                log.info("plan %d of %s aborted; %s", plan_version, name,
+                         f"plan {self.serving[name].plan_version} goes on" if name in self.serving else "nothing changes")
+            return self.status()
+
+    async def apply(self, order: RoutingOrder) -> dict[str, Any]:
+        """Stage and commit ``order`` at once (a single node, or tests)."""
+        await self.stage(order)
+        return await self.commit(order.name, order.plan_version, order.epoch)
 
     async def unload(self, name: str, epoch: int) -> dict[str, Any]:
         """Drop the order of model ``name``: its fragments are freed (sessions in flight finish)."""
         self.check_epoch(epoch)
         async with self._apply_lock:
+            self.staged.pop(name, None)
             if self.serving.pop(name, None) is not None:
                 log.info("model %s unloaded", name)
             self.memory_bytes.pop(name, None)
@@ -162,15 +244,38 @@ class Worker:
     def _retire(self) -> None:
         """Forget orders no request uses any more, and free the fragments none of the rest needs."""
         in_use = {info.plan_version for info in self.sessions.values()}
-        newest = {order.plan_version for order in self.serving.values()}
+        now = time.monotonic()
+        self.retiring = {version: until for version, until in self.retiring.items() if until > now}
+        newest = {order.plan_version for order in (*self.serving.values(), *self.staged.values())}
         for version in list(self.orders):
-            if version not in newest and version not in in_use:
+            if version not in newest and version not in in_use and version not in self.retiring:
                 del self.orders[version]
         needed: set[RunnerKey] = set()
         for order in self.orders.values():
             needed |= self._keys(order, with_standby=order.plan_version in newest)
         for key in [k for k in self.runners if k not in needed]:
             self.runners.pop(key).close()
+
+    async def _open_verified(self, order: RoutingOrder, key: RunnerKey) -> FragmentRunner:
+        """Open the runner of ``key``; weight files found corrupt while building its fragment
+        are deleted and fetched again from the order's sources, once."""
+        loop = asyncio.get_running_loop()
+        model_dir = self.store.models_dir / order.model
+        try:
+            return await loop.run_in_executor(self.executor, self._open_runner, model_dir, key)
+        except CorruptWeightsError as corrupt:
+            await asyncio.to_thread(discard, model_dir, corrupt.paths)
+            self.repairs = [*self.repairs[-(MAX_REPAIRS_KEPT - 1):],
+                            {"model": order.model, "files": list(corrupt.paths), "fetched_again": False}]
+            try:
+                await ensure_model_files(self.client, self.store, order.model,
+                                         lambda m: m.fragment_files(key[1], key[2]), order.sources())
+            except WeightTransferError as error:
+                raise CorruptWeightsError(f"{corrupt}; no peer could provide intact copies: {error}",
+                                          corrupt.paths) from error
+            self.repairs[-1]["fetched_again"] = True
+            log.warning("fetched %s of %s again from a peer", ", ".join(corrupt.paths), order.model)
+            return await loop.run_in_executor(self.executor, self._open_runner, model_dir, key)
 
     def _open_runner(self, model_dir: Path, key: RunnerKey) -> FragmentRunner:
         _, first, last, max_context, prefill_chunk = key
@@ -195,7 +300,9 @@ class Worker:
             }
         return {
             "state": self.state,
-            "error": self.error,
+            "fault": self.fault,
+            "repairs": self.repairs,
+            "staged": {name: order.plan_version for name, order in sorted(self.staged.items())},
             "model": current.model if current else None,
             "plan_version": current.plan_version if current else None,
             "epoch": self.newest_epoch,
@@ -239,6 +346,10 @@ class Worker:
             )
         except ShardsError as error:
             raise StageError("bad_request", f"layers {hop.layers}: {error}", None) from None
+        if not np.isfinite(output).all():
+            self._drop_faulty(self._key(order, hop.layers.first, hop.layers.last))
+            raise StageError("stage_faulty", f"layers {hop.layers} on node {self.node_id} computed NaN or Inf",
+                             self.node_id)
         if hop.layers.last == order.total_layers - 1:
             token = None
             if header["sample"]:
@@ -267,6 +378,19 @@ class Worker:
         if result["kind"] == "error":
             raise error_from_header(result)
         return result, None
+
+    def _drop_faulty(self, key: RunnerKey) -> None:
+        """A fragment that computes NaN or Inf is closed and its build deleted: the next order
+        that needs it builds it again, from weight files checked against the manifest."""
+        runner = self.runners.pop(key, None)
+        if runner is None:
+            return
+        log.error("fragment %d-%d of %s computed NaN or Inf: dropped, with its build", key[1], key[2], key[0])
+        build = getattr(runner, "path", None)
+        runner.close()
+        if isinstance(build, Path):
+            shutil.rmtree(build.parent, ignore_errors=True)
+            prune_blobs(build.parent.parent)  # its weights, unless another fragment shares them
 
     def _free(self, sid: str) -> None:
         self.sessions.pop(sid, None)

@@ -93,6 +93,7 @@ class Agent:
     process: subprocess.Popen | None = None
     env: dict[str, str] = field(default_factory=dict)
     python: str = sys.executable  # another environment's interpreter runs the agent there
+    prefix: list[str] = field(default_factory=list)  # runs the agent (e.g. in a mount namespace)
 
     @property
     def url(self) -> str:
@@ -115,7 +116,7 @@ class Agent:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         log = self.log_path.open("ab")
         self.process = subprocess.Popen(
-            [self.python, "-m", "agent.cli", "serve", "--port", str(self.port), *args],
+            [*self.prefix, self.python, "-m", "agent.cli", "serve", "--port", str(self.port), *args],
             cwd=REPO, env=self.env, stdout=log, stderr=subprocess.STDOUT,
         )
         log.close()
@@ -169,6 +170,23 @@ def make_agents(tmp: Path, model_home: Path | list[Path], count: int, *, extra_e
         for agent in agents:
             agent.start([f"--peer={other.url}" for other in agents if other is not agent])
     return agents
+
+
+def give_small_disk(agent: Agent, size_bytes: int) -> str:
+    """Put ``agent``'s model store on a disk of ``size_bytes``: a tmpfs in a mount namespace of
+    its own where the machine allows it (root), else a store directory that refuses writes.
+    Returns which of the two it got."""
+    agent.home.mkdir(parents=True, exist_ok=True)
+    if os.geteuid() == 0 and shutil.which("unshare"):
+        probe = subprocess.run(["unshare", "-m", "sh", "-c", f"mount -t tmpfs -o size=4k tmpfs {agent.home}"],
+                               capture_output=True, timeout=30)
+        if probe.returncode == 0:
+            agent.prefix = ["unshare", "-m", "sh", "-c",
+                            f'mount -t tmpfs -o size={size_bytes} tmpfs "$0" && exec "$@"', str(agent.home)]
+            return "tmpfs"
+    (agent.home / "models").mkdir(exist_ok=True)
+    (agent.home / "models").chmod(0o555)
+    return "read-only"
 
 
 def shut_down(agents: list[Agent], *, keep_store: Path | None = None, log_chars: int = 5000) -> None:

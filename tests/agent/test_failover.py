@@ -9,6 +9,7 @@ With 30 layers, head ratio 0.8 and one replica, the head owner's layers all have
 from __future__ import annotations
 
 import json
+import shutil
 import threading
 import time
 import urllib.request
@@ -16,7 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.agent.agents import FALLBACK, MAIN, Agent, ModelEvents, cluster_ready, linked_copy, make_agents, shut_down, wait_for
+from tests.agent.agents import (FALLBACK, MAIN, Agent, ModelEvents, cluster_ready, give_small_disk, linked_copy,
+                                make_agents, shut_down, wait_for)
 
 pytestmark = pytest.mark.slow
 QUESTION = [{"role": "user", "content": "Tell me about the history of Paris, the capital of France, in detail."}]
@@ -231,6 +233,35 @@ def test_a_node_that_comes_back_returns_the_cluster_to_the_main_model(chaos):
     assert reference(agents[1]) == undisturbed
 
 
+def test_a_node_that_comes_back_with_a_corrupt_layer_file_fetches_it_again_before_serving(chaos):
+    agents = chaos(orchestrator=0)
+    ids = node_ids(agents)
+    undisturbed = reference(agents[0])
+    first = next(hop["layers"][0] for hop in route_of(agents[0]) if hop["node"] == ids[2])
+    agents[2].kill()
+    wait_for(lambda: status_of(agents[0]).get("state") == "degraded", timeout_s=30, what="degraded mode")
+    model_dir = agents[2].home / "models" / MAIN
+    manifest = json.loads((model_dir / "manifest.json").read_text())
+    relative = manifest["files"][f"layer.{first}"]["path"]
+    data = bytearray((model_dir / relative).read_bytes())
+    data[len(data) // 2] ^= 0x40  # one flipped bit, same size
+    (model_dir / relative).unlink()  # it was a link to the other stores' file
+    (model_dir / relative).write_bytes(bytes(data))
+    shutil.rmtree(model_dir / "fragments")  # its fragments are built again, from the files
+    agents[2].start([f"--peer={other.url}" for other in agents if other is not agents[2]])
+
+    def back_to_main():
+        status = status_of(agents[0])
+        return status.get("state") == "ok" and status.get("model") == MAIN and len(status.get("nodes_alive", [])) == 3
+
+    wait_for(back_to_main, timeout_s=180, what="the cluster to serve the main model over 3 nodes again")
+    assert reference(agents[1]) == undisturbed
+    view = agents[0].get("/cluster/nodes")[1]
+    worker = next(n for n in view["nodes"] if n["id"] == ids[2])["worker"]
+    assert {"model": MAIN, "files": [relative], "fetched_again": True} in worker["repairs"], worker
+    assert f"weight file {relative} of {MAIN} is corrupt" in agents[2].log()
+
+
 def test_a_new_node_given_one_peer_joins_and_the_model_is_rebalanced_over_it(chaos, tmp_path):
     agents = chaos(orchestrator=0)
     undisturbed = reference(agents[0])
@@ -269,6 +300,33 @@ def test_a_joining_node_too_small_for_its_share_leaves_the_plan_as_it_is(chaos, 
         status = status_of(agents[0])
         assert newcomer_id in status["nodes_alive"] and status["state"] == "ok"
         assert route_of(agents[0]) == before
+        assert reference(newcomer) == undisturbed  # it serves through the old route
+    finally:
+        shut_down([newcomer])
+
+
+def test_a_joining_node_with_a_full_disk_leaves_the_old_plan_serving_and_is_marked(chaos, tmp_path):
+    agents = chaos(orchestrator=0)
+    before = route_of(agents[0])
+    undisturbed = reference(agents[0])
+    newcomer = make_agents(tmp_path / "newcomer", tmp_path / "newcomer-home", 1, extra_env=CHAOS_ENV, start=False)[0]
+    newcomer.env.update(NCM_VRAM_GIB="8")  # a share of the model, which its disk cannot hold
+    disk = give_small_disk(newcomer, 8 << 20)
+    newcomer.start([f"--peer={agents[2].url}"])
+    try:
+        newcomer_id = wait_for(lambda: newcomer.node_id(), timeout_s=60, what="the new agent to start")
+        fault = wait_for(lambda: status_of(agents[0]).get("faults", {}).get(newcomer_id), timeout_s=180,
+                         what="the orchestrator to mark the node that could not stage the plan")
+        assert fault["cause"] == ("disk_full" if disk == "tmpfs" else "store_not_writable"), fault
+        # The nodes that staged the new plan dropped it: the old plan serves, and says so.
+        for agent in agents:
+            assert reference(agent) == undisturbed
+        status = status_of(agents[0])
+        assert status["state"] == "ok" and newcomer_id in status["nodes_alive"], status
+        assert route_of(agents[0]) == before
+        view = agents[1].get("/cluster/nodes")[1]
+        reported = next(n for n in view["nodes"] if n["id"] == newcomer_id)["worker"]
+        assert reported and reported["fault"]["cause"] == fault["cause"], reported
         assert reference(newcomer) == undisturbed  # it serves through the old route
     finally:
         shut_down([newcomer])

@@ -1,0 +1,107 @@
+"""The worker's side of a plan change (stage, then commit or abort) and of a fragment that
+computes NaN, on the real default model in this test's event loop."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+
+import aiohttp
+import numpy as np
+import pytest
+
+from agent.config import AgentConfig
+from agent.core.orders import RoutingOrder
+from agent.core.plan import LayerRange
+from agent.core.routing import Hop, Route
+from agent.dataplane import Links, StageError
+from agent.peer_client import PeerClient
+from agent.worker import StaleOrderError, Worker
+from shards.manifest import WeightFile
+from shards.store import ModelStore
+from shards.tensorfile import read_tensors, write_tensors
+from tests.agent.agents import CLUSTER_KEY, MAIN, linked_copy
+
+pytestmark = pytest.mark.slow
+NODE = "node-0"
+
+
+def order(version: int, cuts: list[tuple[int, int]], layers: int) -> RoutingOrder:
+    route = Route(tuple(Hop(NODE, LayerRange(a, b)) for a, b in cuts))
+    return RoutingOrder(epoch=1, orchestrator=NODE, plan_version=version, model=MAIN, total_layers=layers,
+                        route=route, addresses={NODE: "https://127.0.0.1:1"})
+
+
+def step_header(o: RoutingOrder, sid: str) -> dict:
+    return {"kind": "step", "sid": sid, "seq": 0, "layer": 0, "start": 0, "epoch": o.epoch,
+            "plan": o.plan_version, "sample": True, "params": {"temperature": 0}}
+
+
+async def with_worker(home, body) -> None:
+    async with aiohttp.ClientSession() as session:
+        client = PeerClient(session, CLUSTER_KEY.encode(), NODE, None)
+        worker = Worker(NODE, AgentConfig(cluster_key=CLUSTER_KEY, threads=1), ModelStore(home), client, Links(client))
+        try:
+            await body(worker)
+        finally:
+            worker.close()
+
+
+def test_a_plan_is_served_only_once_committed_and_an_aborted_one_leaves_the_served_one(smollm2_store, tmp_path):
+    home = linked_copy(smollm2_store.root, tmp_path / "home")
+    layers = smollm2_store.manifest(MAIN).n_layers
+    prompt = np.asarray([[1, 2, 3]], dtype=np.int64)
+
+    async def body(worker: Worker) -> None:
+        first, second = order(1, [(0, layers - 1)], layers), order(2, [(0, 9), (10, layers - 1)], layers)
+        await worker.apply(first)
+        await worker.stage(second)
+        assert worker.serving[MAIN].plan_version == 1 and worker.status()["staged"] == {MAIN: 2}
+        # Both answer steps meanwhile, with the same token.
+        one, _ = await worker.step(step_header(first, "a"), prompt)
+        two, _ = await worker.step(step_header(second, "b"), prompt)
+        assert one["token"] == two["token"]
+        await worker.abort(MAIN, 2, 1)
+        assert worker.status()["staged"] == {} and sorted(worker.orders) == [1, 2]  # "b" is still open
+        await worker.close_session("b", 0, 2)
+        assert sorted(worker.orders) == [1]
+        with pytest.raises(StaleOrderError):
+            await worker.commit(MAIN, 2, 1)  # an aborted plan cannot be committed
+        await worker.stage(second)
+        await worker.commit(MAIN, 2, 1)
+        assert worker.serving[MAIN].plan_version == 2
+        # The replaced plan still answers the steps already under way, for a grace period.
+        again, _ = await worker.step(step_header(first, "c"), prompt)
+        assert again["token"] == one["token"]
+
+    asyncio.run(with_worker(home, body))
+
+
+def test_a_fragment_that_computes_nan_is_a_faulty_stage_and_is_dropped(smollm2_store, tmp_path):
+    home = linked_copy(smollm2_store.root, tmp_path / "home")
+    manifest = smollm2_store.manifest(MAIN)
+    model_dir = home / "models" / MAIN
+    # A layer whose numbers are broken in a way no checksum sees (the manifest agrees with them).
+    entry = manifest.files["layer.3"]
+    path = model_dir / entry.path
+    tensors = read_tensors(path)
+    name = next(n for n, t in tensors.items() if t.ndim == 2 and t.dtype == np.float32)
+    tensors[name] = np.full_like(tensors[name], np.nan)
+    path.unlink()
+    write_tensors(path, tensors)
+    digest = hashlib.sha256(path.read_bytes()).hexdigest()
+    files = dict(manifest.files) | {"layer.3": WeightFile(entry.path, path.stat().st_size, digest)}
+    (model_dir / "manifest.json").unlink()
+    ModelStore(home).write_manifest(model_dir, manifest.__class__(**{**manifest.__dict__, "files": files}))
+    layers = manifest.n_layers
+
+    async def body(worker: Worker) -> None:
+        o = order(1, [(0, layers - 1)], layers)
+        await worker.apply(o)
+        with pytest.raises(StageError) as caught:
+            await worker.step(step_header(o, "a"), np.asarray([[1, 2, 3]], dtype=np.int64))
+        assert caught.value.code == "stage_faulty" and caught.value.node == NODE
+        assert worker.runners == {}  # closed, and its build deleted: the next order builds it again
+        assert not list((model_dir / "fragments").glob(f"{MAIN}-000-*"))
+
+    asyncio.run(with_worker(home, body))
