@@ -15,30 +15,29 @@ import time
 import uuid
 from typing import Any
 
-import aiohttp
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 from aiohttp.web_protocol import RequestPayloadError
 
 from agent.compat import timeout
+from agent.core.admission import TooManyRequestsError
 from agent.core.capacity import score
-from agent.core.chat_request import ChatRequest, InvalidRequestError, parse_request
+from agent.core.chat_request import MAX_MODEL_NAME_CHARS, ChatRequest, InvalidRequestError, parse_request
 from agent.core.errors import ClusterError, PresetError
 from agent.core.invites import DEFAULT_INVITE_TTL_S, InviteError, JoinString, fingerprint
 from agent.core.model_registry import CapacityError, ModelLoadError, ModelNotLoadedError, RouterError, UnknownModelError
 from agent.dataplane import StageError
 from agent.openapi import openapi_document
 from agent.orchestrator import Completion, Deployment
+from agent.proxy import RESUMABLE_HEADER, RESUME_FIELD, TOKENS_FIELD, ask_orchestrator
 from agent.pairing import PAIR_PATH, join_by_invite, rotate_key, seal
-from agent.router import ModelBusyError
+from agent.router import ModelBusyError, without_addresses
 from agent.service_keys import CLIENT, CONFIG, INVITES, LIFECYCLE, MEMBERSHIP, NODE_ID, ORCHESTRATOR, ROUTER, WORKER
 from shards.errors import ShardsError
 from shards.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
-PROXY_TIMEOUT = aiohttp.ClientTimeout(total=None, connect=5.0, sock_read=300.0)
 SSE_KEEPALIVE_S = 15.0
-HOP_HEADERS = {"host", "content-length", "transfer-encoding", "connection", "content-encoding"}
 
 routes = web.RouteTableDef()
 
@@ -46,7 +45,8 @@ routes = web.RouteTableDef()
 def error_response(status: int, message: str, *, type_: str | None = None, param: str | None = None,
                    code: str | None = None, headers: dict[str, str] | None = None) -> web.Response:
     kind = type_ or {400: "invalid_request_error", 401: "authentication_error", 404: "invalid_request_error",
-                     409: "invalid_request_error", 503: "service_unavailable"}.get(status, "server_error")
+                     409: "invalid_request_error", 429: "requests",
+                     503: "service_unavailable"}.get(status, "server_error")
     return web.json_response({"error": {"message": message, "type": kind, "param": param, "code": code}},
                              status=status, headers=headers)
 
@@ -66,7 +66,8 @@ async def openai_errors(request: web.Request, handler: Any) -> web.StreamRespons
         return error_response(503, str(error), code="cluster_unavailable", headers={"Retry-After": "5"})
     except StageError as error:
         status = 400 if error.node is None and error.code == "bad_request" else 503
-        return error_response(status, f"{error} (retry in a moment)" if status == 503 else str(error),
+        message = without_addresses(str(error))
+        return error_response(status, f"{message} (retry in a moment)" if status == 503 else message,
                               code=error.code, headers={"Retry-After": "2"} if status == 503 else None)
     except web.HTTPException as error:
         if error.status >= 400 and error.content_type != "application/json":
@@ -81,12 +82,17 @@ def _router_error(error: RouterError) -> web.Response:
         return error_response(400, str(error), param="model", code="model_not_loaded")
     if isinstance(error, ModelBusyError):
         return error_response(409, str(error), param="model", code="model_busy")
+    if isinstance(error, TooManyRequestsError):
+        return error_response(429, str(error), code="rate_limit_exceeded",
+                              headers={"Retry-After": str(error.retry_after_s)})
     if isinstance(error, CapacityError):
         headers = {"Retry-After": f"{error.retry_after_s:.0f}"} if error.retry_after_s else None
         return error_response(503, str(error), code="model_capacity", headers=headers)
     if isinstance(error, ModelLoadError):
+        if error.retry_after_s is None:  # retrying cannot help yet: the message says what to do
+            return error_response(503, str(error), code="model_load_failed")
         return error_response(503, f"{error}; retry the request to load it again", code="model_load_failed",
-                              headers={"Retry-After": "5"})
+                              headers={"Retry-After": f"{error.retry_after_s:.0f}"})
     return error_response(503, str(error), code="model_unavailable", headers={"Retry-After": "5"})
 
 
@@ -113,7 +119,7 @@ async def cluster_nodes(request: web.Request) -> web.Response:
     membership = request.app[MEMBERSHIP]
     nodes = [{
         "id": request.app[NODE_ID], "url": membership.self_url(), "alive": True, "self": True,
-        "role": membership.role, "score": score(membership.capacity), "capacity": membership.capacity.to_dict(),
+        "role": membership.role, "score": float(score(membership.capacity)), "capacity": membership.capacity.to_dict(),
         "detected": membership.detected.to_dict(), "accelerators": membership.accelerators.to_dict(),
         "latency_ms": 0.0, "worker": request.app[WORKER].status(),
     }]
@@ -123,7 +129,7 @@ async def cluster_nodes(request: web.Request) -> web.Response:
         nodes.append({
             "id": advert.node_id if advert else None, "url": url, "alive": entry.alive, "self": False,
             "source": entry.source, "role": advert.role if advert else None,
-            "score": score(advert.capacity) if advert else None,
+            "score": float(score(advert.capacity)) if advert else None,
             "capacity": advert.capacity.to_dict() if advert else None, "latency_ms": entry.latency_ms,
             "failures": entry.failures,
             **{key: extras.get(advert.node_id, {}).get(key) if advert else None
@@ -223,43 +229,15 @@ async def pair(request: web.Request) -> web.Response:
 
 
 async def _ask_orchestrator(request: web.Request) -> web.StreamResponse | None:
-    """Proxy the request to the orchestrator when this node is not it (None: handle here)."""
+    """Pass the request on to the orchestrator when this node is not it (None: handle here)."""
     membership = request.app[MEMBERSHIP]
     election = membership.election
     if election is None:
         raise ClusterError("no orchestrator has been elected yet; the cluster is starting")
     if election.orchestrator == request.app[NODE_ID]:
         return None
-    try:  # over the orchestrator's peer port: prompts and answers between agents travel in TLS
-        target = membership.peer_address_of(election.orchestrator)
-    except KeyError:
-        raise ClusterError(f"the orchestrator {election.orchestrator} is not reachable from this node") from None
-    headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP_HEADERS}
     body = await _read_body(request)  # decompressed: the Content-Encoding header is not passed on
-    client = request.app[CLIENT]
-    response: web.StreamResponse | None = None
-    try:
-        async with client.session.request(request.method, target + request.rel_url.path_qs, data=body or None,
-                                          headers=headers, timeout=PROXY_TIMEOUT, ssl=client.ssl) as upstream:
-            response = web.StreamResponse(status=upstream.status, headers={
-                k: v for k, v in upstream.headers.items() if k.lower() not in HOP_HEADERS})
-            await response.prepare(request)
-            tail = b""
-            async for chunk in upstream.content.iter_any():
-                await response.write(chunk)
-                tail = (tail + chunk)[-64:]
-            if upstream.content_type == "text/event-stream" and b"[DONE]" not in tail:
-                raise aiohttp.ClientPayloadError("the event stream ended early")
-    except (aiohttp.ClientError, asyncio.TimeoutError) as error:
-        message = f"the orchestrator stopped answering ({type(error).__name__}); retry the request"
-        if response is None:
-            raise ClusterError(message) from None
-        # The answer had started: end the event stream with an error event the client can read.
-        payload = {"error": {"message": message, "type": "service_unavailable", "param": None,
-                             "code": "orchestrator_lost"}}
-        await response.write(b"data: " + json.dumps(payload).encode() + b"\n\n")
-    await response.write_eof()
-    return response
+    return await ask_orchestrator(request, membership, request.app[CLIENT], body)
 
 
 def on_orchestrator(handler: Any) -> Any:
@@ -353,7 +331,7 @@ def changes_cluster(request: web.Request) -> bool:
 async def models(request: web.Request) -> web.StreamResponse:
     router = request.app[ROUTER]
     if _wants_reload(request):
-        router.reload()
+        router.reload(strict=True)  # a section whose weights no live node stores is refused, named
     return web.json_response({"object": "list", "data": router.models()})
 
 
@@ -363,6 +341,7 @@ async def models(request: web.Request) -> web.StreamResponse:
 async def models_load_unload(request: web.Request) -> web.StreamResponse:
     """Body {"model": name or alias}: load it (answers once ready) or unload it."""
     body = await _read_json(request)
+    _check_model_name(body)
     name = body.get("model") if isinstance(body, dict) else None
     if not isinstance(name, str) or not name:
         raise InvalidRequestError("the body must be {\"model\": \"<name or alias>\"}", "model")
@@ -430,8 +409,17 @@ def _sampling(chat: ChatRequest, prompt_tokens: int, max_context: int) -> Sampli
         raise InvalidRequestError(str(error)) from None
 
 
+def _check_model_name(body: Any) -> None:
+    """A model name too long to be one is refused as that (before the rest of the body)."""
+    model = body.get("model") if isinstance(body, dict) else None
+    if isinstance(model, str) and len(model) > MAX_MODEL_NAME_CHARS:
+        raise InvalidRequestError(f"'model' is {len(model)} characters long; a model name or alias has at most "
+                                  f"{MAX_MODEL_NAME_CHARS} (GET /v1/models lists them)", "model")
+
+
 async def _completion(request: web.Request, *, chat: bool) -> web.StreamResponse:
     body = await _read_json(request)
+    _check_model_name(body)
     parsed = parse_request(body, chat=chat)
     autoload = _autoload(request)
     proxied = await _ask_orchestrator(request)
@@ -443,11 +431,31 @@ async def _completion(request: web.Request, *, chat: bool) -> web.StreamResponse
     async with router.use(name, autoload=autoload) as deployment:
         # Server-Timing: how long the router held the request (resolve, load or wake, admission).
         timing = {"Server-Timing": f"router;dur={1000 * (time.perf_counter() - arrived):.3f}"}
-        return await _generate(request, parsed, deployment, chat=chat, headers=timing)
+        return await _generate(request, parsed, deployment, chat=chat, headers=timing,
+                               resume=_resume_tokens(request, body, deployment))
+
+
+def _from_member(request: web.Request) -> bool:
+    """Came in on the peer port (mutual TLS: only members get there)."""
+    return request.transport is not None and request.transport.get_extra_info("ssl_object") is not None
+
+
+def _resume_tokens(request: web.Request, body: Any, deployment: Deployment) -> tuple[int, ...]:
+    """The ids a lost orchestrator sampled for this request, when a member passes it on to go on
+    after them (see :mod:`agent.proxy`); ignored from anyone else."""
+    resume = body.get(RESUME_FIELD) if isinstance(body, dict) and _from_member(request) else None
+    if resume is None:
+        return ()
+    tokens = resume.get("tokens") if isinstance(resume, dict) else None
+    vocab = deployment.tokenizer.vocab_size
+    if not isinstance(tokens, list) or not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab
+                                               for t in tokens):
+        raise InvalidRequestError(f"'{RESUME_FIELD}.tokens' must be a list of token ids", RESUME_FIELD)
+    return tuple(tokens)
 
 
 async def _generate(request: web.Request, parsed: ChatRequest, deployment: Deployment, *, chat: bool,
-                    headers: dict[str, str]) -> web.StreamResponse:
+                    headers: dict[str, str], resume: tuple[int, ...] = ()) -> web.StreamResponse:
     orchestrator = request.app[ORCHESTRATOR]
     tokenizer = deployment.tokenizer
     if chat:
@@ -462,7 +470,8 @@ async def _generate(request: web.Request, parsed: ChatRequest, deployment: Deplo
     params = _sampling(parsed, len(prompt_ids), deployment.settings.max_context)
     created = int(time.time())
     ident = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
-    events = orchestrator.complete(deployment, prompt_ids, params)
+    events = orchestrator.complete(deployment, prompt_ids, params, resume)
+    with_tokens = bool(request.headers.get(RESUMABLE_HEADER)) and _from_member(request)
 
     if not parsed.stream:
         pieces, last = [], Completion("", deployment.name)
@@ -487,24 +496,27 @@ async def _generate(request: web.Request, parsed: ChatRequest, deployment: Deplo
     await response.prepare(request)
     kind = "chat.completion.chunk" if chat else "text_completion"
 
-    async def send(model: str, text: str | None, finish: str | None, *, role: bool = False) -> None:
+    async def send(model: str, text: str | None, finish: str | None, *, role: bool = False,
+                   tokens: tuple[int, ...] = ()) -> None:
         if chat:
             delta: dict[str, Any] = {"role": "assistant", "content": ""} if role else ({"content": text} if text else {})
             choice = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}
         else:
             choice = {"index": 0, "text": text or "", "finish_reason": finish, "logprobs": None}
         chunk = {"id": ident, "object": kind, "created": created, "model": model, "choices": [choice]}
+        if with_tokens:
+            chunk[TOKENS_FIELD] = list(tokens)
         await response.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
 
     try:
         if chat:
             await send(first.model, None, None, role=True)
         last = first
-        await send(first.model, first.text, first.finish_reason)
+        await send(first.model, first.text, first.finish_reason, tokens=first.tokens)
         if first.finish_reason is None:
             async for event in events:
                 last = event
-                await send(event.model, event.text, event.finish_reason)
+                await send(event.model, event.text, event.finish_reason, tokens=event.tokens)
         if parsed.include_usage:
             usage = {"prompt_tokens": last.prompt_tokens, "completion_tokens": last.completion_tokens,
                      "total_tokens": last.prompt_tokens + last.completion_tokens}
@@ -513,8 +525,8 @@ async def _generate(request: web.Request, parsed: ChatRequest, deployment: Deplo
         await response.write(b"data: [DONE]\n\n")
     except (StageError, ClusterError) as error:
         # Headers are gone: report the failure inside the stream, in the OpenAI error shape.
-        payload = {"error": {"message": str(error), "type": "service_unavailable", "param": None,
-                             "code": getattr(error, "code", "cluster_unavailable")}}
+        payload = {"error": {"message": without_addresses(str(error)), "type": "service_unavailable",
+                             "param": None, "code": getattr(error, "code", "cluster_unavailable")}}
         await response.write(b"data: " + json.dumps(payload).encode() + b"\n\n")
     finally:
         await events.aclose()

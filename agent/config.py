@@ -78,6 +78,8 @@ class AgentConfig:
     models_autoload: bool = True
     models_load_timeout_s: float = 600.0
     sleep_idle_s: float = 0.0
+    max_requests_in_flight: int = 4  # per model, on the orchestrator
+    max_queued_requests: int = 32  # per model: more waiting requests get 429
     # Settings given explicitly (file, environment or flags): they win over model presets.
     explicit: frozenset[str] = field(default=frozenset(), compare=False)
 
@@ -123,6 +125,9 @@ class AgentConfig:
             raise ConfigError("models_max and models_memory_margin_mib must be >= 0 (models_max 0 = no limit)")
         if not self.models_load_timeout_s > 0 or self.sleep_idle_s < 0:
             raise ConfigError("models_load_timeout_s must be > 0 and sleep_idle_s >= 0 (0 = never sleep)")
+        if self.max_requests_in_flight < 1 or self.max_queued_requests < 0:
+            raise ConfigError(f"max_requests_in_flight must be >= 1 and max_queued_requests >= 0 (0 = no queue), "
+                              f"got {self.max_requests_in_flight} and {self.max_queued_requests}")
         if self.max_context < 16 or self.prefill_chunk < 1 or self.prefill_chunk > self.max_context:
             raise ConfigError("max_context must be >= 16 and prefill_chunk in 1..max_context")
 
@@ -149,6 +154,7 @@ _FIELD_TYPES: dict[str, str] = {
     "fallback_model": "str", "allow_fallback": "bool", "replan_min_interval_s": "float",
     "models_preset": "path?", "models_max": "int", "models_memory_margin_mib": "int", "models_autoload": "bool",
     "models_load_timeout_s": "float", "sleep_idle_s": "float",
+    "max_requests_in_flight": "int", "max_queued_requests": "int",
 }
 assert set(_FIELD_TYPES) == {f.name for f in fields(AgentConfig)} - {"explicit"}
 

@@ -18,6 +18,8 @@ from agent.peer_client import PeerClient, PeerError
 log = logging.getLogger(__name__)
 STREAM_PATH = "/internal/stream"
 CONNECT_TIMEOUT_S = 5.0
+BUSY_INTERVAL_S = 0.25  # how often a stage says "busy" on a socket while steps from it run
+SILENCE_S = 1.5  # a stage silent this long with a step pending is frozen or gone: it is blamed
 
 
 class StageError(NcmError):
@@ -50,6 +52,7 @@ class StageLink:
         self._pending: dict[int, asyncio.Future[tuple[dict[str, Any], np.ndarray | None]]] = {}
         self._next_cid = 0
         self._connect_lock = asyncio.Lock()
+        self._last_heard = 0.0  # event-loop time of the last frame from the peer
 
     async def _connection(self) -> aiohttp.ClientWebSocketResponse:
         async with self._connect_lock:
@@ -65,6 +68,7 @@ class StageLink:
     async def _read(self, ws: aiohttp.ClientWebSocketResponse) -> None:
         try:
             async for message in ws:
+                self._last_heard = asyncio.get_running_loop().time()
                 if message.type != aiohttp.WSMsgType.BINARY:
                     continue
                 try:
@@ -83,22 +87,36 @@ class StageLink:
             self._pending.clear()
 
     async def call(self, header: dict[str, Any], tensor: np.ndarray | None, *, timeout_s: float) -> tuple[dict[str, Any], np.ndarray | None]:
-        """Send a step and wait for its result (or error) frame."""
+        """Send a step and wait for its result (or error) frame: up to ``timeout_s`` while the
+        peer keeps saying it is busy, :data:`SILENCE_S` once it says nothing."""
         ws = await self._connection()
         self._next_cid += 1
         key = self._next_cid
-        future: asyncio.Future[tuple[dict[str, Any], np.ndarray | None]] = asyncio.get_running_loop().create_future()
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[tuple[dict[str, Any], np.ndarray | None]] = loop.create_future()
         self._pending[key] = future
         try:
             await ws.send_bytes(encode_frame(dict(header, cid=key), tensor))
-            async with timeout(timeout_s):
-                return await future
-        except asyncio.TimeoutError:
-            raise StageError("stage_timeout", f"node {self.node_id} did not answer within {timeout_s:g} s", self.node_id) from None
+            sent_at = loop.time()
+            deadline = sent_at + timeout_s
+            while True:
+                try:
+                    async with timeout(min(BUSY_INTERVAL_S, max(deadline - loop.time(), 0.0))):
+                        return await asyncio.shield(future)
+                except asyncio.TimeoutError:
+                    now = loop.time()
+                    if now - max(self._last_heard, sent_at) > SILENCE_S:
+                        raise StageError("stage_timeout", f"node {self.node_id} went silent for {SILENCE_S:g} s "
+                                         "during a step (frozen or gone)", self.node_id) from None
+                    if now >= deadline:
+                        raise StageError("stage_timeout", f"node {self.node_id} did not answer within {timeout_s:g} s",
+                                         self.node_id) from None
         except (aiohttp.ClientError, ConnectionError, RuntimeError) as error:
             raise StageError("stage_unreachable", f"node {self.node_id}: {error}", self.node_id) from None
         finally:
             self._pending.pop(key, None)
+            if not future.done():
+                future.cancel()
 
     async def send(self, header: dict[str, Any]) -> None:
         """Fire-and-forget frame (close)."""

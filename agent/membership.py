@@ -16,6 +16,7 @@ non-member reaches the election, the routes or the peer table.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import statistics
 import time
@@ -164,6 +165,10 @@ class Membership:
         event.set()
         self._subscribers.append(event)
         return event
+
+    def unsubscribe(self, event: asyncio.Event) -> None:
+        with contextlib.suppress(ValueError):
+            self._subscribers.remove(event)
 
     def _signal(self) -> None:
         for event in self._subscribers:

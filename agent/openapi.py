@@ -28,7 +28,8 @@ _STOP = {"oneOf": [
     {"type": "array", "maxItems": MAX_STOP_STRINGS, "items": {"type": "string", "minLength": 1, "maxLength": MAX_STOP_CHARS}},
 ], "nullable": True}
 _SAMPLING = {
-    "model": {"type": "string", "minLength": 1, "description": "a model or alias; default: the agent's main model"},
+    "model": {"type": "string", "minLength": 1, "maxLength": 256,
+              "description": "a model or alias; default: the agent's main model"},
     "max_tokens": {"type": "integer", "minimum": 1, "nullable": True},
     "max_completion_tokens": {"type": "integer", "minimum": 1, "nullable": True},
     "temperature": {"type": "number", "minimum": 0, "maximum": 2, "nullable": True},
@@ -58,7 +59,8 @@ _COMPLETION_REQUEST = {
     "required": ["prompt"],
     "properties": {"prompt": {"type": "string", "minLength": 1}, **_SAMPLING},
 }
-_MODEL_BODY = {"type": "object", "required": ["model"], "properties": {"model": {"type": "string", "minLength": 1}}}
+_MODEL_BODY = {"type": "object", "required": ["model"],
+               "properties": {"model": {"type": "string", "minLength": 1, "maxLength": 256}}}
 
 
 def _answers(*statuses: int, stream: bool = False) -> dict[str, Any]:
@@ -72,6 +74,10 @@ def _answers(*statuses: int, stream: bool = False) -> dict[str, Any]:
         else:
             responses[str(status)] = {"description": "error (OpenAI shape)",
                                       "content": {"application/json": {"schema": _ERROR}}}
+            if status in (429, 503):
+                responses[str(status)]["headers"] = {"Retry-After": {
+                    "description": "seconds after which a retry may succeed (429: always; 503: when it can)",
+                    "schema": {"type": "integer", "minimum": 1}}}
     return responses
 
 
@@ -104,9 +110,11 @@ def openapi_document() -> dict[str, Any]:
             "/health": {"get": _operation("liveness of this agent", 200)},
             "/v1/models": {"get": _operation("the models of the cluster", 200, 401, 503)},
             "/v1/chat/completions": {"post": _operation(
-                "chat completion", 200, *_COMMON, 409, body=_CHAT_REQUEST, stream=True, parameters=[_AUTOLOAD])},
+                "chat completion", 200, *_COMMON, 409, 429, body=_CHAT_REQUEST, stream=True,
+                parameters=[_AUTOLOAD])},
             "/v1/completions": {"post": _operation(
-                "text completion", 200, *_COMMON, 409, body=_COMPLETION_REQUEST, stream=True, parameters=[_AUTOLOAD])},
+                "text completion", 200, *_COMMON, 409, 429, body=_COMPLETION_REQUEST, stream=True,
+                parameters=[_AUTOLOAD])},
             "/models": {"get": _operation("models, states and memory", 200, 400, 401, 503, parameters=[
                 {"name": "reload", "in": "query", "required": False, "schema": {"type": "string", "enum": ["1", "true"]},
                  "description": "re-read the model sources (needs the admin token)"}])},

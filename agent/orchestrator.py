@@ -29,7 +29,7 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -37,6 +37,7 @@ import numpy as np
 
 from agent.compat import timeout
 from agent.config import AgentConfig
+from agent.core.chat_request import InvalidRequestError
 from agent.core.errors import ClusterError, NcmError, RoutingFailure
 from agent.core.model_registry import MIB
 from agent.core.orders import RoutingOrder
@@ -80,6 +81,7 @@ class Completion:
     finish_reason: str | None = None
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    tokens: tuple[int, ...] = ()  # the sampled ids behind this event's text (since the previous event)
 
 
 @dataclass
@@ -291,7 +293,7 @@ class Orchestrator:
         effective = {}
         for node_id, result in zip(nodes, results):
             if isinstance(result, dict):
-                memory = ((result.get("models") or {}).get(name) or {}).get("memory_bytes")
+                memory = ((result.get("staged") or {}).get(name) or {}).get("memory_bytes")
                 if isinstance(memory, int) and memory > 0:
                     effective[node_id] = memory
         deployment = Deployment(name, order, plan, await self._tokenizer(model), settings, effective)
@@ -636,18 +638,26 @@ class Orchestrator:
         assert token is not None
         return token
 
-    async def complete(self, deployment: Deployment, prompt_ids: list[int], params: SamplingParams) -> AsyncIterator[Completion]:
+    async def complete(self, deployment: Deployment, prompt_ids: list[int], params: SamplingParams,
+                       generated: Sequence[int] = ()) -> AsyncIterator[Completion]:
         """Generate from ``prompt_ids``: yields text pieces, the last event has the finish reason.
 
         When a stage fails, the request continues on what :meth:`recover` returns, after
         replaying its tokens so far (prompt + generated) there: nothing is lost or repeated.
+        ``generated``: the ids an earlier orchestrator sampled for this request before it was
+        lost (their text was sent already): the request goes on after them.
         """
         max_context = deployment.settings.max_context
-        if len(prompt_ids) + 1 > max_context:
+        if len(prompt_ids) + len(generated) + 1 > max_context:
             raise ValueError(f"the prompt has {len(prompt_ids)} tokens; the context of {deployment.name} is {max_context}")
         sampling = {"temperature": params.temperature, "top_k": params.top_k, "top_p": params.top_p, "seed": params.seed}
         stream = TextStream(deployment.tokenizer, params)
-        context = list(prompt_ids)  # every token whose KV the stages must hold before the next step
+        for token in generated:  # their text went out already: only the stream's state matters
+            stream.push(token)
+            if stream.done:
+                raise InvalidRequestError("the tokens to go on after end the generation already", "ncm_resume")
+        context = [*prompt_ids, *generated]  # every token whose KV the stages must hold before the next step
+        unsent: list[int] = []  # sampled ids whose text has not gone out yet
         recoveries = 0
         sid = uuid.uuid4().hex
         try:
@@ -659,15 +669,18 @@ class Orchestrator:
                     if token is None:
                         token = await self._prefill(deployment, order, sid, context, sampling)
                     text = stream.push(token)
+                    unsent.append(token)
                     if stream.done:
-                        yield Completion(text, served, stream.finish_reason, len(prompt_ids), stream.completion_tokens)
+                        yield Completion(text, served, stream.finish_reason, len(prompt_ids), stream.completion_tokens,
+                                         tuple(unsent))
                         return
                     if len(context) + 1 >= max_context:
                         yield Completion(text + stream.finish(FINISH_LENGTH), served, FINISH_LENGTH,
-                                         len(prompt_ids), stream.completion_tokens)
+                                         len(prompt_ids), stream.completion_tokens, tuple(unsent))
                         return
                     if text:
-                        yield Completion(text, served)
+                        yield Completion(text, served, tokens=tuple(unsent))
+                        unsent.clear()
                     context.append(token)
                     header = {"kind": "step", "sid": sid, "seq": len(context), "layer": 0, "start": len(context) - 1,
                               "epoch": order.epoch, "plan": order.plan_version, "sample": True}

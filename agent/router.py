@@ -5,6 +5,8 @@ fragments are planned and running on the devices. This module is the I/O around 
 bookkeeping of :mod:`agent.core.model_registry`: it reads the sources (the model stores of the
 live nodes and the presets file), runs the loads, evictions and sleeps the registry decides on
 (each as a task it owns), and sends every state change to the `GET /models/sse` subscribers.
+It also admits inference requests (:mod:`agent.core.admission`): per model, a limit of requests
+in flight and a bounded FIFO queue; beyond them a request is refused with 429.
 """
 
 from __future__ import annotations
@@ -12,20 +14,27 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import re
 import time
 from collections.abc import AsyncIterator, Mapping
 from typing import Any
 
 from agent.compat import TaskGroup, timeout
 from agent.config import AgentConfig
-from agent.core.errors import ClusterError, PresetError
+from agent.core.admission import Admission, AdmissionLimits, AdmissionTicket
+from agent.core.errors import ClusterError, NcmError, PresetError
 from agent.core.model_registry import (
-    MIB, DeviceMemory, Evict, Load, ModelLoadError, ModelNotLoadedError, ModelRegistry, Refuse, RouterError,
-    UnknownModelError,
+    MIB, RETRY_AFTER_LOAD_S, DeviceMemory, Evict, Load, ModelLoadError, ModelNotLoadedError, ModelRegistry, Refuse,
+    RouterError, UnknownModelError,
 )
-from agent.core.presets import ModelPreset, ModelSettings, PresetFile, build_models, parse_presets, resolve_name
+from agent.core.presets import (
+    ModelPreset, ModelSettings, PresetFile, build_models, parse_presets, resolve_name, sections_without_weights,
+)
 from agent.membership import Membership
 from agent.orchestrator import Deployment, Orchestrator
+from agent.peer_client import PeerError
+from agent.weights import WeightTransferError
+from shards.errors import ShardsError
 from shards.store import ModelStore
 
 log = logging.getLogger(__name__)
@@ -34,10 +43,28 @@ WAIT_POLL_S = 0.5
 SSE_QUEUE_LENGTH = 256
 # Agent settings that are also model settings: set explicitly, they win over the presets file.
 MODEL_SETTINGS = ("max_context", "prefill_chunk", "replicate_head_ratio", "replica_count", "sleep_idle_s")
+# What a public error must not show: URLs, and IPv4 / IPv6 addresses with a port.
+_ADDRESS = re.compile(r"\b[a-z][a-z0-9+.-]*://[^\s,;'\"()]+|\b\d{1,3}(?:\.\d{1,3}){3}:\d+\b|\[[0-9a-fA-F:]+\]:\d+")
 
 
 class ModelBusyError(RouterError):
     """The model cannot be unloaded now: it is serving, loading or waited for."""
+
+
+def without_addresses(text: str) -> str:
+    """``text`` without the network addresses of nodes (what a public error must not show)."""
+    return _ADDRESS.sub("(a node)", text)
+
+
+def public_reason(error: BaseException) -> str:
+    """Why a load failed, as a client may read it: the real reason, without the addresses of
+    nodes or what they answered (the orchestrator's log has those)."""
+    if isinstance(error, (PeerError, WeightTransferError)):
+        return ("a node did not answer, or could not provide the model's files intact "
+                "(the orchestrator's log has each node's answer)")
+    if isinstance(error, (NcmError, ShardsError)):
+        return without_addresses(str(error) or type(error).__name__)
+    return f"internal error ({type(error).__name__}; the orchestrator's log has the details)"
 
 
 class ModelRouter:
@@ -49,6 +76,10 @@ class ModelRouter:
         self.membership = membership
         self.registry = ModelRegistry(models_max=config.models_max,
                                       memory_margin_bytes=config.models_memory_margin_mib * MIB)
+        self.admission = Admission(AdmissionLimits(max_requests_in_flight=config.max_requests_in_flight,
+                                                   max_queued_requests=config.max_queued_requests))
+        self._admitted: dict[AdmissionTicket, asyncio.Future[None]] = {}  # queued requests, woken when admitted
+        self._unbacked: frozenset[str] = frozenset()  # preset sections left out: no store holds their weights
         self.presets: dict[str, ModelPreset] = {}
         self.enabled = False  # this node is the orchestrator
         self._preset_file: PresetFile | None = None
@@ -76,20 +107,41 @@ class ModelRouter:
             raise PresetError(f"cannot read the presets file {str(path)!r}: {error.strerror}") from None
         return parse_presets(text, origin=str(path))
 
-    def reload(self, *, reread_file: bool = True) -> None:
-        """Re-read the sources (stores of the live nodes, presets file); loads nothing new.
-        A bad presets file raises PresetError and keeps what was there."""
-        preset_file = self._read_preset_file() if reread_file else self._preset_file
+    def _stored(self) -> dict[str, int]:
+        """Every model some live node stores (this node's store, the others' complete models),
+        with its context length where known."""
         stored = {m.name: m.context_length for m in self.store.list()}
         for models in self.orchestrator.holdings().values():
             for name in models:
                 stored.setdefault(name, max(self.config.max_context, 16))
+        return stored
+
+    def reload(self, *, reread_file: bool = True, strict: bool = False) -> None:
+        """Re-read the sources (stores of the live nodes, presets file); loads nothing new.
+        A bad presets file raises PresetError and keeps what was there. A section whose weights
+        no live node stores is refused when ``strict`` (a reload someone asked for); otherwise
+        (start, members changing) it is left out, with a warning, until a node that stores its
+        weights joins."""
+        preset_file = self._read_preset_file() if reread_file else self._preset_file
+        origin = str(self.config.models_preset) if self.config.models_preset else "presets"
+        stored = self._stored()
+        usable = preset_file
+        unbacked = sections_without_weights(stored, preset_file)
+        if unbacked and not strict and preset_file is not None:
+            usable = preset_file.without(unbacked)
+            if frozenset(unbacked) != self._unbacked:
+                log.warning("%s: left out until a node that stores their weights joins: %s", origin,
+                            ", ".join(f"[{name}] (weights {weights!r})" for name, weights in unbacked.items()))
         overrides = {k: getattr(self.config, k) for k in self.config.explicit if k in MODEL_SETTINGS}
         defaults = ModelSettings(max_context=self.config.max_context, prefill_chunk=self.config.prefill_chunk,
                                  replicate_head_ratio=self.config.replicate_head_ratio,
                                  replica_count=self.config.replica_count, sleep_idle_s=self.config.sleep_idle_s)
-        presets = build_models(stored, preset_file, defaults=defaults, overrides=overrides,
-                               startup_models=[self.config.model])
+        try:
+            presets = build_models(stored, usable, defaults=defaults, overrides=overrides,
+                                   startup_models=[self.config.model])
+        except PresetError as error:
+            raise PresetError(f"{origin}: {error}") from None
+        self._unbacked = frozenset(unbacked)
         self._preset_file, self.presets = preset_file, presets
         before = set(self.registry.entries)
         self.registry.set_models(presets)
@@ -167,6 +219,12 @@ class ModelRouter:
             return
         if deployment is None:
             self.registry.failed(name, reason)
+            if name == self.config.model or (name in self.presets and self.presets[name].settings.load_on_startup):
+                self._startup.add(name)  # it must run: load it again now, and on every change of members
+                self._emit(name, reason=reason)
+                self._load_startup_models()
+                self._tick()
+                return
         elif entry.state == "ready":
             self.registry.update_effective(name, deployment.effective_bytes)
         else:
@@ -220,16 +278,25 @@ class ModelRouter:
                 self._spawn(self._run_stop(action.victim, sleep=False, reason=f"evicted for {action.model}"),
                             f"evict {action.victim}")
             elif isinstance(action, Refuse):
+                # Not a state change (unless the model goes back from measuring): its own event.
                 log.warning("%s", action.error)
-                self._emit(action.model, reason=str(action.error))
+                if action.state_changed:
+                    self._emit(action.model)
+                self._emit_refusal(action.model, action.error)
         self._notify()
 
     async def _run_load(self, action: Load) -> None:
         name = action.model
         preset = self.presets.get(name)
+        retry_after_s: float | None = RETRY_AFTER_LOAD_S
         try:
             if preset is None:
                 raise ModelLoadError(f"model {name!r} is no longer in the sources")
+            if preset.store_model not in self._stored():
+                retry_after_s = None  # not before a node that stores them joins: the reason says so
+                raise ModelLoadError(
+                    f"no live node stores the weights of {preset.store_model!r}; start the node that holds them, "
+                    f"or import them on one (ncm pull / ncm import)")
             self._progress.pop(name, None)
             if action.measure:
                 planned = await self.orchestrator.measure(preset)
@@ -242,9 +309,9 @@ class ModelRouter:
             self.registry.failed(name, "the router stopped")
             raise
         except Exception as error:  # noqa: BLE001 - any failure of a load is recorded, the agent goes on
-            reason = str(error) or type(error).__name__
-            log.warning("%s %s failed: %s", "measuring" if action.measure else "loading", name, reason)
-            self.registry.failed(name, reason)
+            log.warning("%s %s failed: %s", "measuring" if action.measure else "loading", name,
+                        str(error) or type(error).__name__)
+            self.registry.failed(name, public_reason(error), retry_after_s=retry_after_s)
         self._emit(name)
         self._tick()
 
@@ -333,8 +400,33 @@ class ModelRouter:
                 self._tick()
 
     @contextlib.asynccontextmanager
+    async def admit(self, name: str) -> AsyncIterator[None]:
+        """Hold one of ``name``'s slots in flight for the request, after waiting in its queue
+        (FIFO) when every slot is busy. A full queue raises TooManyRequestsError (429); a
+        client that leaves while queued (its task is cancelled) gives up its place."""
+        ticket = self.admission.arrive(name, now=time.monotonic())
+        try:
+            if ticket.state == "queued":
+                admitted = asyncio.get_running_loop().create_future()
+                self._admitted[ticket] = admitted
+                await admitted  # no deadline: the requests ahead are bounded by their own
+            yield
+        finally:
+            self._admitted.pop(ticket, None)
+            for next_ticket in self.admission.leave(ticket, now=time.monotonic()):
+                waiting = self._admitted.pop(next_ticket, None)
+                if waiting is not None and not waiting.done():
+                    waiting.set_result(None)
+
+    @contextlib.asynccontextmanager
     async def use(self, name: str, *, autoload: bool | None = None) -> AsyncIterator[Deployment]:
-        """Serve one inference request on ``name``: wait until it is ready, count it as busy."""
+        """Serve one inference request on ``name``: admit it (:meth:`admit`), wait until the
+        model is ready, count it as busy."""
+        async with self.admit(name), self._ready_for_request(name, autoload=autoload) as deployment:
+            yield deployment
+
+    @contextlib.asynccontextmanager
+    async def _ready_for_request(self, name: str, *, autoload: bool | None) -> AsyncIterator[Deployment]:
         autoload = self.config.models_autoload if autoload is None else autoload
         while True:
             deployment = await self._wait_ready(name, autoload=autoload)
@@ -376,7 +468,9 @@ class ModelRouter:
         queued = self.registry.find(name)
         progress = {"ready": 1.0, "loading": self._progress.get(name, 0.0)}.get(entry.state)
         info: dict[str, Any] = {"id": name, "object": "model", "owned_by": "ncm", **entry.to_dict(),
-                                "waiters": queued.waiters if queued else 0, "progress": progress}
+                                "waiters": queued.waiters if queued else 0, "progress": progress,
+                                "requests_in_flight": self.admission.in_flight(name),
+                                "queued_requests": self.admission.queued(name)}
         if preset is not None:
             info.update(aliases=list(preset.aliases), source=preset.source, store_model=preset.store_model,
                         settings={k: getattr(preset.settings, k) for k in (
@@ -396,6 +490,19 @@ class ModelRouter:
         event = {"event": "status_change", "model": name, **self.model_info(name)}
         if reason is not None:
             event["detail"] = reason
+        self._send(event)
+
+    def _emit_refusal(self, name: str, error: RouterError) -> None:
+        """A load refused for lack of room is not a change of state: its own event, with the
+        model's state as it is and the message the waiting requests got."""
+        if not self._subscribers or name not in self.registry.entries:
+            return
+        retry_after_s = getattr(error, "retry_after_s", None)
+        event = {"event": "load_refused", "model": name, "state": self.registry.entries[name].state,
+                 "detail": str(error), "retry_after_s": retry_after_s}
+        self._send(event)
+
+    def _send(self, event: dict[str, Any]) -> None:
         for queue in list(self._subscribers):
             if queue.full():
                 self._subscribers.discard(queue)  # a reader that stopped reading is dropped

@@ -32,7 +32,7 @@ from agent.core.errors import AuthError, StaleRequestError, WireError
 from agent.core.invites import InviteError
 from agent.core.orders import RoutingOrder
 from agent.core.wire import decode_frame, encode_frame
-from agent.dataplane import STREAM_PATH, Links, StageError
+from agent.dataplane import BUSY_INTERVAL_S, STREAM_PATH, Links, StageError
 from agent.discovery import Discovery
 from agent.files import write_private
 from agent.identity import load_or_create_node_id
@@ -282,7 +282,11 @@ async def stream(request: web.Request) -> web.WebSocketResponse:
     sockets = request.app[DATA_PLANE_SOCKETS]
     sockets.add(ws)
 
+    in_flight = 0
+
     async def run_step(header: dict[str, Any], tensor: Any) -> None:
+        nonlocal in_flight
+        in_flight += 1
         try:
             result, out = await worker.step(header, tensor)
             result = dict(result, cid=header.get("cid", 0))
@@ -291,11 +295,23 @@ async def stream(request: web.Request) -> web.WebSocketResponse:
         except Exception as error:  # noqa: BLE001 - one bad step must not take the socket down
             log.exception("step failed")
             result, out = StageError("internal", f"{type(error).__name__}: {error}", None).to_header(header), None
+        finally:
+            in_flight -= 1
         if not ws.closed:
             with contextlib.suppress(ConnectionError, RuntimeError):
                 await ws.send_bytes(encode_frame(result, out))
 
+    async def say_busy() -> None:
+        """While steps from this socket run, say so: the sender tells busy from frozen."""
+        busy = encode_frame({"kind": "busy"})
+        while not ws.closed:
+            await asyncio.sleep(BUSY_INTERVAL_S)
+            if in_flight and not ws.closed:
+                with contextlib.suppress(ConnectionError, RuntimeError):
+                    await ws.send_bytes(busy)
+
     async with TaskGroup() as steps:
+        busy_task = steps.create_task(say_busy())
         async for message in ws:
             if message.type != aiohttp.WSMsgType.BINARY:
                 continue
@@ -309,6 +325,7 @@ async def stream(request: web.Request) -> web.WebSocketResponse:
                 steps.create_task(run_step(header, tensor))
             elif header["kind"] == "close":
                 steps.create_task(worker.close_session(header["sid"], header["layer"], header.get("plan")))
+        busy_task.cancel()
     sockets.discard(ws)
     return ws
 

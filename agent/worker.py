@@ -302,7 +302,8 @@ class Worker:
             "state": self.state,
             "fault": self.fault,
             "repairs": self.repairs,
-            "staged": {name: order.plan_version for name, order in sorted(self.staged.items())},
+            "staged": {name: {"plan_version": order.plan_version, "memory_bytes": self.memory_bytes.get(name, 0)}
+                       for name, order in sorted(self.staged.items())},
             "model": current.model if current else None,
             "plan_version": current.plan_version if current else None,
             "epoch": self.newest_epoch,

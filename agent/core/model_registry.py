@@ -1,8 +1,10 @@
 """Bookkeeping of the model router (seed 000, at cluster scale). Pure: time is a parameter.
 
 A model is *loaded* when its fragments are planned and running on the devices. States:
-``unloaded``, ``measuring`` (its per-device memory is being worked out), ``loading``,
-``ready``, ``sleeping`` (plan kept, device memory released) and ``failed`` (with a reason).
+``unloaded``, ``measuring`` (its per-device memory is being worked out, then room made for it),
+``loading``, ``ready``, ``sleeping`` (plan kept, device memory released) and ``failed`` (with
+a reason). A load goes forward only: unloaded (or sleeping, or failed) -> measuring -> loading
+-> ready; a model whose load is refused goes back to where it was.
 
 Requests waiting for the same model share one queue entry; only the entry at the head of the
 queue may load, and only one loader runs per model (the entry is *claimed*). Capacity has two
@@ -11,7 +13,9 @@ memory: every device has ``total - external - margin`` bytes for models; a loadi
 reserves its measured minimum, a ready one holds what its workers reported (effective). When a
 load does not fit, the least recently used idle model is evicted, one at a time; a model
 serving a request, loading, being stopped or waited for is never a victim. When nothing can be
-evicted the head entry is refused (the caller answers 503 with Retry-After).
+evicted the head entry is refused (the caller answers 503 with Retry-After), with the real
+reason: which device lacks how much, what evicting the idle models would free, and which
+models hold the rest and why.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from agent.core.errors import NcmError
 
 STATES = ("unloaded", "measuring", "loading", "ready", "sleeping", "failed")
 RETRY_AFTER_BUSY_S = 10.0
+RETRY_AFTER_LOAD_S = 5.0
 MIB = 1024 * 1024
 
 
@@ -49,7 +54,12 @@ class CapacityError(RouterError):
 
 
 class ModelLoadError(RouterError):
-    """Loading (or measuring) the model failed."""
+    """Loading (or measuring) the model failed; a new request may try again after
+    ``retry_after_s`` (None: not before something changes, the message says what)."""
+
+    def __init__(self, message: str, retry_after_s: float | None = RETRY_AFTER_LOAD_S) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
 
 
 @dataclass(frozen=True)
@@ -124,10 +134,12 @@ class Evict:
 
 @dataclass(frozen=True)
 class Refuse:
-    """The head entry was dropped: its waiters get ``error``."""
+    """The head entry was dropped: its waiters get ``error``. ``state_changed``: the model
+    went back from ``measuring`` to where it was (else its state is what it was)."""
 
     model: str
     error: CapacityError
+    state_changed: bool = False
 
 
 Action = Load | Evict | Refuse
@@ -204,8 +216,11 @@ class ModelRegistry:
         if ticket in self.queue:
             self.queue.remove(ticket)
         ticket.done, ticket.claimed, ticket.outcome = True, False, outcome
-        if ticket.model in self.entries:
-            self._drop_if_gone(self.entries[ticket.model])
+        entry = self.entries.get(ticket.model)
+        if entry is not None:
+            if entry.state == "measuring":  # measured, but no load followed: back to where it was
+                entry.state = entry.resting_state
+            self._drop_if_gone(entry)
 
     # --- capacity --------------------------------------------------------------------------
     def loaded_count(self) -> int:
@@ -259,7 +274,9 @@ class ModelRegistry:
                 return None  # an unload is under way: decide once it has freed its memory
             if entry.min_bytes is None:
                 head.claimed = True
-                entry.resting_state, entry.state = entry.state, "measuring"
+                if entry.state != "measuring":  # measuring again (the devices changed): same resting state
+                    entry.resting_state = entry.state
+                entry.state = "measuring"
                 return Load(head.model, measure=True)
             if self._fits(entry.min_bytes, []):
                 head.claimed = True
@@ -270,8 +287,9 @@ class ModelRegistry:
                 self.entries[victims[0]].stopping = True
                 return Evict(victims[0], head.model)
             error = self._refusal(entry)
+            before = entry.state
             self._pop(head, error)
-            return Refuse(head.model, error)
+            return Refuse(head.model, error, state_changed=entry.state != before)
         return None
 
     def _fits(self, need: Mapping[str, int], gone: list[str]) -> bool:
@@ -299,30 +317,67 @@ class ModelRegistry:
                     f"model {entry.name!r} needs {need_bytes / MIB:.0f} MiB on node {node}, which has "
                     f"{max(budget, 0) / MIB:.0f} MiB for models even with nothing else loaded; "
                     f"add a device or lower the model's context", None)
-        busy = sorted(e.name for e in self.entries.values()
-                      if e.state in ("loading", "ready") and e.name != entry.name)
-        limit = f"models_max={self.models_max} reached" if self._over_count() else "device memory is full"
-        return CapacityError(
-            f"cannot load model {entry.name!r} now: {limit} and every loaded model ({', '.join(busy)}) is "
-            f"serving, loading or waited for; retry later", RETRY_AFTER_BUSY_S)
+        idle = [e.name for e in self._evictable()]
+        kept = sorted((e for e in self.entries.values()
+                       if e.state in ("loading", "ready") and e.name != entry.name and e.name not in idle),
+                      key=lambda e: e.name)
+        reasons = []
+        if self._over_count(idle):
+            reasons.append(f"models_max={self.models_max} is reached by models that cannot be evicted: "
+                           + ", ".join(f"{e.name} ({self._why_kept(e)})" for e in kept))
+        for node, _missing in sorted(self.shortfall(need, without=idle).items()):
+            budget = self.budget_bytes(node) or 0
+            free = max(budget - self.held_bytes(node), 0)
+            idle_here = [n for n in idle if self.entries[n].held_bytes().get(node, 0) > 0]
+            text = f"it needs {need[node] / MIB:.0f} MiB on node {node}, which has {free / MIB:.0f} MiB free"
+            if idle_here:
+                freed = sum(self.entries[n].held_bytes()[node] for n in idle_here)
+                text += (f"; evicting the idle model{'s' if len(idle_here) > 1 else ''} {', '.join(idle_here)} "
+                         f"would free only {freed / MIB:.0f} MiB more")
+            holders = [e for e in kept if e.held_bytes().get(node, 0) > 0]
+            if holders:
+                text += "; the rest is held by " + ", ".join(
+                    f"{e.name} ({e.held_bytes()[node] / MIB:.0f} MiB, {self._why_kept(e)})" for e in holders)
+            reasons.append(text)
+        return CapacityError(f"cannot load model {entry.name!r} now: {'; '.join(reasons) or 'it does not fit'}; "
+                             f"retry later", RETRY_AFTER_BUSY_S)
+
+    def _why_kept(self, entry: ModelEntry) -> str:
+        """Why a loaded model cannot be evicted now."""
+        if entry.state == "loading":
+            return "loading"
+        if entry.stopping:
+            return "being unloaded"
+        if entry.active_requests:
+            return f"serving {entry.active_requests} request{'s' if entry.active_requests > 1 else ''}"
+        if self.find(entry.name) is not None:
+            return "requests wait for it"
+        return "in use"
 
     # --- outcomes of what the adapter ran -------------------------------------------------------
     def measured(self, name: str, min_bytes: Mapping[str, int]) -> None:
-        """The measure of the claimed head is in; the next :meth:`next_action` decides the load."""
+        """The measure of the claimed head is in; the next :meth:`next_action` decides the load.
+        The model stays ``measuring`` while it waits for room, so that its states only go
+        forward (measuring -> loading); it goes back to where it was if it leaves the queue."""
         entry = self.entry(name)
         if any(v < 0 for v in min_bytes.values()):
             raise RouterError("memory figures must be >= 0")
         entry.min_bytes = dict(min_bytes)
-        if entry.state == "measuring":
-            entry.state = entry.resting_state
         head = self.find(name)
         if head is not None:
             head.claimed = False
+        elif entry.state == "measuring":
+            entry.state = entry.resting_state
 
     def forget_measure(self, name: str) -> None:
-        """The devices changed: a model that is not loaded measures again before its next load."""
+        """The devices changed: a model that is not loaded measures again before its next load
+        (also one measured that waits for room; not one whose measure is under way)."""
         entry = self.entries.get(name)
-        if entry is not None and entry.state in ("unloaded", "sleeping", "failed"):
+        if entry is None:
+            return
+        head = self.find(name)
+        if entry.state in ("unloaded", "sleeping", "failed") or (
+                entry.state == "measuring" and head is not None and not head.claimed):
             entry.min_bytes = None
 
     def loaded(self, name: str, effective_bytes: Mapping[str, int], *, now: float) -> None:
@@ -333,15 +388,17 @@ class ModelRegistry:
         if head is not None:
             self._pop(head, None)
 
-    def failed(self, name: str, reason: str) -> None:
-        """Measuring or loading failed, or a loaded model lost a device it cannot do without."""
+    def failed(self, name: str, reason: str, *, retry_after_s: float | None = RETRY_AFTER_LOAD_S) -> None:
+        """Measuring or loading failed, or a loaded model lost a device it cannot do without.
+        ``retry_after_s``: when a new request may try again (None: not before something
+        changes, and ``reason`` says what)."""
         entry = self.entries.get(name)
         if entry is None:
             return
         entry.state, entry.reason, entry.stopping, entry.effective_bytes = "failed", reason, False, None
         head = self.find(name)
         if head is not None and head.claimed:
-            self._pop(head, ModelLoadError(f"model {name!r} failed to load: {reason}"))
+            self._pop(head, ModelLoadError(f"model {name!r} failed to load: {reason}", retry_after_s))
         self._drop_if_gone(entry)
 
     def update_effective(self, name: str, effective_bytes: Mapping[str, int]) -> None:

@@ -3,6 +3,8 @@
 Pure: parses the `.ini` presets file from a string and layers settings, lowest to highest:
 model defaults (max_context capped to the stored context_length) < ``[*]`` < the model's
 section < the agent's explicit configuration. A section only overrides the keys it writes.
+Every section must name weights some store holds: its own name (it patches a stored model)
+or ``model = <stored model>`` (a new name); a section that names none is refused.
 """
 
 from __future__ import annotations
@@ -170,6 +172,25 @@ class PresetFile:
         object.__setattr__(self, "global_settings", MappingProxyType(global_settings))
         object.__setattr__(self, "sections", MappingProxyType(sections))
 
+    def without(self, names: Iterable[str]) -> PresetFile:
+        """The same file without the sections ``names``."""
+        drop = set(names)
+        return PresetFile(self.global_settings, {k: v for k, v in self.sections.items() if k not in drop})
+
+
+def weights_of(section: str, values: Mapping[str, Any]) -> str:
+    """The stored model whose weights a section runs: ``model =``, else its own name."""
+    return values.get("model", section)
+
+
+def sections_without_weights(store_models: Iterable[str], presets: PresetFile | None) -> dict[str, str]:
+    """The sections whose weights no store holds: section -> the stored model it names."""
+    stored = set(store_models)
+    if presets is None:
+        return {}
+    return {name: weights_of(name, values) for name, values in sorted(presets.sections.items())
+            if weights_of(name, values) not in stored}
+
 
 # --- parsing
 
@@ -285,6 +306,12 @@ def build_models(
     explicit_top = _check_layer(overrides, "agent configuration", model_keys=False)
     global_layer = dict(presets.global_settings) if presets else {}
     sections = presets.sections if presets else {}
+    for name, store_model in sections_without_weights(store_models, presets).items():
+        if "model" in sections[name]:
+            raise PresetError(f"[{name}] takes its weights from {store_model!r}, which no model store holds; "
+                              f"import {store_model!r} first, or name a stored model in 'model ='")
+        raise PresetError(f"[{name}] names no weights: no model store holds a model called {name!r} and the "
+                          f"section has no 'model =' line; add 'model = <stored model>', or import {name!r} first")
 
     models: dict[str, ModelPreset] = {}
     for name in sorted(set(store_models) | set(sections)):

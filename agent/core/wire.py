@@ -30,6 +30,9 @@ SCHEMAS: dict[str, dict[str, str]] = {
     "result": {"sid": _STR, "seq": _INT, "token": _OPT_INT},
     "close": {"sid": _STR, "layer": _INT},
     "error": {"sid": _STR, "seq": _INT, "code": _STR, "message": _STR, "node": _OPT_STR},
+    # Sent on a socket every few tenths of a second while a step that came in on it runs:
+    # a stage that is busy says so, one that goes silent is frozen or gone.
+    "busy": {},
 }
 TENSOR_KINDS = frozenset({"step"})
 # "cid" correlates a result with its step on one link (a node may appear twice on a route,

@@ -5,10 +5,15 @@ budget (``ram_gib``, no external use counted) and NPU figures that pin the plan:
 the strongest, so it holds the embedding and most layers of every model, and it is the device
 where a third model does not fit. The budget is checked against the measured need in the
 test itself, so the premise cannot drift silently.
+
+The rough edges of the router (presets without weights, what a failed load shows, refusals,
+the order of states) are checked at the end on in-process agents serving a tiny random model.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import http.client
 import json
 import os
@@ -18,10 +23,19 @@ import sys
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
+import aiohttp
 import pytest
 
+from agent.core.errors import ClusterError
+from agent.peer_client import PeerError
+from agent.router import public_reason
+from agent.service_keys import ROUTER
+from agent.weights import WeightTransferError
 from tests.agent.agents import ADMIN, FALLBACK, REPO, Agent, ModelEvents, linked_copy, make_agents, shut_down, wait_for
+from tests.agent.inprocess import call, eventually
+from tests.agent.test_admission import TINY, Gate, complete, tiny_cluster
 
 pytestmark = pytest.mark.slow
 MODELS = ("alpha", "beta", "gamma")
@@ -47,7 +61,8 @@ aliases = assistant
 """
 ROUTER_ENV = {"NCM_VRAM_GIB": "0", "NCM_RAM_GIB": str(BUDGET_GIB), "NCM_REPLICATE_HEAD_RATIO": "0",
               "NCM_MODELS_MEMORY_MARGIN_MIB": "0", "NCM_MODEL": "alpha", "NCM_PREFILL_CHUNK": "64",
-              "NCM_REPLAN_MIN_INTERVAL_S": "600"}
+              "NCM_REPLAN_MIN_INTERVAL_S": "600",
+              "NCM_MAX_QUEUED_REQUESTS": "64"}  # fifty requests at once for one model all wait their turn
 NPU_TOPS = ("100", "30", "0")
 
 
@@ -291,3 +306,150 @@ def test_a_client_that_leaves_leaves_the_queue_and_the_load_still_completes(clus
     assert result.returncode == 0, result.stderr
     rows = {line.split()[0]: line.split()[1] for line in result.stdout.splitlines()[1:]}
     assert rows["gamma"] == "ready" and rows["alpha"] == "unloaded" and set(MODELS) <= set(rows)
+
+
+# --- rough edges, on in-process agents serving a tiny random model -------------------------------
+class SseEvents:
+    """`GET /models/sse` read in a task: (event kind, data) pairs, in order."""
+
+    def __init__(self, url: str) -> None:
+        self.items: list[tuple[str, dict[str, Any]]] = []
+        self.task = asyncio.create_task(self._read(url))
+
+    async def _read(self, url: str) -> None:
+        timeout = aiohttp.ClientTimeout(total=None, sock_connect=5, sock_read=60)
+        async with aiohttp.ClientSession() as session, session.get(url + "/models/sse", timeout=timeout) as response:
+            kind = "message"
+            async for raw in response.content:
+                line = raw.decode().rstrip("\n")
+                if line.startswith("event: "):
+                    kind = line[len("event: "):]
+                elif line.startswith("data: "):
+                    self.items.append((kind, json.loads(line[len("data: "):])))
+
+    def of(self, model: str, *, after: int = 0) -> list[tuple[str, dict[str, Any]]]:
+        return [(kind, data) for kind, data in self.items[after:] if data["model"] == model]
+
+    async def close(self) -> None:
+        self.task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await self.task
+
+
+def entered_states(events: list[tuple[str, dict[str, Any]]]) -> list[str]:
+    states = [data["state"] for kind, data in events if kind == "status_change"]
+    return [b for a, b in zip(states, states[1:]) if a != b]
+
+
+def test_a_preset_section_without_weights_is_left_out_at_start_and_refused_on_reload(tmp_path):
+    async def scenario():
+        presets = tmp_path / "models.ini"
+        presets.write_text("[chat]\nmodel = tiny\n[orphan]\ncontext = 64\n")
+        async with tiny_cluster(tmp_path, models_preset=presets) as (leader, others):
+            status, body = await call("GET", others[0].url + "/v1/models")
+            assert status == 200 and {m["id"] for m in body["data"]} == {"chat", TINY}, body  # the rest is served
+
+            status, body = await call("GET", others[0].url + "/models?reload=1", headers=ADMIN)
+            assert status == 400 and body["error"]["code"] == "invalid_presets", body
+            message = body["error"]["message"]
+            assert "[orphan] names no weights" in message and "model =" in message and "orphan" in message
+
+            presets.write_text("[chat]\nmodel = tiny\n[other]\nmodel = ghost\n")
+            status, body = await call("GET", leader.url + "/models?reload=1", headers=ADMIN)
+            assert status == 400 and "[other] takes its weights from 'ghost'" in body["error"]["message"], body
+            status, body = await call("GET", leader.url + "/models")
+            assert {m["id"] for m in body["data"]} == {"chat", TINY}  # the previous settings stay
+
+    asyncio.run(scenario())
+
+
+def test_a_failed_load_tells_what_to_do_without_internal_addresses(tmp_path):
+    """Weights that vanished after the model was listed: the answer says so, with no node's
+    URL or answer in it, and no Retry-After (retrying cannot help until a node has them)."""
+
+    async def scenario():
+        async with tiny_cluster(tmp_path, names=(TINY, "gone")) as (leader, others):
+            shutil.rmtree(tmp_path / "home-0" / "models" / "gone")
+            status, headers, body = await complete(others[0].url, "w5", model="gone")
+            assert status == 503 and body["error"]["code"] == "model_load_failed", body
+            message = body["error"]["message"]
+            assert "no live node stores the weights of 'gone'" in message and "import" in message
+            assert "://" not in message and "HTTP 404" not in message and "{" not in message, message
+            assert "Retry-After" not in headers and "retry the request" not in message
+            status, body = await call("GET", leader.url + "/models")
+            gone = {m["id"]: m for m in body["data"]}["gone"]
+            assert gone["state"] == "failed" and "://" not in gone["reason"]
+
+    asyncio.run(scenario())
+
+
+def test_public_reasons_carry_no_address_or_peer_answer():
+    raw = '{"error": {"message": "no model gone", "type": "invalid_request_error"}}'
+    for error in (PeerError("https://127.0.0.1:41234", f"HTTP 404: {raw}", 404),
+                  WeightTransferError(f"no peer could provide model 'gone': https://10.0.0.7:40123: HTTP 404: {raw}")):
+        reason = public_reason(error)
+        assert "://" not in reason and "127.0.0.1" not in reason and "10.0.0.7" not in reason and "{" not in reason
+        assert "log" in reason
+    assert public_reason(ClusterError("node x at https://10.0.0.7:4000 left")) == "node x at (a node) left"
+    assert public_reason(ClusterError("context 4096 is beyond what gamma was trained for (2048)")) == \
+        "context 4096 is beyond what gamma was trained for (2048)"
+    assert public_reason(RuntimeError("boom at 10.0.0.7:4000")) == \
+        "internal error (RuntimeError; the orchestrator's log has the details)"
+
+
+def test_a_refused_load_is_its_own_event_and_gives_the_real_reason(tmp_path):
+    """models_max 1 and the loaded model busy: the load is refused, naming why the loaded model
+    stays; a refusal that changes no state is a `load_refused` event, not a `status_change`."""
+
+    async def scenario():
+        async with tiny_cluster(tmp_path, names=(TINY, "spare"), models_max=1) as (leader, _):
+            events = SseEvents(leader.url)
+            try:
+                await eventually(lambda: events.of("spare"), timeout_s=10, what="the first events")
+                gate = Gate(leader)
+                busy = asyncio.create_task(complete(leader.url, "w5"))
+                await eventually(lambda: gate.started, timeout_s=10, what="a request in flight on tiny")
+                for attempt in range(2):
+                    mark = len(events.items)
+                    status, headers, body = await complete(leader.url, "w6", model="spare")
+                    assert status == 503 and body["error"]["code"] == "model_capacity", body
+                    message = body["error"]["message"]
+                    assert "models_max=1 is reached by models that cannot be evicted: tiny (serving 1 request)" \
+                        in message and "retry later" in message, message
+                    assert int(headers["Retry-After"]) > 0
+                    refused = await eventually(lambda m=mark: [d for k, d in events.of("spare", after=m)
+                                                               if k == "load_refused"],
+                                               timeout_s=10, what="the load_refused event")
+                    assert refused[0]["detail"] == message and refused[0]["state"] == "unloaded"
+                    changes = [d["state"] for k, d in events.of("spare", after=mark) if k == "status_change"]
+                    if attempt == 0:
+                        assert changes[0] == "measuring" and changes[-1] == "unloaded", changes  # measured, then back
+                    else:
+                        assert changes == [], changes  # measured before: nothing changed
+                gate.open()
+                assert (await busy)[0] == 200
+            finally:
+                await events.close()
+
+    asyncio.run(scenario())
+
+
+def test_the_states_of_a_load_follow_the_documented_order(tmp_path):
+    """unloaded -> measuring -> loading -> ready, also when an idle model is evicted first."""
+
+    async def scenario():
+        async with tiny_cluster(tmp_path, names=(TINY, "spare"), models_max=1) as (leader, others):
+            events = SseEvents(leader.url)
+            try:
+                await eventually(lambda: events.of("spare"), timeout_s=10, what="the first events")
+                status, _, body = await complete(others[0].url, "w5", model="spare")
+                assert status == 200 and body["model"] == "spare", body
+                await eventually(lambda: entered_states(events.of(TINY))[-1:] == ["unloaded"], timeout_s=10,
+                                 what="tiny evicted")
+                assert events.of("spare")[0][1]["state"] == "unloaded"
+                assert entered_states(events.of("spare")) == ["measuring", "loading", "ready"], events.of("spare")
+                assert leader.app[ROUTER].registry.entries[TINY].state == "unloaded"
+            finally:
+                await events.close()
+
+    asyncio.run(scenario())

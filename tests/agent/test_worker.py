@@ -56,7 +56,7 @@ def test_a_plan_is_served_only_once_committed_and_an_aborted_one_leaves_the_serv
         first, second = order(1, [(0, layers - 1)], layers), order(2, [(0, 9), (10, layers - 1)], layers)
         await worker.apply(first)
         await worker.stage(second)
-        assert worker.serving[MAIN].plan_version == 1 and worker.status()["staged"] == {MAIN: 2}
+        assert worker.serving[MAIN].plan_version == 1 and worker.status()["staged"][MAIN]["plan_version"] == 2
         # Both answer steps meanwhile, with the same token.
         one, _ = await worker.step(step_header(first, "a"), prompt)
         two, _ = await worker.step(step_header(second, "b"), prompt)

@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from agent.core.model_registry import (
-    CapacityError, DeviceMemory, Evict, Load, ModelLoadError, ModelRegistry, Refuse, UnknownModelError,
+    MIB, CapacityError, DeviceMemory, Evict, Load, ModelLoadError, ModelRegistry, Refuse, UnknownModelError,
 )
 
 MODELS = ("a", "b", "c", "d")
@@ -149,6 +149,116 @@ def test_sleep_candidates_are_idle_and_last_use_comes_from_requests_only():
     assert registry.entry("A").state == "sleeping" and registry.held_bytes("n1") == 0
 
 
+def test_states_only_go_forward_while_a_load_makes_room():
+    """unloaded -> measuring -> loading -> ready, as documented: never back to unloaded between
+    the measure and the load, even while an idle model is evicted to make room."""
+    registry = ModelRegistry()
+    registry.set_models(["A", "B"])
+    registry.set_devices({"n1": DeviceMemory(total_bytes=100)})
+    ready(registry, "A", {"n1": 60}, now=1.0)
+    registry.join("B")
+    seen = [registry.entry("B").state]
+    assert registry.next_action() == Load("B", measure=True)
+    seen.append(registry.entry("B").state)
+    registry.measured("B", {"n1": 50})
+    seen.append(registry.entry("B").state)
+    assert registry.next_action() == Evict("A", "B")
+    seen.append(registry.entry("B").state)
+    registry.unloaded("A")
+    assert registry.next_action() == Load("B", measure=False)
+    seen.append(registry.entry("B").state)
+    registry.loaded("B", {"n1": 50}, now=2.0)
+    seen.append(registry.entry("B").state)
+    entered = [b for a, b in zip(seen, seen[1:]) if a != b]
+    assert entered == ["measuring", "loading", "ready"], seen
+
+
+def test_a_measured_model_whose_waiters_leave_goes_back_to_where_it_was():
+    registry = ModelRegistry(models_max=1)
+    registry.set_models(["A", "B"])
+    ready(registry, "A", {}, now=1.0)
+    registry.begin_request("A", now=1.0)
+    ticket = registry.join("B")
+    registry.next_action()
+    registry.measured("B", {})
+    registry.leave(ticket)
+    assert registry.entry("B").state == "unloaded" and not registry.queue
+
+
+def test_a_model_waiting_for_room_measures_again_when_the_devices_change():
+    registry = ModelRegistry()
+    registry.set_models(["A", "B"])
+    registry.set_devices({"n1": DeviceMemory(total_bytes=100)})
+    ready(registry, "A", {"n1": 60}, now=1.0)
+    registry.join("B")
+    registry.next_action()
+    registry.forget_measure("B")  # the measure is under way: kept
+    registry.measured("B", {"n1": 50})
+    assert registry.next_action() == Evict("A", "B")
+    registry.forget_measure("B")  # measured, waiting for room: measured again
+    registry.unloaded("A")
+    assert registry.next_action() == Load("B", measure=True)
+    assert registry.entry("B").state == "measuring" and registry.entry("B").resting_state == "unloaded"
+    registry.measured("B", {"n1": 40})
+    assert registry.next_action() == Load("B", measure=False)
+
+
+def test_a_refusal_says_whether_the_state_changed():
+    """A refusal right after the measure takes the model back from measuring (a state change);
+    a refusal of a model measured before changes no state, and must not be sent as one."""
+    registry = ModelRegistry(models_max=1)
+    registry.set_models(["A", "B"])
+    ready(registry, "A", {}, now=1.0)
+    registry.begin_request("A", now=1.0)
+    registry.join("B")
+    registry.next_action()
+    registry.measured("B", {})
+    first = registry.next_action()
+    assert isinstance(first, Refuse) and first.state_changed and registry.entry("B").state == "unloaded"
+    registry.join("B")
+    again = registry.next_action()  # measured already: refused at once
+    assert isinstance(again, Refuse) and not again.state_changed and registry.entry("B").state == "unloaded"
+
+
+def test_a_refusal_gives_the_real_reason_when_evicting_the_idle_model_frees_too_little():
+    """B is idle but small; C is busy and big: the refusal must not call B busy."""
+    registry = ModelRegistry()
+    registry.set_models(["B", "C", "D"])
+    registry.set_devices({"n1": DeviceMemory(total_bytes=100 * MIB)})
+    ready(registry, "B", {"n1": 20 * MIB}, now=1.0)
+    ready(registry, "C", {"n1": 60 * MIB}, now=2.0)
+    registry.begin_request("C", now=2.0)
+    ticket = registry.join("D")
+    registry.next_action()
+    registry.measured("D", {"n1": 50 * MIB})
+    action = registry.next_action()
+    assert isinstance(action, Refuse) and action.error.retry_after_s
+    message = str(ticket.outcome)
+    assert "needs 50 MiB on node n1, which has 20 MiB free" in message
+    assert "evicting the idle model B would free only 20 MiB more" in message
+    assert "the rest is held by C (60 MiB, serving 1 request)" in message
+    assert "B (" not in message.split("the rest is held by")[1]  # the idle model is not called busy
+    assert "retry later" in message
+
+
+def test_a_refusal_at_models_max_names_why_each_model_stays():
+    registry = ModelRegistry(models_max=2)
+    registry.set_models(["A", "B", "C"])
+    ready(registry, "A", {}, now=1.0)
+    ready(registry, "B", {}, now=2.0)
+    registry.begin_request("A", now=3.0)
+    registry.begin_request("A", now=3.0)
+    registry.join("B")  # waited for: a request found it stopping
+    registry.join("C")
+    registry.queue.reverse()
+    registry.next_action()
+    registry.measured("C", {})
+    action = registry.next_action()
+    assert isinstance(action, Refuse)
+    assert "models_max=2 is reached by models that cannot be evicted: A (serving 2 requests), " \
+           "B (requests wait for it)" in str(action.error)
+
+
 def test_reset_hands_every_waiter_the_error():
     registry = ModelRegistry()
     registry.set_models(["A", "B"])
@@ -266,6 +376,11 @@ class RouterMachine(RuleBasedStateMachine):
         assert self.registry.held_bytes("n1", without=[m for m in MODELS if m != model]) == 0
         self._tick()
 
+    @rule(model=st.sampled_from(MODELS))
+    def devices_change(self, model):
+        self.registry.forget_measure(model)
+        self._tick()
+
     @rule(names=st.sets(st.sampled_from(MODELS), min_size=1))
     def reload(self, names):
         self.registry.set_models(names)
@@ -279,6 +394,13 @@ class RouterMachine(RuleBasedStateMachine):
     def only_the_head_is_claimed(self):
         assert all(not q.claimed for q in self.registry.queue[1:])
         assert len({q.model for q in self.registry.queue}) == len(self.registry.queue)
+
+    @invariant()
+    def a_measuring_model_is_waited_for(self):
+        for entry in self.registry.entries.values():
+            if entry.state == "measuring":
+                assert self.registry.find(entry.name) is not None, f"{entry.name} measuring outside the queue"
+            assert entry.resting_state != "measuring"
 
     @invariant()
     def ledger_matches_states(self):

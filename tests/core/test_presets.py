@@ -11,6 +11,7 @@ from agent.core.presets import (
     build_models,
     parse_presets,
     resolve_name,
+    sections_without_weights,
 )
 
 STORE = {"llama": 8192, "tiny": 512}
@@ -95,13 +96,30 @@ def test_auto_restores_the_default_below():
 
 
 def test_new_name_section_takes_weights_from_a_stored_model():
-    presets = parse_presets("[chat]\nmodel = llama\ncontext = 1024\n[orphan]\nweights = q4\n")
+    presets = parse_presets("[chat]\nmodel = llama\ncontext = 1024\n")
     models = build_models(STORE, presets)
-    assert list(models) == ["chat", "llama", "orphan", "tiny"]
+    assert list(models) == ["chat", "llama", "tiny"]
     assert models["chat"].store_model == "llama" and models["chat"].source == "preset"
     assert models["chat"].settings.max_context == 1024
     assert models["llama"].settings.max_context == 2048  # the stored model itself is untouched
-    assert models["orphan"].store_model == "orphan"  # assumed stored under its own name
+
+
+def test_a_section_that_names_no_weights_is_refused_naming_it():
+    """A new name without `model =` used to be listed and then fail every load (503, retry)."""
+    with pytest.raises(PresetError, match=r"\[orphan\] names no weights.*'model ="):
+        build_models(STORE, parse_presets("[chat]\nmodel = llama\n[orphan]\nweights = q4\n"))
+    with pytest.raises(PresetError, match=r"\[chat\] takes its weights from 'ghost', which no model store holds"):
+        build_models(STORE, parse_presets("[chat]\nmodel = ghost\n"))
+
+
+def test_sections_without_weights_can_be_left_out():
+    presets = parse_presets("[*]\ncontext = 64\n[chat]\nmodel = llama\n[orphan]\n[ghostly]\nmodel = ghost\n")
+    missing = sections_without_weights(STORE, presets)
+    assert missing == {"ghostly": "ghost", "orphan": "orphan"}
+    models = build_models(STORE, presets.without(missing))
+    assert list(models) == ["chat", "llama", "tiny"] and models["chat"].settings.max_context == 64
+    assert sections_without_weights({**STORE, "orphan": 512}, presets) == {"ghostly": "ghost"}
+    assert sections_without_weights(STORE, None) == {}
 
 
 def test_a_section_of_a_stored_model_cannot_take_other_weights():

@@ -1,0 +1,192 @@
+"""Admission control on real in-process agents serving a tiny random model: per model, a limit
+of requests in flight and a bounded FIFO queue; beyond them 429 with Retry-After, in the
+OpenAI error shape, also through an agent that passes the request on to the orchestrator.
+
+The model (2 layers, hidden 64, a word-level tokenizer) is written here and imported like any
+Hugging Face checkpoint: it loads and answers in well under a second. A request is held in
+flight by a gate in front of the orchestrator's generation; everything else is the real path.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import numpy as np
+
+from agent.service_keys import MEMBERSHIP, ORCHESTRATOR, ROUTER
+from shards.importer import import_model
+from shards.store import ModelStore
+from shards.tensorfile import write_tensors
+from tests.agent.inprocess import LocalAgent, eventually, local_agents
+
+TINY = "tiny"
+VOCAB = 96
+
+
+def write_tiny_checkpoint(folder: Path, *, seed: int = 0) -> Path:
+    """A random llama checkpoint (config.json, model.safetensors, a word-level tokenizer)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    rng = np.random.default_rng(seed)
+    hidden, inter, layers, heads, kv_heads = 64, 160, 2, 4, 2
+    head_dim = hidden // heads
+
+    def weight(*shape: int) -> np.ndarray:
+        return rng.normal(0.0, 0.15, shape).astype(np.float32)
+
+    tensors = {"model.embed_tokens.weight": weight(VOCAB, hidden), "model.norm.weight": np.ones(hidden, np.float32)}
+    for i in range(layers):
+        prefix = f"model.layers.{i}."
+        tensors.update({
+            prefix + "input_layernorm.weight": np.ones(hidden, np.float32),
+            prefix + "post_attention_layernorm.weight": np.ones(hidden, np.float32),
+            prefix + "self_attn.q_proj.weight": weight(heads * head_dim, hidden),
+            prefix + "self_attn.k_proj.weight": weight(kv_heads * head_dim, hidden),
+            prefix + "self_attn.v_proj.weight": weight(kv_heads * head_dim, hidden),
+            prefix + "self_attn.o_proj.weight": weight(hidden, heads * head_dim),
+            prefix + "mlp.gate_proj.weight": weight(inter, hidden),
+            prefix + "mlp.up_proj.weight": weight(inter, hidden),
+            prefix + "mlp.down_proj.weight": weight(hidden, inter),
+        })
+    folder.mkdir(parents=True, exist_ok=True)
+    write_tensors(folder / "model.safetensors", tensors)
+    (folder / "config.json").write_text(json.dumps({
+        "model_type": "llama", "hidden_size": hidden, "intermediate_size": inter, "num_hidden_layers": layers,
+        "num_attention_heads": heads, "num_key_value_heads": kv_heads, "vocab_size": VOCAB,
+        "max_position_embeddings": 256, "rms_norm_eps": 1e-5, "tie_word_embeddings": True,
+        "bos_token_id": 1, "eos_token_id": 2}))
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2} | {f"w{i}": i for i in range(3, VOCAB)}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps(
+        {"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>", "add_bos_token": True}))
+    return folder
+
+
+def store_tiny_models(tmp: Path, names: tuple[str, ...] = (TINY,)) -> ModelStore:
+    """The store of the first in-process agent, holding the tiny model under every name."""
+    source = write_tiny_checkpoint(tmp / "checkpoint")
+    store = ModelStore(tmp / "home-0")
+    for name in names:
+        import_model(source, name=name, store=store, progress=False)
+    return store
+
+
+@contextlib.asynccontextmanager
+async def tiny_cluster(tmp: Path, count: int = 2, *, names: tuple[str, ...] = (TINY,),
+                       **settings: Any) -> AsyncIterator[tuple[LocalAgent, list[LocalAgent]]]:
+    """``count`` in-process agents, the first storing the tiny models; yields the orchestrator
+    (once the main model is ready) and the others."""
+    store_tiny_models(tmp, names)
+    async with local_agents(tmp, count, model=TINY, **settings) as agents:
+        await eventually(lambda: all(a.app[MEMBERSHIP].election for a in agents), timeout_s=20, what="an election")
+        leader = agents[0].app[MEMBERSHIP].election.orchestrator
+        orchestrator = next(a for a in agents if a.node_id == leader)
+        router = orchestrator.app[ROUTER]
+        await eventually(lambda: TINY in router.registry.entries and router.registry.entries[TINY].state == "ready",
+                         timeout_s=60, what="the tiny model loaded at start")
+        yield orchestrator, [a for a in agents if a is not orchestrator]
+
+
+class Gate:
+    """Holds every generation on the orchestrator until opened; records the prompts in the
+    order their generation began (the order requests were admitted)."""
+
+    def __init__(self, orchestrator: LocalAgent) -> None:
+        self.opened = asyncio.Event()
+        self.started: list[str] = []
+        self._orchestrator = orchestrator.app[ORCHESTRATOR]
+        self._complete = self._orchestrator.complete
+        self._orchestrator.complete = self._gated
+
+    async def _gated(self, deployment: Any, prompt_ids: list[int], params: Any, generated: Any = ()) -> AsyncIterator[Any]:
+        self.started.append(f"w{prompt_ids[-1]}")  # the prompts are one word: w<id>
+        await self.opened.wait()
+        async for event in self._complete(deployment, prompt_ids, params, generated):
+            yield event
+
+    def open(self) -> None:
+        self.opened.set()
+
+
+async def complete(url: str, prompt: str, *, stream: bool = False, model: str = TINY,
+                   timeout_s: float = 30.0) -> tuple[int, dict[str, str], Any]:
+    """POST /v1/completions: (status, headers, JSON body, or the event lines when streaming)."""
+    body = {"model": model, "prompt": prompt, "max_tokens": 2, "temperature": 0, "stream": stream}
+    async with aiohttp.ClientSession() as session, session.post(
+            url + "/v1/completions", json=body, timeout=aiohttp.ClientTimeout(total=timeout_s)) as response:
+        text = await response.text()
+        if response.content_type == "text/event-stream":
+            answer: Any = [line for line in text.splitlines() if line.startswith("data: ")]
+        else:
+            answer = json.loads(text)
+        return response.status, dict(response.headers), answer
+
+
+def test_one_in_flight_one_queued_and_the_third_gets_429_with_retry_after(tmp_path):
+    """In flight 1, queue 1: a streamed request runs, a plain one passed on by another agent
+    waits and is served after it, a third one (also passed on) gets 429 at once."""
+
+    async def scenario():
+        async with tiny_cluster(tmp_path, max_requests_in_flight=1, max_queued_requests=1) as (leader, others):
+            router = leader.app[ROUTER]
+            gate = Gate(leader)
+            first = asyncio.create_task(complete(leader.url, "w5", stream=True))
+            await eventually(lambda: gate.started == ["w5"], timeout_s=10, what="the first request in flight")
+            second = asyncio.create_task(complete(others[0].url, "w6"))
+            await eventually(lambda: router.admission.queued(TINY) == 1, timeout_s=10, what="the second queued")
+
+            status, headers, answer = await complete(others[0].url, "w7")
+            assert status == 429, answer
+            assert set(answer["error"]) == {"message", "type", "param", "code"}
+            assert answer["error"]["code"] == "rate_limit_exceeded" and answer["error"]["type"] == "requests"
+            assert "max_requests_in_flight=1" in answer["error"]["message"]
+            assert int(headers["Retry-After"]) >= 1
+            assert gate.started == ["w5"] and not second.done()  # the queued one waits its turn
+            info = {m["id"]: m for m in router.models()}[TINY]
+            assert (info["requests_in_flight"], info["queued_requests"]) == (1, 1)
+
+            gate.open()
+            status, _, lines = await first
+            assert status == 200 and lines[-1] == "data: [DONE]"
+            status, _, answer = await second
+            assert status == 200 and answer["model"] == TINY, answer
+            assert gate.started == ["w5", "w6"]
+            assert router.admission.in_flight(TINY) == 0 and router.admission.queued(TINY) == 0
+
+    asyncio.run(scenario())
+
+
+def test_the_queue_is_fifo_and_a_client_that_leaves_gives_up_its_place(tmp_path):
+    async def scenario():
+        async with tiny_cluster(tmp_path, max_requests_in_flight=1, max_queued_requests=3) as (leader, others):
+            router = leader.app[ROUTER]
+            gate = Gate(leader)
+            tasks = {"w5": asyncio.create_task(complete(leader.url, "w5"))}
+            await eventually(lambda: gate.started == ["w5"], timeout_s=10, what="the first request in flight")
+            senders = {"w6": leader, "w7": others[0], "w8": leader}
+            for queued, prompt in enumerate(senders, start=1):  # one at a time: a known order
+                tasks[prompt] = asyncio.create_task(complete(senders[prompt].url, prompt, stream=prompt == "w8"))
+                await eventually(lambda n=queued: router.admission.queued(TINY) == n, timeout_s=10,
+                                 what=f"{queued} request(s) queued")
+            status, headers, _ = await complete(leader.url, "w9")
+            assert status == 429 and "Retry-After" in headers
+
+            tasks.pop("w7").cancel()  # its client hangs up while it waits (its request came through another agent)
+            await eventually(lambda: router.admission.queued(TINY) == 2, timeout_s=10, what="w7 out of the queue")
+            tasks["w10"] = asyncio.create_task(complete(others[0].url, "w10"))  # the place it left is free
+            await eventually(lambda: router.admission.queued(TINY) == 3, timeout_s=10, what="w10 queued")
+
+            gate.open()
+            results = {prompt: await task for prompt, task in tasks.items()}
+            assert all(status == 200 for status, _, _ in results.values()), results
+            assert gate.started == ["w5", "w6", "w8", "w10"]  # first come, first served; w7 never ran
+
+    asyncio.run(scenario())

@@ -1,0 +1,130 @@
+"""Admission control per model: slots in flight, a bounded FIFO queue, 429 beyond it."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from agent.core.admission import (
+    DEFAULT_MAX_QUEUED_REQUESTS, DEFAULT_MAX_REQUESTS_IN_FLIGHT, MAX_RETRY_AFTER_S, Admission, AdmissionError,
+    AdmissionLimits, TooManyRequestsError,
+)
+from agent.core.model_registry import RouterError
+
+
+def test_defaults_and_validation():
+    limits = AdmissionLimits()
+    assert (limits.max_requests_in_flight, limits.max_queued_requests) == (
+        DEFAULT_MAX_REQUESTS_IN_FLIGHT, DEFAULT_MAX_QUEUED_REQUESTS) == (4, 32)
+    for bad in ({"max_requests_in_flight": 0}, {"max_queued_requests": -1}, {"max_requests_in_flight": True},
+                {"max_queued_requests": 1.5}):
+        with pytest.raises(AdmissionError, match=next(iter(bad))):
+            AdmissionLimits(**bad)
+    assert issubclass(TooManyRequestsError, RouterError)
+
+
+def test_one_in_flight_one_queued_the_third_is_refused_with_retry_after():
+    admission = Admission(AdmissionLimits(max_requests_in_flight=1, max_queued_requests=1))
+    first = admission.arrive("m", now=0.0)
+    second = admission.arrive("m", now=0.1)
+    assert (first.state, second.state) == ("admitted", "queued")
+    with pytest.raises(TooManyRequestsError) as refused:
+        admission.arrive("m", now=0.2)
+    assert refused.value.retry_after_s >= 1
+    assert "max_requests_in_flight=1" in str(refused.value) and "max_queued_requests=1" in str(refused.value)
+    assert admission.leave(first, now=4.0) == [second]
+    assert second.state == "admitted" and admission.in_flight("m") == 1 and admission.queued("m") == 0
+    assert admission.leave(second, now=5.0) == [] and admission.in_flight("m") == 0
+
+
+def test_the_queue_is_fifo_and_a_request_that_leaves_gives_up_its_place():
+    admission = Admission(AdmissionLimits(max_requests_in_flight=2, max_queued_requests=10))
+    running = [admission.arrive("m", now=0.0) for _ in range(2)]
+    queued = [admission.arrive("m", now=float(i)) for i in range(5)]
+    assert admission.leave(queued[1], now=6.0) == []  # its client disconnected
+    assert queued[1].state == "done" and admission.queued("m") == 4
+    admitted = admission.leave(running[0], now=7.0) + admission.leave(running[1], now=7.0)
+    assert admitted == [queued[0], queued[2]]
+    assert admission.leave(queued[0], now=8.0) == [queued[3]]
+    assert admission.leave(queued[3], now=8.0) == [queued[4]]
+
+
+def test_models_are_admitted_independently():
+    admission = Admission(AdmissionLimits(max_requests_in_flight=1, max_queued_requests=0))
+    a = admission.arrive("a", now=0.0)
+    b = admission.arrive("b", now=0.0)
+    assert a.state == b.state == "admitted"
+    with pytest.raises(TooManyRequestsError, match="'a'"):
+        admission.arrive("a", now=0.0)  # no queue: refused at once
+
+
+def test_retry_after_follows_the_time_requests_spend_in_flight():
+    admission = Admission(AdmissionLimits(max_requests_in_flight=2, max_queued_requests=0))
+    assert admission.retry_after_s("m") == 3  # 5 s assumed before any request ended, over 2 slots
+    for _ in range(30):
+        ticket = admission.arrive("m", now=0.0)
+        admission.leave(ticket, now=40.0)
+    assert admission.retry_after_s("m") == 20
+    for _ in range(30):
+        ticket = admission.arrive("m", now=0.0)
+        admission.leave(ticket, now=1000.0)
+    assert admission.retry_after_s("m") == MAX_RETRY_AFTER_S
+    admission.leave(admission.arrive("n", now=0.0), now=0.001)
+    assert admission.retry_after_s("n") == 1
+
+
+class AdmissionMachine(RuleBasedStateMachine):
+    """Arrivals, ends and disconnections in any order: limits hold, order is FIFO."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.admission = Admission(AdmissionLimits(max_requests_in_flight=2, max_queued_requests=3))
+        self.tickets: list = []
+        self.now = 0.0
+        self.admitted_order: list[int] = []
+
+    @rule(model=st.sampled_from(["a", "b"]))
+    def arrive(self, model):
+        self.now += 1
+        try:
+            ticket = self.admission.arrive(model, now=self.now)
+        except TooManyRequestsError as error:
+            assert self.admission.queued(model) == 3 and self.admission.in_flight(model) == 2
+            assert error.retry_after_s >= 1
+            return
+        self.tickets.append(ticket)
+        if ticket.state == "admitted":
+            self.admitted_order.append(ticket.number)
+
+    @precondition(lambda self: self.tickets)
+    @rule(data=st.data())
+    def leave(self, data):
+        self.now += 1
+        ticket = self.tickets.pop(data.draw(st.integers(0, len(self.tickets) - 1)))
+        for admitted in self.admission.leave(ticket, now=self.now):
+            self.admitted_order.append(admitted.number)
+
+    @invariant()
+    def limits_hold(self):
+        for model in ("a", "b"):
+            assert self.admission.in_flight(model) <= 2 and self.admission.queued(model) <= 3
+            live = [t for t in self.tickets if t.model == model]
+            assert self.admission.in_flight(model) == sum(t.state == "admitted" for t in live)
+            assert self.admission.queued(model) == sum(t.state == "queued" for t in live)
+            # a queued request never waits while a slot is free
+            assert not self.admission.queued(model) or self.admission.in_flight(model) == 2
+
+    @invariant()
+    def fifo_per_model(self):
+        for model in ("a", "b"):
+            numbers = [n for n in self.admitted_order if any(t.number == n and t.model == model for t in self.tickets)]
+            assert numbers == sorted(numbers)
+            queued = [t.number for t in self.tickets if t.model == model and t.state == "queued"]
+            admitted = [t.number for t in self.tickets if t.model == model and t.state == "admitted"]
+            assert not queued or not admitted or max(admitted) < min(queued)
+
+
+TestAdmissionMachine = AdmissionMachine.TestCase
+TestAdmissionMachine.settings = settings(max_examples=200, stateful_step_count=40, deadline=None)
