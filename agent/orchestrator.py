@@ -60,6 +60,7 @@ log = logging.getLogger(__name__)
 ROUTING_PATH = "/internal/routing"
 COMMIT_PATH = "/internal/routing/commit"
 ABORT_PATH = "/internal/routing/abort"
+COPY_PATH = "/internal/copy"
 ORDER_STEP_TIMEOUT_S = 30.0
 UNLOAD_PATH = "/internal/unload"
 UNLOAD_TIMEOUT_S = 30.0
@@ -324,6 +325,35 @@ class Orchestrator:
             if isinstance(result, BaseException):
                 log.warning("node %s missed the %s of plan %d: %s", node_id, path.rsplit("/", 1)[-1],
                             order.plan_version, result)
+
+    async def _spread_fallback(self) -> None:
+        """Ask every live node that lacks it to hold the fallback model whole (when its disk has
+        room), so that losing any single node leaves a node that can serve it."""
+        if not self.config.allow_fallback:
+            return
+        holdings = self.holdings()
+        try:
+            model = self.resolve_fallback(holdings)
+        except ClusterError:
+            return
+        holders = [n for n, models in holdings.items() if model in models]
+        if not holders:
+            return
+        body = {"model": model, "sources": self._addressed(self._sources(model, holdings))}
+
+        async def ask(node_id: str) -> None:
+            if node_id == self.node_id:
+                self.worker.keep_whole_copy(model, [tuple(s) for s in body["sources"]])
+            else:
+                await self.client.request_json("POST", self.membership.peer_address_of(node_id), COPY_PATH, body,
+                                               target=node_id, timeout_s=ORDER_STEP_TIMEOUT_S)
+
+        lacking = sorted(n for n in holdings if n not in holders)
+        if self.config.fallback_copies:
+            lacking = lacking[:max(0, self.config.fallback_copies - len(holders))]
+        for node_id, result in zip(lacking, await asyncio.gather(*(ask(n) for n in lacking), return_exceptions=True)):
+            if isinstance(result, BaseException):
+                log.debug("node %s was not asked to keep %s: %s", node_id, model, result)
 
     # --- nodes that could not stage a plan ----------------------------------------------------
     def _fingerprint(self, node_id: str) -> str:
@@ -593,6 +623,7 @@ class Orchestrator:
                     self._deployed_members = members
                     await self._adopt_after_election()
                     self.on_role(True)
+                    await self._spread_fallback()
                     continue
                 for deployment in list(self.deployments.values()):
                     lost = set(deployment.order.route.nodes) - members
@@ -613,6 +644,7 @@ class Orchestrator:
                     for name in list(self.deployments):
                         await self.replan(name, reason)
                 self._deployed_members = members
+                await self._spread_fallback()
             except ClusterError as error:
                 log.error("%s", error)
 

@@ -37,7 +37,7 @@ from agent.discovery import Discovery
 from agent.files import write_private
 from agent.identity import load_or_create_node_id
 from agent.membership import DESCRIBE_PATH, Membership
-from agent.orchestrator import ABORT_PATH, COMMIT_PATH, ROUTING_PATH, UNLOAD_PATH, Orchestrator
+from agent.orchestrator import ABORT_PATH, COMMIT_PATH, COPY_PATH, ROUTING_PATH, UNLOAD_PATH, Orchestrator
 from agent.pairing import PAIR_PATH, REKEY_PATH, InviteStore, join_pending, take_new_key
 from agent.peer_client import PeerClient
 from agent.router import ModelRouter
@@ -207,6 +207,19 @@ async def commit_routing(request: web.Request) -> web.Response:
 async def abort_routing(request: web.Request) -> web.Response:
     """Drop a staged order: some node of its route could not stage it."""
     return await _order_step(request, "abort")
+
+
+@internal.post(COPY_PATH)
+async def keep_copy(request: web.Request) -> web.Response:
+    """The orchestrator asks this node to hold a whole copy of the fallback model (fetched in
+    the background, when the disk has room)."""
+    try:
+        body = await request.json()
+        model = str(body["model"])
+        sources = [(str(node), str(url)) for node, url in body["sources"]]
+    except (json.JSONDecodeError, KeyError, TypeError, ValueError):
+        return web.json_response({"error": "expected {\"model\": str, \"sources\": [[node, url], ...]}"}, status=400)
+    return web.json_response({"queued": request.app[WORKER].keep_whole_copy(model, sources)}, status=202)
 
 
 @internal.post(UNLOAD_PATH)
@@ -382,6 +395,7 @@ def build_app(config: AgentConfig, *, node_id: str, store: ModelStore, api_port:
             asyncio.create_task(app[ORCHESTRATOR].run(), name="orchestrator"),
             asyncio.create_task(app[ROUTER].run(), name="model-router"),
             asyncio.create_task(app[WORKER].reap_idle_sessions(), name="session-reaper"),
+            asyncio.create_task(app[WORKER].fetch_copies(), name="fallback-copies"),
             asyncio.create_task(join_pending(config, app[CLIENT].session, app[LIFECYCLE]), name="pending-join"),
         ]
         if discovery is not None:

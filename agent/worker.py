@@ -29,11 +29,12 @@ import numpy as np
 import psutil
 
 from agent.config import AgentConfig
+from agent.core.errors import NcmError
 from agent.core.orders import RoutingOrder
 from agent.dataplane import Links, StageError, error_from_header
 from agent.peer_client import PeerClient
 from agent.probe import device_memory
-from agent.weights import StoreWriteError, WeightTransferError, ensure_model_files
+from agent.weights import StoreWriteError, WeightTransferError, complete_models, ensure_model_files, missing_files
 from shards.errors import CorruptWeightsError, ShardsError
 from shards.fragment import prune_blobs
 from shards.runner import FragmentRunner, OrtFragmentRunner
@@ -44,7 +45,8 @@ from shards.verify import discard
 log = logging.getLogger(__name__)
 SESSION_IDLE_TIMEOUT_S = 300.0
 MAX_REPAIRS_KEPT = 8
-RETIRE_GRACE_S = 30.0  # a replaced order keeps answering this long, for steps already under way
+RETIRE_GRACE_S = 30.0
+COPY_MARGIN_BYTES = 1 << 30  # disk left free after fetching a whole copy of the fallback model  # a replaced order keeps answering this long, for steps already under way
 SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "seed")
 RunnerKey = tuple[str, int, int, int, int]  # model, first layer, last layer, max context, prefill chunk
 
@@ -109,6 +111,9 @@ class Worker:
         self.retiring: dict[int, float] = {}  # plan version -> monotonic time it may be freed after
         self.fault: dict[str, Any] | None = None  # why the last order could not be staged
         self.repairs: list[dict[str, Any]] = []  # the latest corrupt weight files found here
+        self._copies: asyncio.Queue[tuple[str, list[tuple[str, str]]]] = asyncio.Queue()
+        self.copying: str | None = None  # the whole model being fetched now (see keep_whole_copy)
+        self._declined: dict[str, int] = {}  # model -> free disk bytes when a copy was declined for room
         self.memory_bytes: dict[str, int] = {}  # router name -> what loading it took (effective)
         self.newest_epoch = 0
         self.runners: dict[RunnerKey, FragmentRunner] = {}
@@ -302,6 +307,7 @@ class Worker:
             "state": self.state,
             "fault": self.fault,
             "repairs": self.repairs,
+            "copying": self.copying,
             "staged": {name: {"plan_version": order.plan_version, "memory_bytes": self.memory_bytes.get(name, 0)}
                        for name, order in sorted(self.staged.items())},
             "model": current.model if current else None,
@@ -414,6 +420,41 @@ class Worker:
         else:
             link = await self.links.get(next_node, order.addresses[next_node])
             await link.send({"kind": "close", "sid": sid, "layer": hop.layers.last + 1, "plan": order.plan_version})
+
+    def keep_whole_copy(self, model: str, sources: list[tuple[str, str]]) -> bool:
+        """Queue a fetch of every file of ``model`` (the fallback, so that losing any one node
+        leaves a whole copy); False when this node holds it whole already or lacks the room."""
+        if model in complete_models(self.store) or model == self.copying:
+            return False
+        if self._declined.get(model, -1) >= shutil.disk_usage(self.store.root).free:
+            return False  # no more room than when it was declined
+        self._copies.put_nowait((model, sources))
+        return True
+
+    async def fetch_copies(self) -> None:
+        """Fetch the whole models queued by :meth:`keep_whole_copy`, one at a time, when the disk
+        has room for them (owned by the service's cleanup context)."""
+        while True:
+            model, sources = await self._copies.get()
+            if model in complete_models(self.store):
+                continue
+            self.copying = model
+            try:
+                manifest = await ensure_model_files(self.client, self.store, model, lambda m: [], sources)
+                missing = sum(manifest.files[k].bytes
+                              for k in missing_files(self.store.models_dir / model, manifest, list(manifest.files)))
+                free = shutil.disk_usage(self.store.root).free
+                if free < missing + COPY_MARGIN_BYTES:
+                    self._declined[model] = free
+                    log.info("not keeping a whole copy of %s: %d MiB free, it needs %d MiB", model,
+                             free >> 20, (missing + COPY_MARGIN_BYTES) >> 20)
+                    continue
+                await ensure_model_files(self.client, self.store, model, lambda m: list(m.files), sources)
+                log.info("holding a whole copy of %s (the fallback model)", model)
+            except (NcmError, ShardsError) as error:
+                log.warning("could not keep a whole copy of %s: %s", model, error)
+            finally:
+                self.copying = None
 
     async def reap_idle_sessions(self) -> None:
         """Free sessions abandoned by their requests (owned by the service's cleanup context)."""
