@@ -38,6 +38,7 @@ from shards.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
 SSE_KEEPALIVE_S = 15.0
+BODY_READ_TIMEOUT_S = 30.0
 
 routes = web.RouteTableDef()
 
@@ -373,7 +374,10 @@ async def models_sse(request: web.Request) -> web.StreamResponse:
 async def _read_body(request: web.Request) -> bytes:
     """The request body as sent, decompressed (a body that does not decompress is a 400)."""
     try:
-        return await request.read()
+        async with timeout(BODY_READ_TIMEOUT_S):  # a truncated compressed body can leave the read waiting
+            return await request.read()
+    except asyncio.TimeoutError:
+        raise InvalidRequestError(f"the request body did not arrive in full within {BODY_READ_TIMEOUT_S:g} s") from None
     except (RequestPayloadError, HttpProcessingError):
         raise InvalidRequestError(
             f"the request body could not be read as {request.headers.get('Content-Encoding', 'sent')}") from None

@@ -71,6 +71,7 @@ class AgentConfig:
     prefill_chunk: int = 256
     fallback_model: str = "ncm-tiny"
     allow_fallback: bool = True
+    session_idle_timeout_s: float = 300.0  # a stage frees a session unused this long (its request is gone)
     fallback_copies: int = 0  # nodes asked to hold the fallback model whole; 0 = every node with room
     replan_min_interval_s: float = 10.0
     models_preset: Path | None = None
@@ -122,6 +123,8 @@ class AgentConfig:
             raise ConfigError(f"replan_min_interval_s must be >= 0, got {self.replan_min_interval_s}")
         if not self.fallback_model:
             raise ConfigError("fallback_model must not be empty (set allow_fallback = false to disable it)")
+        if not self.session_idle_timeout_s > 0:
+            raise ConfigError(f"session_idle_timeout_s must be > 0, got {self.session_idle_timeout_s}")
         if self.fallback_copies < 0 or self.fallback_copies == 1:
             raise ConfigError(f"fallback_copies must be 0 (every node with room) or >= 2 (a single copy dies with "
                               f"its node), got {self.fallback_copies}")
@@ -155,7 +158,7 @@ _FIELD_TYPES: dict[str, str] = {
     "health_interval_s": "float", "failure_threshold": "int", "peer_timeout_s": "float",
     "discovery_grace_s": "float", "replicate_head_ratio": "float", "replica_count": "int?",
     "min_layers_per_node": "int", "max_context": "int", "prefill_chunk": "int",
-    "fallback_model": "str", "allow_fallback": "bool", "fallback_copies": "int", "replan_min_interval_s": "float",
+    "fallback_model": "str", "allow_fallback": "bool", "fallback_copies": "int", "session_idle_timeout_s": "float", "replan_min_interval_s": "float",
     "models_preset": "path?", "models_max": "int", "models_memory_margin_mib": "int", "models_autoload": "bool",
     "models_load_timeout_s": "float", "sleep_idle_s": "float",
     "max_requests_in_flight": "int", "max_queued_requests": "int",

@@ -735,9 +735,13 @@ class Orchestrator:
             await self._close(deployment.order, sid)
 
     async def _close(self, order: RoutingOrder, sid: str) -> None:
-        head = order.route.hops[0].node_id
-        if head == self.node_id:
-            await self.worker.close_session(sid, 0, order.plan_version)
-        elif self.membership.table.url_of(head) is not None:
-            link = await self.worker.links.get(head, order.addresses[head])
-            await link.send({"kind": "close", "sid": sid, "layer": 0, "plan": order.plan_version})
+        """Free ``sid`` on every stage of ``order``'s route: each is told directly, so that a
+        dead or frozen stage does not keep the ones after it holding the session (its own go
+        when it has been idle for a while)."""
+        alive = self.membership.alive_nodes()
+        for hop in order.route.hops:
+            if hop.node_id == self.node_id:
+                await self.worker.close_session(sid, hop.layers.first, order.plan_version)
+            elif hop.node_id in alive:
+                link = await self.worker.links.get(hop.node_id, order.addresses[hop.node_id])
+                await link.send({"kind": "close", "sid": sid, "layer": hop.layers.first, "plan": order.plan_version})

@@ -34,6 +34,7 @@ TOKENS_FIELD = "ncm_tokens"
 RESUME_FIELD = "ncm_resume"
 RESUME_WAIT_S = 30.0
 SETTLE_POLL_S = 0.2
+WATCH_S = 0.5  # how often a quiet stream checks whether its orchestrator was replaced
 MAX_RESUMES = 3
 
 
@@ -65,9 +66,20 @@ async def _next_orchestrator(membership: Membership, lost: str, timeout_s: float
         membership.unsubscribe(changes)
 
 
-async def _events(content: aiohttp.StreamReader) -> AsyncIterator[bytes]:
-    """The ``data:`` payloads of an event stream."""
-    async for line in content:
+async def _events(content: aiohttp.StreamReader, membership: Membership, orchestrator: str) -> AsyncIterator[bytes]:
+    """The ``data:`` payloads of an event stream; _Lost as soon as another orchestrator is
+    elected (a frozen one keeps its connection open but says nothing)."""
+    while True:
+        try:
+            async with timeout(WATCH_S):
+                line = await content.readline()
+        except asyncio.TimeoutError:
+            election = membership.election
+            if election is not None and election.orchestrator != orchestrator:
+                raise _Lost(f"{election.orchestrator} was elected in its place") from None
+            continue
+        if not line:
+            return
         line = line.strip()
         if line.startswith(b"data: "):
             yield line[len(b"data: "):]
@@ -134,7 +146,7 @@ async def _resumable(request: web.Request, membership: Membership, client: PeerC
                     response = web.StreamResponse(status=200, headers={
                         k: v for k, v in upstream.headers.items() if k.lower() not in HOP_HEADERS})
                     await response.prepare(request)
-                async for data in _events(upstream.content):
+                async for data in _events(upstream.content, membership, orchestrator):
                     if data == b"[DONE]":
                         await response.write(b"data: [DONE]\n\n")
                         await response.write_eof()

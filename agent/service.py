@@ -19,10 +19,11 @@ import socket
 import sys
 import time
 from collections.abc import AsyncIterator
+from http import HTTPStatus
 from typing import Any
 
 import aiohttp
-from aiohttp import web
+from aiohttp import web, web_protocol
 
 from agent import api
 from agent.compat import TaskGroup, timeout
@@ -438,6 +439,34 @@ def sweep_fragment_caches(store: ModelStore) -> None:
             log.info("removed %d stale fragment build(s) of %s", removed, manifest.name)
 
 
+class _ShapedErrorHandler(web_protocol.RequestHandler):
+    """A request aiohttp refuses before any handler runs (a body in an encoding it cannot
+    decode, a malformed request line) is answered in the OpenAI error shape too."""
+
+    def handle_error(self, request: Any, status: int = 500, exc: BaseException | None = None,
+                     message: str | None = None) -> web.StreamResponse:
+        response = super().handle_error(request, status, exc, message)
+        if not 400 <= status < 500:
+            return response
+        shaped = api.error_response(status, message or HTTPStatus(status).phrase)
+        shaped.force_close()
+        return shaped
+
+
+class _ShapedErrorServer(web.Server):
+    def __call__(self) -> web_protocol.RequestHandler:
+        return _ShapedErrorHandler(self, loop=self._loop, **self._kwargs)
+
+
+class AgentRunner(web.AppRunner):
+    """The application runner of an agent: parse-level refusals in the OpenAI error shape."""
+
+    async def _make_server(self) -> web.Server:
+        server = await super()._make_server()
+        server.__class__ = _ShapedErrorServer
+        return server
+
+
 async def start_agent(config: AgentConfig, *, node_id: str, store: ModelStore, key: bytes,
                       shutdown_timeout_s: float = SHUTDOWN_TIMEOUT_S) -> web.AppRunner:
     """Build the application and listen: the public API on ``config.port``, the internal
@@ -452,7 +481,7 @@ async def start_agent(config: AgentConfig, *, node_id: str, store: ModelStore, k
                     peer_port=peer_socket.getsockname()[1], key=key, tls=tls)
     # handler_cancellation: a client that disconnects cancels its request (a waiting request
     # leaves the model queue, a generation stops) also when it came through another agent.
-    runner = web.AppRunner(app, shutdown_timeout=shutdown_timeout_s, access_log=None, handler_cancellation=True)
+    runner = AgentRunner(app, shutdown_timeout=shutdown_timeout_s, access_log=None, handler_cancellation=True)
     await runner.setup()
     try:
         await web.TCPSite(runner, config.host, config.port, reuse_address=True).start()

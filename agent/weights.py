@@ -14,6 +14,7 @@ import hashlib
 import json
 import logging
 import os
+import weakref
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
@@ -198,6 +199,23 @@ async def ensure_model_files(
         manifest = store.manifest(name)
         if not missing_files(model_dir, manifest, keys_for(manifest)):
             return manifest
+    # One fetch at a time per model directory: two would write the same `.part` files.
+    lock = _fetch_locks.setdefault(str(model_dir.resolve()), asyncio.Lock())
+    async with lock:
+        return await _fetch_model_files(client, store, name, keys_for, sources)
+
+
+_fetch_locks: weakref.WeakValueDictionary[str, asyncio.Lock] = weakref.WeakValueDictionary()
+
+
+async def _fetch_model_files(
+    client: PeerClient, store: ModelStore, name: str, keys_for: Callable[[Manifest], list[str]], sources: list[Source]
+) -> Manifest:
+    model_dir = store.models_dir / name
+    if store.has(name):
+        manifest = store.manifest(name)
+        if not missing_files(model_dir, manifest, keys_for(manifest)):
+            return manifest  # fetched meanwhile
     errors: list[str] = []
     source, listing = await _listing(client, name, sources, errors)
     try:

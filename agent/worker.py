@@ -43,7 +43,6 @@ from shards.store import ModelStore
 from shards.verify import discard
 
 log = logging.getLogger(__name__)
-SESSION_IDLE_TIMEOUT_S = 300.0
 MAX_REPAIRS_KEPT = 8
 RETIRE_GRACE_S = 30.0
 COPY_MARGIN_BYTES = 1 << 30  # disk left free after fetching a whole copy of the fallback model  # a replaced order keeps answering this long, for steps already under way
@@ -57,6 +56,13 @@ def _ranges(keys: set[RunnerKey]) -> str:
 
 def _rss_bytes() -> int:
     return psutil.Process().memory_info().rss
+
+
+def _free_bytes(path: Path) -> int:
+    """Free bytes on the disk ``path`` is (or will be) on."""
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return shutil.disk_usage(path).free
 
 
 class StaleOrderError(StageError):
@@ -314,6 +320,7 @@ class Worker:
             "plan_version": current.plan_version if current else None,
             "epoch": self.newest_epoch,
             "fragments": [f for m in models.values() for f in m["fragments"]],
+            "fragments_held": len(self.runners),  # also standby, staged and retiring ones
             "standby": [r for m in models.values() for r in m["standby"]],
             "models": models,
             "sessions": len(self.sessions),
@@ -344,14 +351,20 @@ class Worker:
         if tensor is None:
             raise StageError("bad_request", "step frame without tensor", None)
         info = self.sessions.get(sid)
-        if info is None or info.plan_version != order.plan_version:
+        fresh = info is None or info.plan_version != order.plan_version
+        if fresh:
             info = self.sessions[sid] = _SessionInfo(order.plan_version, time.monotonic())
+        assert info is not None
         info.last_used = time.monotonic()
         try:
             output = await asyncio.get_running_loop().run_in_executor(
                 self.executor, self._compute, runner, sid, header["start"], tensor
             )
-        except ShardsError as error:
+        except (StageError, ShardsError) as error:
+            if fresh:  # a step of a session this node does not hold (a late one, after its close)
+                self._free(sid)
+            if isinstance(error, StageError):
+                raise
             raise StageError("bad_request", f"layers {hop.layers}: {error}", None) from None
         if not np.isfinite(output).all():
             self._drop_faulty(self._key(order, hop.layers.first, hop.layers.last))
@@ -426,7 +439,7 @@ class Worker:
         leaves a whole copy); False when this node holds it whole already or lacks the room."""
         if model in complete_models(self.store) or model == self.copying:
             return False
-        if self._declined.get(model, -1) >= shutil.disk_usage(self.store.root).free:
+        if model in self._declined and self._declined[model] >= _free_bytes(self.store.root):
             return False  # no more room than when it was declined
         self._copies.put_nowait((model, sources))
         return True
@@ -443,7 +456,7 @@ class Worker:
                 manifest = await ensure_model_files(self.client, self.store, model, lambda m: [], sources)
                 missing = sum(manifest.files[k].bytes
                               for k in missing_files(self.store.models_dir / model, manifest, list(manifest.files)))
-                free = shutil.disk_usage(self.store.root).free
+                free = _free_bytes(self.store.root)
                 if free < missing + COPY_MARGIN_BYTES:
                     self._declined[model] = free
                     log.info("not keeping a whole copy of %s: %d MiB free, it needs %d MiB", model,
@@ -459,8 +472,8 @@ class Worker:
     async def reap_idle_sessions(self) -> None:
         """Free sessions abandoned by their requests (owned by the service's cleanup context)."""
         while True:
-            await asyncio.sleep(SESSION_IDLE_TIMEOUT_S / 10)
-            cutoff = time.monotonic() - SESSION_IDLE_TIMEOUT_S
+            await asyncio.sleep(self.config.session_idle_timeout_s / 10)
+            cutoff = time.monotonic() - self.config.session_idle_timeout_s
             for sid in [s for s, info in self.sessions.items() if info.last_used < cutoff]:
                 log.info("freeing abandoned session %s", sid)
                 self._free(sid)

@@ -21,7 +21,7 @@ import aiohttp
 from aiohttp import web
 
 from agent.config import AgentConfig
-from agent.service import start_agent
+from agent.service import AgentRunner, start_agent
 from agent.service_keys import MEMBERSHIP
 from shards.store import ModelStore
 from tests.agent.agents import CLUSTER_KEY, free_ports
@@ -50,7 +50,7 @@ class LocalAgent:
 
 
 async def start_app(app: web.Application, port: int, host: str = "127.0.0.1") -> web.AppRunner:
-    runner = web.AppRunner(app, access_log=None, handler_cancellation=True, shutdown_timeout=2.0)
+    runner = AgentRunner(app, access_log=None, handler_cancellation=True, shutdown_timeout=2.0)
     await runner.setup()
     await web.TCPSite(runner, host, port).start()
     return runner
