@@ -250,7 +250,7 @@ class Orchestrator:
 
     # --- deployment ------------------------------------------------------------------------
     async def _deploy(self, name: str, plan: ShardingPlan, route: Route, model: str, settings: ModelSettings, *,
-                      degraded: bool, holdings: dict[str, dict[str, int]]) -> Deployment:
+                      degraded: bool, holdings: dict[str, dict[str, int]], failover: bool = False) -> Deployment:
         """Send a new order to every planned node; the new deployment is active once all hold it."""
         self._require_orchestrator()
         election = self.membership.election
@@ -265,6 +265,7 @@ class Orchestrator:
             weight_sources=tuple(n for n in self._sources(model, holdings) if n in alive), plan=plan.to_dict(), degraded=degraded,
             standby={n: tuple(sorted(r)) for n, r in standby_hops(plan, route, alive, self._telemetry(scores)).items()},
             name=name, max_context=settings.max_context, prefill_chunk=settings.prefill_chunk,
+            standby_later=failover,
         )
         await ensure_model_files(self.client, self.store, model, lambda m: [], order.sources())
         nodes = sorted(alive)
@@ -550,7 +551,7 @@ class Orchestrator:
                     message = (f"{name}: lost {', '.join(sorted(dead))} and layers "
                                f"{describe_layers(list(decision.lost_layers))}; serving {model}")
                 deployment = await self._deploy(name, plan, route, model, base.settings, degraded=degraded,
-                                                holdings=holdings)
+                                                holdings=holdings, failover=True)
             except (NcmError, ShardsError) as error:
                 reason = str(error) if isinstance(error, ClusterError) else f"failover failed: {error}"
                 self.deployments.pop(name, None)

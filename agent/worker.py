@@ -103,7 +103,8 @@ class _SessionInfo:
 
 
 class Worker:
-    """Runs the fragments of this node. Compute runs on one thread, off the event loop."""
+    """Runs the fragments of this node. Compute runs on one thread and fragment builds on another,
+    both off the event loop."""
 
     def __init__(self, node_id: str, config: AgentConfig, store: ModelStore, client: PeerClient, links: Links) -> None:
         self.node_id = node_id
@@ -117,6 +118,7 @@ class Worker:
         self.retiring: dict[int, float] = {}  # plan version -> monotonic time it may be freed after
         self.fault: dict[str, Any] | None = None  # why the last order could not be staged
         self.repairs: list[dict[str, Any]] = []  # the latest corrupt weight files found here
+        self._standby_builds: set[asyncio.Task[None]] = set()  # owned here; cancelled by close()
         self._copies: asyncio.Queue[tuple[str, list[tuple[str, str]]]] = asyncio.Queue()
         self.copying: str | None = None  # the whole model being fetched now (see keep_whole_copy)
         self._declined: dict[str, int] = {}  # model -> free disk bytes when a copy was declined for room
@@ -125,6 +127,8 @@ class Worker:
         self.runners: dict[RunnerKey, FragmentRunner] = {}
         self.state = "idle"
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ncm-compute")
+        # Fragments are built on a thread of their own: steps go on while one is built.
+        self.builder = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ncm-build")
         self.sessions: dict[str, _SessionInfo] = {}
         self._apply_lock = asyncio.Lock()
 
@@ -158,7 +162,9 @@ class Worker:
                 raise StaleOrderError(f"plan {order.plan_version} is older than plan {known.plan_version}")
             self.newest_epoch = order.epoch
             wanted = self._keys(order, with_standby=True)
-            missing = sorted(wanted - set(self.runners))
+            # A failover waits for nothing but its hops: the standby ranges come after the switch.
+            missing = sorted((self._keys(order, with_standby=False) if order.standby_later else wanted)
+                             - set(self.runners))
             previous_state, self.state = self.state, "loading"
             try:
                 if missing:
@@ -179,7 +185,7 @@ class Worker:
                 log.error("cannot stage plan %d (%s): %s", order.plan_version, cause, self.fault["message"])
                 self._retire()  # free what was built for it
                 raise
-            reported = sum(self.runners[k].memory_bytes() for k in wanted)
+            reported = sum(self.runners[k].memory_bytes() for k in wanted if k in self.runners)
             if missing or order.name not in self.memory_bytes:
                 self.memory_bytes[order.name] = max(reported, grown) + self._kv_budget_bytes(order, wanted)
             self.orders[order.plan_version] = order
@@ -187,9 +193,37 @@ class Worker:
             self._retire()  # an older staged order of this model is replaced
             self.state, self.fault = "ready", None
             serving = self._keys(order, with_standby=False)
+            if wanted - set(self.runners):
+                self._standby_builds.add(asyncio.create_task(self._build_standby(order), name="standby-build"))
             log.info("plan %d (epoch %d) staged: %s layers %s; standby %s", order.plan_version, order.epoch,
                      order.model, _ranges(serving) or "none", _ranges(wanted - serving) or "none")
             return self.status()
+
+    async def _build_standby(self, order: RoutingOrder) -> None:
+        """Build the standby fragments of a failover's order once it is staged (they let the
+        next failover go without a build); a failure only leaves that failover slower. The
+        apply lock is not held meanwhile: the commit of the order must not wait for this."""
+        try:
+            missing = sorted(self._keys(order, with_standby=True) - set(self.runners))
+            await ensure_model_files(
+                self.client, self.store, order.model,
+                lambda m: sorted({f for k in missing for f in m.fragment_files(k[1], k[2])}), order.sources())
+            for key in missing:
+                if order.plan_version not in self.orders:
+                    return  # aborted or replaced meanwhile
+                if key in self.runners:
+                    continue
+                runner = await self._open_verified(order, key)
+                if key in self.runners:  # built by a stage meanwhile
+                    runner.close()
+                else:
+                    self.runners[key] = runner
+            log.info("plan %d: standby %s built", order.plan_version, _ranges(set(missing)))
+            self._retire()
+        except (NcmError, ShardsError, OSError) as error:
+            log.warning("plan %d: standby fragments not built: %s", order.plan_version, error)
+        finally:
+            self._standby_builds.discard(asyncio.current_task())  # type: ignore[arg-type]
 
     async def commit(self, name: str, plan_version: int, epoch: int) -> dict[str, Any]:
         """Switch model ``name`` to its staged order ``plan_version``."""
@@ -273,7 +307,7 @@ class Worker:
         loop = asyncio.get_running_loop()
         model_dir = self.store.models_dir / order.model
         try:
-            return await loop.run_in_executor(self.executor, self._open_runner, model_dir, key)
+            return await loop.run_in_executor(self.builder, self._open_runner, model_dir, key)
         except CorruptWeightsError as corrupt:
             await asyncio.to_thread(discard, model_dir, corrupt.paths)
             self.repairs = [*self.repairs[-(MAX_REPAIRS_KEPT - 1):],
@@ -286,7 +320,7 @@ class Worker:
                                           corrupt.paths) from error
             self.repairs[-1]["fetched_again"] = True
             log.warning("fetched %s of %s again from a peer", ", ".join(corrupt.paths), order.model)
-            return await loop.run_in_executor(self.executor, self._open_runner, model_dir, key)
+            return await loop.run_in_executor(self.builder, self._open_runner, model_dir, key)
 
     def _open_runner(self, model_dir: Path, key: RunnerKey) -> FragmentRunner:
         _, first, last, max_context, prefill_chunk = key
@@ -480,7 +514,10 @@ class Worker:
             self._retire()
 
     def close(self) -> None:
+        for task in self._standby_builds:
+            task.cancel()
         for runner in self.runners.values():
             runner.close()
         self.runners.clear()
         self.executor.shutdown(wait=False, cancel_futures=True)
+        self.builder.shutdown(wait=False, cancel_futures=True)

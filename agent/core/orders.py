@@ -32,6 +32,7 @@ class RoutingOrder:
     name: str = ""  # the router's name of what is served (its fallback model runs under it); "" = model
     max_context: int = 0  # per-model settings for the fragments; 0 = the worker's configuration
     prefill_chunk: int = 0
+    standby_later: bool = False  # a failover: stage the hops now, build the standby ranges after
 
     def __post_init__(self) -> None:
         if not self.name:
@@ -92,6 +93,7 @@ class RoutingOrder:
             "name": self.name,
             "max_context": self.max_context,
             "prefill_chunk": self.prefill_chunk,
+            "standby_later": self.standby_later,
         }
 
     @classmethod
@@ -119,6 +121,7 @@ class RoutingOrder:
                 name=str(data.get("name", "")),
                 max_context=int(data.get("max_context", 0)),
                 prefill_chunk=int(data.get("prefill_chunk", 0)),
+                standby_later=bool(data.get("standby_later", False)),
             )
         except WireError:
             raise

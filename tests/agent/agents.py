@@ -201,10 +201,12 @@ def shut_down(agents: list[Agent], *, keep_store: Path | None = None, log_chars:
             shutil.rmtree(agent.home, ignore_errors=True)
 
 
-def linked_copy(store_root: Path, dest: Path) -> Path:
-    """Each agent gets the models as hard links (no fragments: each builds its own)."""
-    shutil.copytree(store_root / "models", dest / "models", copy_function=os.link,
-                    ignore=shutil.ignore_patterns("fragments", ".*"))
+def linked_copy(store_root: Path, dest: Path, models: tuple[str, ...] | None = None) -> Path:
+    """Each agent gets the models (``models``, default all) as hard links (no fragments: each
+    builds its own)."""
+    for model in models or [p.name for p in (store_root / "models").iterdir() if not p.name.startswith(".")]:
+        shutil.copytree(store_root / "models" / model, dest / "models" / model, copy_function=os.link,
+                        ignore=shutil.ignore_patterns("fragments", ".*"))
     return dest
 
 

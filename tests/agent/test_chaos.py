@@ -24,8 +24,8 @@ import signal
 import psutil
 import pytest
 
-from tests.agent.agents import (Agent, cluster_ready, give_small_disk, linked_copy, make_agents, shut_down,
-                                wait_for)
+from tests.agent.agents import (MAIN, Agent, cluster_ready, give_small_disk, linked_copy, make_agents,
+                                shut_down, wait_for)
 from tests.agent.test_failover import QUESTION, TOKENS, Stream
 
 pytestmark = pytest.mark.slow
@@ -69,7 +69,8 @@ def test_a_randomized_schedule_of_failures_keeps_every_stream_whole_or_clearly_e
     seed = int(os.environ.get("NCM_CHAOS_SEED", random.randrange(2**32)))
     rng = random.Random(seed)
     print(f"chaos seed {seed} (NCM_CHAOS_SEED={seed} replays this schedule)")
-    homes = [linked_copy(smollm2_store.root, tmp_path / f"home-{i}") for i in range(3)]
+    # The model alone (other tests add a q4 copy to the shared store): it is its own fallback.
+    homes = [linked_copy(smollm2_store.root, tmp_path / f"home-{i}", (MAIN,)) for i in range(3)]
     agents = make_agents(tmp_path, homes, 3, extra_env=ENV, start=False)
     agents[0].env["NCM_ORCHESTRATOR"] = "false"
     for agent in agents:

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from agent.demo import start_local_cluster, stop_processes, wait_ready
-from tests.agent.agents import MAIN, http, wait_for
+from tests.agent.agents import MAIN, http, linked_copy, wait_for
 from tests.agent.test_failover import QUESTION, TOKENS
 
 pytestmark = pytest.mark.slow
@@ -50,7 +50,10 @@ def test_a_demo_cluster_keeps_streaming_after_losing_any_one_agent(smollm2_store
 
     port = consecutive_free_ports(3)
     urls = [f"http://127.0.0.1:{port + i}" for i in range(3)]
-    processes = start_local_cluster(3, port, tmp_path / "demo", MAIN, log_dir=tmp_path / "logs")
+    # The first agent's store holds the model alone (other tests add a q4 copy to the shared one).
+    home = linked_copy(smollm2_store.root, tmp_path / "demo" / "home-0", (MAIN,))
+    processes = start_local_cluster(3, port, tmp_path / "demo", MAIN, log_dir=tmp_path / "logs",
+                                    node_env=[{"NCM_HOME": str(home)}])
     logs = [tmp_path / "logs" / f"node-{i}.log" for i in range(3)]
     try:
         wait_ready(urls[0], processes, 300)
