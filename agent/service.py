@@ -287,7 +287,8 @@ async def model_file(request: web.Request) -> web.StreamResponse:
 @internal.get(STREAM_PATH)
 async def stream(request: web.Request) -> web.WebSocketResponse:
     """The data plane: step frames in, result/error frames out, on one persistent socket."""
-    ws = web.WebSocketResponse(max_msg_size=0, compress=False)
+    # A frame over the limit closes the socket (1009) before it is held whole in memory.
+    ws = web.WebSocketResponse(max_msg_size=request.app[WORKER].max_frame_bytes(), compress=False)
     await ws.prepare(request)
     # The first message proves to the caller that this node holds the cluster key.
     await ws.send_str(json.dumps(sign_answer(request.app[CLIENT].key, responder=request.app[NODE_ID],

@@ -45,7 +45,9 @@ from shards.verify import discard
 log = logging.getLogger(__name__)
 MAX_REPAIRS_KEPT = 8
 RETIRE_GRACE_S = 30.0
-COPY_MARGIN_BYTES = 1 << 30  # disk left free after fetching a whole copy of the fallback model  # a replaced order keeps answering this long, for steps already under way
+COPY_MARGIN_BYTES = 1 << 30
+MIN_FRAME_LIMIT_BYTES = 64 << 20  # data-plane frames this size are always taken
+FRAME_HEADER_BYTES = 64 << 10  # disk left free after fetching a whole copy of the fallback model  # a replaced order keeps answering this long, for steps already under way
 SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "seed")
 RunnerKey = tuple[str, int, int, int, int]  # model, first layer, last layer, max context, prefill chunk
 
@@ -271,6 +273,15 @@ class Worker:
             self.memory_bytes.pop(name, None)
             self._retire()
             return self.status()
+
+    def max_frame_bytes(self) -> int:
+        """The largest data-plane frame this node takes: a prefill chunk of float32 hidden states
+        of the widest stored model, the chunk at most its context (never under
+        :data:`MIN_FRAME_LIMIT_BYTES`), plus room for the header. Larger frames are refused."""
+        widest = 0
+        for manifest in self.store.list():
+            widest = max(widest, manifest.hidden_size * manifest.context_length * 4)
+        return max(widest, MIN_FRAME_LIMIT_BYTES) + FRAME_HEADER_BYTES
 
     def device_memory(self) -> dict[str, int]:
         """The device the fragments live in, for the router's memory ledger."""

@@ -24,6 +24,7 @@ from shards.importer import import_model
 from shards.store import ModelStore
 from shards.tensorfile import write_tensors
 from tests.agent.inprocess import LocalAgent, eventually, local_agents
+from tests.shards.fragment_helpers import write_word_tokenizer
 
 TINY = "tiny"
 VOCAB = 96
@@ -31,8 +32,6 @@ VOCAB = 96
 
 def write_tiny_checkpoint(folder: Path, *, seed: int = 0) -> Path:
     """A random llama checkpoint (config.json, model.safetensors, a word-level tokenizer)."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-
     rng = np.random.default_rng(seed)
     hidden, inter, layers, heads, kv_heads = 64, 160, 2, 4, 2
     head_dim = hidden // heads
@@ -61,12 +60,7 @@ def write_tiny_checkpoint(folder: Path, *, seed: int = 0) -> Path:
         "num_attention_heads": heads, "num_key_value_heads": kv_heads, "vocab_size": VOCAB,
         "max_position_embeddings": 256, "rms_norm_eps": 1e-5, "tie_word_embeddings": True,
         "bos_token_id": 1, "eos_token_id": 2}))
-    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2} | {f"w{i}": i for i in range(3, VOCAB)}
-    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
-    tokenizer.save(str(folder / "tokenizer.json"))
-    (folder / "tokenizer_config.json").write_text(json.dumps(
-        {"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>", "add_bos_token": True}))
+    write_word_tokenizer(folder, VOCAB)
     return folder
 
 

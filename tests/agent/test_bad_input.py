@@ -5,11 +5,16 @@ from __future__ import annotations
 
 import asyncio
 import gzip
+import secrets
+import time
 
 import aiohttp
 import pytest
 
-from agent.service_keys import MEMBERSHIP
+from agent.core.auth import sign
+from agent.service_keys import MEMBERSHIP, WORKER
+from agent.worker import FRAME_HEADER_BYTES, MIN_FRAME_LIMIT_BYTES
+from tests.agent.agents import CLUSTER_KEY, member_tls
 from tests.agent.inprocess import eventually, local_agents
 
 JSON = {"Content-Type": "application/json"}
@@ -67,3 +72,26 @@ def test_a_gzip_body_is_understood_through_a_worker_too(agents_loop):
     for agent in agents:
         status, answer = loop.run_until_complete(post(agent.url, body, {**JSON, "Content-Encoding": "gzip"}))
         assert status == 404 and answer["error"]["code"] == "model_not_found", answer
+
+
+def test_a_data_plane_frame_over_the_limit_closes_the_socket_and_the_agent_serves_on(agents_loop, tmp_path):
+    loop, agents = agents_loop
+    agent = agents[0]
+    worker = agent.app[WORKER]
+    limit = worker.max_frame_bytes()
+    assert limit == MIN_FRAME_LIMIT_BYTES + FRAME_HEADER_BYTES  # no model stored: the floor
+
+    async def send_frame(size: int) -> aiohttp.WSMessage:
+        path = "/internal/stream"
+        signed = sign(CLUSTER_KEY.encode(), "GET", path, b"", now=time.time(), nonce=secrets.token_hex(12),
+                      node_id="tester", target=agent.node_id)
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(ssl=member_tls(tmp_path))) as session, \
+                session.ws_connect(agent.peer_url + path, headers=signed, max_msg_size=0) as ws:
+            await ws.receive(timeout=10)  # the node's proof of membership
+            await ws.send_bytes(b"NCM1" + b"\x00" * (size - 4))
+            return await ws.receive(timeout=30)
+
+    closed = loop.run_until_complete(send_frame(limit + 1))
+    assert closed.type == aiohttp.WSMsgType.CLOSE and closed.data == aiohttp.WSCloseCode.MESSAGE_TOO_BIG
+    status, _ = loop.run_until_complete(post(agent.url, b"{}", JSON))
+    assert status == 400  # the agent answers on
