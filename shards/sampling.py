@@ -131,7 +131,8 @@ class Sampler:
         scores = row.astype(np.float64)
         if (scores == np.inf).any():  # +inf dominates: only those tokens are possible
             scores = np.where(scores == np.inf, 0.0, -np.inf)
-        scores = scores / p.temperature
+        with np.errstate(over="ignore"):  # a tiny temperature leaves only the best tokens
+            scores = (scores - scores[np.isfinite(scores)].max()) / p.temperature
         vocab = scores.size
         if 0 < p.top_k < vocab:
             # the k best by (logit desc, id asc): partition on the value, then sort the few

@@ -368,7 +368,8 @@ def test_a_failed_load_tells_what_to_do_without_internal_addresses(tmp_path):
     URL or answer in it, and no Retry-After (retrying cannot help until a node has them)."""
 
     async def scenario():
-        async with tiny_cluster(tmp_path, names=(TINY, "gone")) as (leader, others):
+        # No fallback: no node keeps a whole copy of the smallest model ("gone") either.
+        async with tiny_cluster(tmp_path, names=(TINY, "gone"), allow_fallback=False) as (leader, others):
             shutil.rmtree(tmp_path / "home-0" / "models" / "gone")
             status, headers, body = await complete(others[0].url, "w5", model="gone")
             assert status == 503 and body["error"]["code"] == "model_load_failed", body

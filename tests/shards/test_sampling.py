@@ -98,3 +98,10 @@ def test_params_normalise_stop() -> None:
     assert SamplingParams().greedy and not SamplingParams(temperature=0.7).greedy
     with pytest.raises(dataclasses.FrozenInstanceError):
         SamplingParams().temperature = 1.0  # type: ignore[misc]
+
+
+def test_a_temperature_too_small_to_divide_by_keeps_the_best_token() -> None:
+    # 5e-324 is a valid temperature (> 0): dividing logits by it overflows to infinities.
+    logits = np.array([0.5, 2.0, -1.0, 2.0 - 1e-9], dtype=np.float32)
+    sampler = Sampler(SamplingParams(temperature=5e-324, seed=3))
+    assert {int(sampler.sample(logits)) for _ in range(20)} <= {1, 3}
