@@ -82,7 +82,7 @@ def tiny_agents(tmp_path_factory) -> Iterator[tuple[LocalAgent, LocalAgent]]:
     thread = threading.Thread(target=loop.run_until_complete, args=(run(),), daemon=True)
     thread.start()
     try:
-        for _ in range(600):
+        for _ in range(2400):  # up to 240 s: the election and the model's load have 80 s of their own
             if "agents" in ready or not thread.is_alive():
                 break
             threading.Event().wait(0.1)
