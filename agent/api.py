@@ -22,7 +22,7 @@ from aiohttp.web_protocol import RequestPayloadError
 from agent.compat import timeout
 from agent.core.admission import TooManyRequestsError
 from agent.core.capacity import score
-from agent.core.chat_request import MAX_MODEL_NAME_CHARS, ChatRequest, InvalidRequestError, parse_request
+from agent.core.chat_request import ChatRequest, InvalidRequestError, check_model_name, parse_request
 from agent.core.errors import ClusterError, PresetError
 from agent.core.invites import DEFAULT_INVITE_TTL_S, InviteError, JoinString, fingerprint
 from agent.core.model_registry import CapacityError, ModelLoadError, ModelNotLoadedError, RouterError, UnknownModelError
@@ -342,10 +342,10 @@ async def models(request: web.Request) -> web.StreamResponse:
 async def models_load_unload(request: web.Request) -> web.StreamResponse:
     """Body {"model": name or alias}: load it (answers once ready) or unload it."""
     body = await _read_json(request)
-    _check_model_name(body)
     name = body.get("model") if isinstance(body, dict) else None
-    if not isinstance(name, str) or not name:
+    if name is None:
         raise InvalidRequestError("the body must be {\"model\": \"<name or alias>\"}", "model")
+    check_model_name(name)
     router = request.app[ROUTER]
     canonical = router.resolve(name)
     action = router.load if request.path.endswith("/load") else router.unload
@@ -413,17 +413,8 @@ def _sampling(chat: ChatRequest, prompt_tokens: int, max_context: int) -> Sampli
         raise InvalidRequestError(str(error)) from None
 
 
-def _check_model_name(body: Any) -> None:
-    """A model name too long to be one is refused as that (before the rest of the body)."""
-    model = body.get("model") if isinstance(body, dict) else None
-    if isinstance(model, str) and len(model) > MAX_MODEL_NAME_CHARS:
-        raise InvalidRequestError(f"'model' is {len(model)} characters long; a model name or alias has at most "
-                                  f"{MAX_MODEL_NAME_CHARS} (GET /v1/models lists them)", "model")
-
-
 async def _completion(request: web.Request, *, chat: bool) -> web.StreamResponse:
     body = await _read_json(request)
-    _check_model_name(body)
     parsed = parse_request(body, chat=chat)
     autoload = _autoload(request)
     proxied = await _ask_orchestrator(request)
@@ -439,15 +430,15 @@ async def _completion(request: web.Request, *, chat: bool) -> web.StreamResponse
                                resume=_resume_tokens(request, body, deployment))
 
 
-def _from_member(request: web.Request) -> bool:
-    """Came in on the peer port (mutual TLS: only members get there)."""
+def from_member(request: web.Request) -> bool:
+    """Came in on the peer port (TLS with a certificate of the cluster's CA: only members get there)."""
     return request.transport is not None and request.transport.get_extra_info("ssl_object") is not None
 
 
 def _resume_tokens(request: web.Request, body: Any, deployment: Deployment) -> tuple[int, ...]:
     """The ids a lost orchestrator sampled for this request, when a member passes it on to go on
     after them (see :mod:`agent.proxy`); ignored from anyone else."""
-    resume = body.get(RESUME_FIELD) if isinstance(body, dict) and _from_member(request) else None
+    resume = body.get(RESUME_FIELD) if isinstance(body, dict) and from_member(request) else None
     if resume is None:
         return ()
     tokens = resume.get("tokens") if isinstance(resume, dict) else None
@@ -475,7 +466,7 @@ async def _generate(request: web.Request, parsed: ChatRequest, deployment: Deplo
     created = int(time.time())
     ident = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
     events = orchestrator.complete(deployment, prompt_ids, params, resume)
-    with_tokens = bool(request.headers.get(RESUMABLE_HEADER)) and _from_member(request)
+    with_tokens = bool(request.headers.get(RESUMABLE_HEADER)) and from_member(request)
 
     if not parsed.stream:
         pieces, last = [], Completion("", deployment.name)

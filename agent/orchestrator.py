@@ -740,9 +740,10 @@ class Orchestrator:
         dead or frozen stage does not keep the ones after it holding the session (its own go
         when it has been idle for a while)."""
         alive = self.membership.alive_nodes()
-        for hop in order.route.hops:
-            if hop.node_id == self.node_id:
-                await self.worker.close_session(sid, hop.layers.first, order.plan_version)
-            elif hop.node_id in alive:
-                link = await self.worker.links.get(hop.node_id, order.addresses[hop.node_id])
-                await link.send({"kind": "close", "sid": sid, "layer": hop.layers.first, "plan": order.plan_version})
+        for node_id in order.route.nodes:
+            if node_id == self.node_id:
+                self.worker.close_session(sid)
+            elif node_id in alive:
+                link = await self.worker.links.get(node_id, order.addresses[node_id])
+                layer = order.hops_of(node_id)[0].layers.first
+                await link.send({"kind": "close", "sid": sid, "layer": layer, "plan": order.plan_version})

@@ -90,7 +90,7 @@ async def peer_auth(request: web.Request, handler: Any) -> web.StreamResponse:
     target node, time and nonce). Answers to members are signed (:func:`sign_answers`)."""
     if not request.path.startswith("/internal/"):
         return await handler(request)
-    if request.transport is None or request.transport.get_extra_info("ssl_object") is None:
+    if not api.from_member(request):
         return web.json_response({"error": {
             "message": "internal endpoints answer only over TLS on the peer port (GET /health names it)",
             "type": "invalid_request_error", "param": None, "code": "peer_port_only"}}, status=403)
@@ -298,10 +298,12 @@ async def stream(request: web.Request) -> web.WebSocketResponse:
     sockets.add(ws)
 
     in_flight = 0
+    working = asyncio.Event()  # set while steps from this socket run
 
     async def run_step(header: dict[str, Any], tensor: Any) -> None:
         nonlocal in_flight
         in_flight += 1
+        working.set()
         try:
             result, out = await worker.step(header, tensor)
             result = dict(result, cid=header.get("cid", 0))
@@ -312,6 +314,8 @@ async def stream(request: web.Request) -> web.WebSocketResponse:
             result, out = StageError("internal", f"{type(error).__name__}: {error}", None).to_header(header), None
         finally:
             in_flight -= 1
+            if not in_flight:
+                working.clear()
         if not ws.closed:
             with contextlib.suppress(ConnectionError, RuntimeError):
                 await ws.send_bytes(encode_frame(result, out))
@@ -320,6 +324,7 @@ async def stream(request: web.Request) -> web.WebSocketResponse:
         """While steps from this socket run, say so: the sender tells busy from frozen."""
         busy = encode_frame({"kind": "busy"})
         while not ws.closed:
+            await working.wait()
             await asyncio.sleep(BUSY_INTERVAL_S)
             if in_flight and not ws.closed:
                 with contextlib.suppress(ConnectionError, RuntimeError):
@@ -339,7 +344,7 @@ async def stream(request: web.Request) -> web.WebSocketResponse:
             if header["kind"] == "step":
                 steps.create_task(run_step(header, tensor))
             elif header["kind"] == "close":
-                steps.create_task(worker.close_session(header["sid"], header["layer"], header.get("plan")))
+                worker.close_session(header["sid"])
         busy_task.cancel()
     sockets.discard(ws)
     return ws

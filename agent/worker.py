@@ -18,12 +18,13 @@ from __future__ import annotations
 import asyncio
 import errno
 import logging
+import math
 import shutil
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import psutil
@@ -37,17 +38,18 @@ from agent.probe import device_memory
 from agent.weights import StoreWriteError, WeightTransferError, complete_models, ensure_model_files, missing_files
 from shards.errors import CorruptWeightsError, ShardsError
 from shards.fragment import prune_blobs
+from shards.manifest import Manifest
 from shards.runner import FragmentRunner, OrtFragmentRunner
 from shards.sampling import Sampler, SamplingParams
 from shards.store import ModelStore
 from shards.verify import discard
 
 log = logging.getLogger(__name__)
-MAX_REPAIRS_KEPT = 8
-RETIRE_GRACE_S = 30.0
-COPY_MARGIN_BYTES = 1 << 30
+MAX_REPAIRS_KEPT = 8  # corrupt files found here, shown in the status
+RETIRE_GRACE_S = 30.0  # a replaced order keeps answering this long, for steps already under way
+COPY_MARGIN_BYTES = 1 << 30  # disk left free after fetching a whole copy of the fallback model
 MIN_FRAME_LIMIT_BYTES = 64 << 20  # data-plane frames this size are always taken
-FRAME_HEADER_BYTES = 64 << 10  # disk left free after fetching a whole copy of the fallback model  # a replaced order keeps answering this long, for steps already under way
+FRAME_HEADER_BYTES = 64 << 10  # room for a frame's header on top of its tensor
 SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "seed")
 RunnerKey = tuple[str, int, int, int, int]  # model, first layer, last layer, max context, prefill chunk
 
@@ -65,6 +67,16 @@ def _free_bytes(path: Path) -> int:
     while not path.exists() and path != path.parent:
         path = path.parent
     return shutil.disk_usage(path).free
+
+
+def _delete_build(fragment_dir: Path) -> None:
+    shutil.rmtree(fragment_dir, ignore_errors=True)
+    prune_blobs(fragment_dir.parent)  # its weights, unless another fragment shares them
+
+
+def _files_of(keys: list[RunnerKey]) -> Callable[[Manifest], list[str]]:
+    """The weight files the fragments of ``keys`` are built from (for ensure_model_files)."""
+    return lambda m: sorted({f for k in keys for f in m.fragment_files(k[1], k[2])})
 
 
 class StaleOrderError(StageError):
@@ -170,11 +182,8 @@ class Worker:
             previous_state, self.state = self.state, "loading"
             try:
                 if missing:
-                    await ensure_model_files(
-                        self.client, self.store, order.model,
-                        lambda m: sorted({f for k in missing for f in m.fragment_files(k[1], k[2])}),
-                        order.sources(),
-                    )
+                    await ensure_model_files(self.client, self.store, order.model, _files_of(missing),
+                                             order.sources())
                 rss_before = _rss_bytes()
                 for key in missing:
                     self.runners[key] = await self._open_verified(order, key)
@@ -207,9 +216,7 @@ class Worker:
         apply lock is not held meanwhile: the commit of the order must not wait for this."""
         try:
             missing = sorted(self._keys(order, with_standby=True) - set(self.runners))
-            await ensure_model_files(
-                self.client, self.store, order.model,
-                lambda m: sorted({f for k in missing for f in m.fragment_files(k[1], k[2])}), order.sources())
+            await ensure_model_files(self.client, self.store, order.model, _files_of(missing), order.sources())
             for key in missing:
                 if order.plan_version not in self.orders:
                     return  # aborted or replaced meanwhile
@@ -324,8 +331,7 @@ class Worker:
             self.repairs = [*self.repairs[-(MAX_REPAIRS_KEPT - 1):],
                             {"model": order.model, "files": list(corrupt.paths), "fetched_again": False}]
             try:
-                await ensure_model_files(self.client, self.store, order.model,
-                                         lambda m: m.fragment_files(key[1], key[2]), order.sources())
+                await ensure_model_files(self.client, self.store, order.model, _files_of([key]), order.sources())
             except WeightTransferError as error:
                 raise CorruptWeightsError(f"{corrupt}; no peer could provide intact copies: {error}",
                                           corrupt.paths) from error
@@ -411,8 +417,8 @@ class Worker:
             if isinstance(error, StageError):
                 raise
             raise StageError("bad_request", f"layers {hop.layers}: {error}", None) from None
-        if not np.isfinite(output).all():
-            self._drop_faulty(self._key(order, hop.layers.first, hop.layers.last))
+        if not math.isfinite(output.sum(dtype=np.float64)):  # a NaN or Inf anywhere; no array allocated
+            await self._drop_faulty(self._key(order, hop.layers.first, hop.layers.last))
             raise StageError("stage_faulty", f"layers {hop.layers} on node {self.node_id} computed NaN or Inf",
                              self.node_id)
         if hop.layers.last == order.total_layers - 1:
@@ -444,7 +450,7 @@ class Worker:
             raise error_from_header(result)
         return result, None
 
-    def _drop_faulty(self, key: RunnerKey) -> None:
+    async def _drop_faulty(self, key: RunnerKey) -> None:
         """A fragment that computes NaN or Inf is closed and its build deleted: the next order
         that needs it builds it again, from weight files checked against the manifest."""
         runner = self.runners.pop(key, None)
@@ -454,8 +460,7 @@ class Worker:
         build = getattr(runner, "path", None)
         runner.close()
         if isinstance(build, Path):
-            shutil.rmtree(build.parent, ignore_errors=True)
-            prune_blobs(build.parent.parent)  # its weights, unless another fragment shares them
+            await asyncio.to_thread(_delete_build, build.parent)
 
     def _free(self, sid: str) -> None:
         self.sessions.pop(sid, None)
@@ -463,21 +468,10 @@ class Worker:
             if sid in runner.sessions():
                 runner.close_session(sid)
 
-    async def close_session(self, sid: str, layer: int, plan_version: int | None = None) -> None:
-        """Free ``sid`` here and pass the close down the route of the plan it used."""
-        info = self.sessions.get(sid)
-        order = self.orders.get(plan_version if plan_version is not None else (info.plan_version if info else -1))
+    def close_session(self, sid: str) -> None:
+        """Free ``sid`` here (the orchestrator tells every stage of the route itself)."""
         self._free(sid)
         self._retire()
-        hop = order.hop_starting_at(layer) if order else None
-        next_node = order.next_after(hop.layers.last) if order and hop else None
-        if order is None or hop is None or next_node is None:
-            return
-        if next_node == self.node_id:
-            await self.close_session(sid, hop.layers.last + 1, order.plan_version)
-        else:
-            link = await self.links.get(next_node, order.addresses[next_node])
-            await link.send({"kind": "close", "sid": sid, "layer": hop.layers.last + 1, "plan": order.plan_version})
 
     def keep_whole_copy(self, model: str, sources: list[tuple[str, str]]) -> bool:
         """Queue a fetch of every file of ``model`` (the fallback, so that losing any one node

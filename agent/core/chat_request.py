@@ -74,16 +74,23 @@ def _content(value: Any, where: str) -> str:
 MAX_MODEL_NAME_CHARS = 256
 
 
+def check_model_name(model: Any) -> str:
+    """``model`` if it can be a model name or alias, else InvalidRequestError saying why."""
+    if not isinstance(model, str) or not model:
+        raise InvalidRequestError("'model' must be a non-empty string", "model")
+    if len(model) > MAX_MODEL_NAME_CHARS:
+        raise InvalidRequestError(f"'model' is {len(model)} characters long; a model name or alias has at most "
+                                  f"{MAX_MODEL_NAME_CHARS} (GET /v1/models lists them)", "model")
+    return model
+
+
 def parse_request(body: Any, *, chat: bool) -> ChatRequest:
     """Validate a chat (``chat=True``) or plain completion body."""
     if not isinstance(body, dict):
         raise InvalidRequestError("the request body must be a JSON object")
     model = body.get("model")
-    if model is not None and (not isinstance(model, str) or not model):
-        raise InvalidRequestError("'model' must be a non-empty string", "model")
-    if model is not None and len(model) > MAX_MODEL_NAME_CHARS:
-        raise InvalidRequestError(f"'model' is {len(model)} characters long; a model name or alias has at most "
-                                  f"{MAX_MODEL_NAME_CHARS} (GET /v1/models lists them)", "model")
+    if model is not None:
+        check_model_name(model)
     messages: tuple[tuple[str, str], ...] | None = None
     prompt: str | None = None
     if chat:

@@ -63,7 +63,7 @@ def test_a_plan_is_served_only_once_committed_and_an_aborted_one_leaves_the_serv
         assert one["token"] == two["token"]
         await worker.abort(MAIN, 2, 1)
         assert worker.status()["staged"] == {} and sorted(worker.orders) == [1, 2]  # "b" is still open
-        await worker.close_session("b", 0, 2)
+        worker.close_session("b")
         assert sorted(worker.orders) == [1]
         with pytest.raises(StaleOrderError):
             await worker.commit(MAIN, 2, 1)  # an aborted plan cannot be committed
