@@ -18,6 +18,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from tests.agent.agents import wait_for
 from tests.agent.inprocess import LocalAgent
 from tests.agent.test_admission import TINY, tiny_cluster
 
@@ -82,10 +83,8 @@ def tiny_agents(tmp_path_factory) -> Iterator[tuple[LocalAgent, LocalAgent]]:
     thread = threading.Thread(target=loop.run_until_complete, args=(run(),), daemon=True)
     thread.start()
     try:
-        for _ in range(2400):  # up to 240 s: the election and the model's load have 80 s of their own
-            if "agents" in ready or not thread.is_alive():
-                break
-            threading.Event().wait(0.1)
+        # Up to 240 s: the election and the model's load have 80 s of their own.
+        wait_for(lambda: "agents" in ready or not thread.is_alive(), timeout_s=240, what="the tiny cluster")
         assert "agents" in ready, "the tiny cluster did not start"
         yield ready["agents"]
     finally:
