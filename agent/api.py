@@ -13,6 +13,7 @@ import json
 import logging
 import time
 import uuid
+from collections.abc import Callable
 from typing import Any
 
 from aiohttp import web
@@ -27,12 +28,15 @@ from agent.core.errors import ClusterError, PresetError
 from agent.core.invites import DEFAULT_INVITE_TTL_S, InviteError, JoinString, fingerprint
 from agent.core.model_registry import CapacityError, ModelLoadError, ModelNotLoadedError, RouterError, UnknownModelError
 from agent.dataplane import StageError
+from agent.metrics import REQUEST_MODEL, THROUGHPUT_WINDOW_S
 from agent.openapi import openapi_document
 from agent.orchestrator import Completion, Deployment
 from agent.proxy import RESUMABLE_HEADER, RESUME_FIELD, TOKENS_FIELD, ask_orchestrator
 from agent.pairing import PAIR_PATH, join_by_invite, rotate_key, seal
 from agent.router import ModelBusyError, without_addresses
-from agent.service_keys import CLIENT, CONFIG, INVITES, LIFECYCLE, MEMBERSHIP, NODE_ID, ORCHESTRATOR, ROUTER, WORKER
+from agent.service_keys import (
+    CLIENT, CONFIG, EVENTS, INVITES, LIFECYCLE, MEMBERSHIP, METRICS, NODE_ID, ORCHESTRATOR, ROUTER, WORKER,
+)
 from shards.errors import ShardsError
 from shards.sampling import SamplingParams
 
@@ -273,7 +277,16 @@ async def cluster_status(request: web.Request) -> web.StreamResponse:
         **orchestrator.status(),
         "orchestrator": request.app[NODE_ID],
         "nodes_alive": sorted(membership.alive_nodes()),
+        "throughput": {"tokens_per_s": request.app[METRICS].tokens_per_s(), "window_s": THROUGHPUT_WINDOW_S},
     })
+
+
+@routes.get("/cluster/events")
+@on_orchestrator
+async def cluster_events(request: web.Request) -> web.StreamResponse:
+    """Server-Sent Events: the orchestrator's recent cluster events, then every new one."""
+    with request.app[EVENTS].subscribe() as events:
+        return await _event_stream(request, events, lambda event: ("cluster", event.to_json()))
 
 
 @routes.get("/cluster/plan")
@@ -318,7 +331,7 @@ def _wants_reload(request: web.Request) -> bool:
 
 
 ADMIN_ENDPOINTS = frozenset({("POST", "/cluster/join"), ("POST", "/cluster/remove"), ("POST", "/models/load"),
-                             ("POST", "/models/unload")})
+                             ("POST", "/models/unload"), ("POST", "/models/sleep")})
 
 
 def changes_cluster(request: web.Request) -> bool:
@@ -338,9 +351,11 @@ async def models(request: web.Request) -> web.StreamResponse:
 
 @routes.post("/models/load")
 @routes.post("/models/unload")
+@routes.post("/models/sleep")
 @on_orchestrator
 async def models_load_unload(request: web.Request) -> web.StreamResponse:
-    """Body {"model": name or alias}: load it (answers once ready) or unload it."""
+    """Body {"model": name or alias}: load it (answers once ready), unload it, or put it to
+    sleep (its memory released, its plan kept)."""
     body = await _read_json(request)
     name = body.get("model") if isinstance(body, dict) else None
     if name is None:
@@ -348,7 +363,8 @@ async def models_load_unload(request: web.Request) -> web.StreamResponse:
     check_model_name(name)
     router = request.app[ROUTER]
     canonical = router.resolve(name)
-    action = router.load if request.path.endswith("/load") else router.unload
+    request[REQUEST_MODEL] = canonical
+    action = {"load": router.load, "unload": router.unload, "sleep": router.sleep}[request.path.rsplit("/", 1)[1]]
     return web.json_response({"success": True, "model": await action(canonical)})
 
 
@@ -356,9 +372,17 @@ async def models_load_unload(request: web.Request) -> web.StreamResponse:
 @on_orchestrator
 async def models_sse(request: web.Request) -> web.StreamResponse:
     """Server-Sent Events: the state of every model, then every change (status, progress, memory)."""
+    with request.app[ROUTER].subscribe() as events:
+        return await _event_stream(request, events, lambda event: (event.pop("event"), event))
+
+
+async def _event_stream(request: web.Request, events: asyncio.Queue[Any],
+                        encode: Callable[[Any], tuple[str, Any]]) -> web.StreamResponse:
+    """Write ``events`` as Server-Sent Events (``encode``: an event's name and data) until the
+    client leaves; a comment every :data:`SSE_KEEPALIVE_S` keeps idle connections open."""
     response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
     await response.prepare(request)
-    with request.app[ROUTER].subscribe() as events, contextlib.suppress(ConnectionResetError):
+    with contextlib.suppress(ConnectionResetError):
         while True:
             try:
                 async with timeout(SSE_KEEPALIVE_S):
@@ -366,8 +390,8 @@ async def models_sse(request: web.Request) -> web.StreamResponse:
             except asyncio.TimeoutError:
                 await response.write(b": keep-alive\n\n")
                 continue
-            kind = event.pop("event")
-            await response.write(f"event: {kind}\ndata: {json.dumps(event)}\n\n".encode())
+            kind, data = encode(event)
+            await response.write(f"event: {kind}\ndata: {json.dumps(data)}\n\n".encode())
     return response
 
 
@@ -419,10 +443,12 @@ async def _completion(request: web.Request, *, chat: bool) -> web.StreamResponse
     autoload = _autoload(request)
     proxied = await _ask_orchestrator(request)
     if proxied is not None:
+        if proxied.status < 400:  # a name the orchestrator accepted: a bounded set, fit for a label
+            request[REQUEST_MODEL] = parsed.model or ""
         return proxied
     router = request.app[ROUTER]
     arrived = time.perf_counter()
-    name = router.resolve(parsed.model)
+    name = request[REQUEST_MODEL] = router.resolve(parsed.model)
     async with router.use(name, autoload=autoload) as deployment:
         # Server-Timing: how long the router held the request (resolve, load or wake, admission).
         timing = {"Server-Timing": f"router;dur={1000 * (time.perf_counter() - arrived):.3f}"}
@@ -465,7 +491,8 @@ async def _generate(request: web.Request, parsed: ChatRequest, deployment: Deplo
     params = _sampling(parsed, len(prompt_ids), deployment.settings.max_context)
     created = int(time.time())
     ident = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
-    events = orchestrator.complete(deployment, prompt_ids, params, resume)
+    events = request.app[METRICS].observe_generation(
+        deployment.name, orchestrator.complete(deployment, prompt_ids, params, resume))
     with_tokens = bool(request.headers.get(RESUMABLE_HEADER)) and from_member(request)
 
     if not parsed.stream:

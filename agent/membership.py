@@ -34,6 +34,7 @@ from agent.core.election import Election, elect, newest
 from agent.core.errors import WireError
 from agent.core.peers import PeerTable
 from agent.discovery import choose_addresses
+from agent.events import EventLog
 from agent.peer_client import PeerAuthError, PeerClient, PeerError
 from agent.probe import CPU_ONLY, detect_capacity, find_accelerators
 
@@ -51,8 +52,9 @@ class Membership:
     """The live view of the cluster from this node."""
 
     def __init__(self, config: AgentConfig, node_id: str, client: PeerClient, *, api_port: int,
-                 peer_port: int) -> None:
+                 peer_port: int, events: EventLog) -> None:
         self.config = config
+        self.events = events
         self.node_id = node_id
         self.client = client
         self.api_port = api_port
@@ -174,8 +176,9 @@ class Membership:
         for event in self._subscribers:
             event.set()
 
-    def _notify(self, reason: str) -> None:
+    def _notify(self, reason: str, kind: str, node: str | None = None) -> None:
         log.info("membership: %s", reason)
+        self.events.record(kind, reason, node=node)
         self._signal()
 
     def alive_nodes(self) -> dict[str, NodeAdvert]:
@@ -203,7 +206,7 @@ class Membership:
             became_dead |= self.table.contact_failed(url, time.monotonic())
         if became_dead:
             self._recompute_election()
-            self._notify(f"peer {node_id} is unreachable")
+            self._notify(f"peer {node_id} is unreachable", "death", node_id)
 
     # --- rounds -----------------------------------------------------------------------------
     async def _peer_port(self, url: str) -> int:
@@ -226,7 +229,7 @@ class Membership:
                     url, self.config.cluster_name, error)
         if was_alive:
             self._recompute_election()
-            self._notify(f"peer {url} was rejected")
+            self._notify(f"peer {url} was rejected", "death")
 
     async def _contact(self, url: str) -> None:
         started = time.monotonic()
@@ -249,7 +252,7 @@ class Membership:
             return
         except (PeerError, WireError) as error:
             if self.table.contact_failed(url, time.monotonic()):
-                self._notify(f"peer {url} is dead ({error})")
+                self._notify(f"peer {url} is dead ({error})", "death", known.node_id if known else None)
             else:
                 log.debug("contact with %s failed: %s", url, error)
             return
@@ -258,7 +261,7 @@ class Membership:
         if isinstance(answer.get("you"), str) and not self._seen_as and len(answer["you"]) < 64:
             self._seen_as = answer["you"]
         if self.table.contact_succeeded(url, advert, latency_ms, time.monotonic()):
-            self._notify(f"peer {advert.node_id} at {url} is alive")
+            self._notify(f"peer {advert.node_id} at {url} is alive", "join", advert.node_id)
         for gossiped in answer.get("peers", []) if isinstance(answer.get("peers"), list) else []:
             if isinstance(gossiped, str) and gossiped.startswith(("http://", "https://")) and len(gossiped) < 256:
                 self.discovered(gossiped, "gossip")
@@ -311,7 +314,7 @@ class Membership:
         chosen = elect(members, current, configured[0] if configured else None)
         if chosen != self.election:
             self.election = chosen
-            self._notify(f"orchestrator is {chosen.orchestrator} (epoch {chosen.epoch})")
+            self._notify(f"orchestrator is {chosen.orchestrator} (epoch {chosen.epoch})", "election", chosen.orchestrator)
 
     async def run(self) -> None:
         """Self-test the accelerators, then rounds forever, every health_interval_s (cancelled

@@ -63,14 +63,38 @@ _MODEL_BODY = {"type": "object", "required": ["model"],
                "properties": {"model": {"type": "string", "minLength": 1, "maxLength": 256}}}
 
 
-def _answers(*statuses: int, stream: bool = False) -> dict[str, Any]:
+_OLLAMA_ERROR = {"type": "object", "required": ["error"], "properties": {"error": {"type": "string"}}}
+_OLLAMA_OPTIONS = {"type": "object", "description": "temperature, top_p, top_k, seed, num_predict, stop, num_ctx "
+                   "(see docs/api.md: hardware options are ignored, other sampling options refused)", "properties": {
+    "temperature": {"type": "number", "minimum": 0, "maximum": 2}, "top_p": {"type": "number", "minimum": 0.01, "maximum": 1},
+    "top_k": {"type": "integer", "minimum": 0}, "seed": {"type": "integer"},
+    "num_predict": {"type": "integer", "minimum": 1}, "num_ctx": {"type": "integer", "minimum": 1},
+    "stop": {"type": "array", "items": {"type": "string", "minLength": 1}}}}
+_OLLAMA_COMMON = {"model": {"type": "string", "minLength": 1, "maxLength": 256}, "stream": {"type": "boolean"},
+                  "options": _OLLAMA_OPTIONS,
+                  "keep_alive": {"type": "string", "pattern": "^[1-9][0-9]?m$",
+                                 "description": "a duration (\"5m\", \"1h\", seconds as a number); 0 unloads the model "
+                                                "after the answer, a negative one keeps it loaded"}}
+_OLLAMA_CHAT = {"type": "object", "required": ["model", "messages"], "properties": {
+    "messages": {"type": "array", "maxItems": MAX_MESSAGES, "items": {
+        "type": "object", "required": ["role", "content"],
+        "properties": {"role": {"type": "string", "enum": sorted(ROLES)}, "content": {"type": "string"}}}},
+    **_OLLAMA_COMMON}}
+_OLLAMA_GENERATE = {"type": "object", "required": ["model"], "properties": {
+    "prompt": {"type": "string"}, "system": {"type": "string"}, "raw": {"type": "boolean"}, **_OLLAMA_COMMON}}
+
+
+def _answers(*statuses: int, stream: bool = False, ollama: bool = False) -> dict[str, Any]:
     responses: dict[str, Any] = {}
     for status in statuses:
         if status < 400:
             content = {"application/json": {"schema": _OBJECT}}
             if stream:
-                content["text/event-stream"] = {"schema": {"type": "string"}}
+                content["application/x-ndjson" if ollama else "text/event-stream"] = {"schema": {"type": "string"}}
             responses[str(status)] = {"description": "success", "content": content}
+        elif ollama:
+            responses[str(status)] = {"description": "error (Ollama shape)",
+                                      "content": {"application/json": {"schema": _OLLAMA_ERROR}}}
         else:
             responses[str(status)] = {"description": "error (OpenAI shape)",
                                       "content": {"application/json": {"schema": _ERROR}}}
@@ -82,8 +106,9 @@ def _answers(*statuses: int, stream: bool = False) -> dict[str, Any]:
 
 
 def _operation(summary: str, *statuses: int, body: dict[str, Any] | None = None, admin: bool = False,
-               stream: bool = False, parameters: list[dict[str, Any]] | None = None) -> dict[str, Any]:
-    operation: dict[str, Any] = {"summary": summary, "responses": _answers(*statuses, stream=stream)}
+               stream: bool = False, parameters: list[dict[str, Any]] | None = None,
+               ollama: bool = False) -> dict[str, Any]:
+    operation: dict[str, Any] = {"summary": summary, "responses": _answers(*statuses, stream=stream, ollama=ollama)}
     if body is not None:
         operation["requestBody"] = {"required": True, "content": {"application/json": {"schema": body}}}
     if parameters:
@@ -122,6 +147,21 @@ def openapi_document() -> dict[str, Any]:
                                                 body=_MODEL_BODY, admin=True)},
             "/models/unload": {"post": _operation("unload an idle model", 200, *_COMMON, 409, body=_MODEL_BODY,
                                                   admin=True)},
+            "/models/sleep": {"post": _operation("release an idle model's memory, keeping its plan", 200, *_COMMON, 409,
+                                                 body=_MODEL_BODY, admin=True)},
+            "/metrics": {"get": {"summary": "this agent's metrics (Prometheus text format)", "security": [{}, {"apiKey": []}],
+                                 "responses": {"200": {"description": "metrics",
+                                                       "content": {"text/plain": {"schema": {"type": "string"}}}},
+                                               "401": _answers(401)["401"]}}},
+            "/api/version": {"get": _operation("Ollama API: the version it follows", 200, ollama=True)},
+            "/api/tags": {"get": _operation("Ollama API: the models", 200, 401, 503, ollama=True)},
+            "/api/ps": {"get": _operation("Ollama API: the loaded models", 200, 401, 503, ollama=True)},
+            "/api/show": {"post": _operation("Ollama API: a model's details", 200, 400, 401, 404, 503, ollama=True,
+                                             body=_MODEL_BODY)},
+            "/api/chat": {"post": _operation("Ollama API: chat (NDJSON stream unless stream is false)", 200,
+                                             *_COMMON, 409, 429, body=_OLLAMA_CHAT, stream=True, ollama=True)},
+            "/api/generate": {"post": _operation("Ollama API: completion (NDJSON stream unless stream is false)", 200,
+                                                 *_COMMON, 409, 429, body=_OLLAMA_GENERATE, stream=True, ollama=True)},
             "/cluster/status": {"get": _operation("state of the cluster and its models", 200, 401, 503)},
             "/cluster/plan": {"get": _operation("the plan of the main model", 200, 401, 503)},
             "/cluster/nodes": {"get": _operation("this agent's view of the nodes", 200, 401)},

@@ -45,6 +45,7 @@ from agent.core.plan import ShardingPlan, make_plan, plan_from_dict
 from agent.core.presets import ModelPreset, ModelSettings
 from agent.core.routing import Route, Telemetry, choose_route, describe_layers, failover, standby_hops
 from agent.dataplane import StageError
+from agent.events import EventLog
 from agent.membership import Membership
 from agent.peer_client import PeerClient, PeerError
 from agent.weights import complete_models, ensure_model_files
@@ -133,8 +134,9 @@ def min_bytes_per_node(manifest: Manifest, ranges: dict[str, set[tuple[int, int]
 
 class Orchestrator:
     def __init__(self, node_id: str, config: AgentConfig, membership: Membership, worker: Worker,
-                 client: PeerClient, store: ModelStore) -> None:
+                 client: PeerClient, store: ModelStore, events: EventLog) -> None:
         self.node_id = node_id
+        self.events = events
         self.config = config
         self.membership = membership
         self.worker = worker
@@ -187,7 +189,11 @@ class Orchestrator:
             "epoch": order.epoch if order else None,
             "route": order.route.to_list() if order else None,
             "models": {name: {"serving": d.order.model, "degraded": d.order.degraded, "plan_version": d.order.plan_version,
-                              "route": d.order.route.to_list()} for name, d in sorted(self.deployments.items())},
+                              "route": d.order.route.to_list(), "total_layers": d.plan.total_layers,
+                              "layers": [{"layer": layer, "holders": list(holders)}
+                                         for layer, holders in enumerate(d.plan.redundancy_map)],
+                              "replicas": [[node, layers.to_list()] for node, layers in d.plan.replicas]}
+                       for name, d in sorted(self.deployments.items())},
             "faults": {node: {"cause": f.cause, "message": f.message} for node, f in sorted(self.faults.items())},
         }
 
@@ -500,7 +506,8 @@ class Orchestrator:
             preset = self.preset_of(name)
             if name not in self.deployments or preset is None or not self.membership.is_orchestrator:
                 return
-            self._last_replan = time.monotonic()
+            self._last_replan = started = time.monotonic()
+            was_degraded = self.deployments[name].order.degraded
             try:
                 planned = await self._plan_model(preset)
                 short = self.shortfall(name, planned.min_bytes)
@@ -518,10 +525,13 @@ class Orchestrator:
             log.info("re-planned %s: %s", name, reason)
             self.on_deployment(name, deployment, reason)
             self._settle_state()
+            self.events.record("recovered" if was_degraded else "replan", f"re-planned {name}: {reason}", model=name,
+                               duration_s=time.monotonic() - started)
 
     async def recover(self, broken: Deployment, dead: set[str]) -> Deployment:
         """Fail over from ``broken`` after ``dead`` nodes died (§6, §7); returns what to use now."""
         name = broken.name
+        started = time.monotonic()
         async with self._lock:
             current = self.deployments.get(name)
             if current is not None and current is not broken and not (set(current.order.route.nodes) & dead):
@@ -558,9 +568,12 @@ class Orchestrator:
                 self.forget_plan(name)
                 self._set_state("failed", reason)
                 self.on_deployment(name, None, reason)
+                self.events.record("failover", reason, model=name, node=min(dead))
                 raise ClusterError(reason) from None
             self._set_state("degraded" if degraded else "ok", message)
             self.on_deployment(name, deployment, message)
+            self.events.record("degraded" if degraded and not base.order.degraded else "failover", message,
+                               model=name, node=min(dead), duration_s=time.monotonic() - started)
             return deployment
 
     async def _adopt_after_election(self) -> None:

@@ -30,6 +30,7 @@ from agent.core.model_registry import (
 from agent.core.presets import (
     ModelPreset, ModelSettings, PresetFile, build_models, parse_presets, resolve_name, sections_without_weights,
 )
+from agent.events import EventLog
 from agent.membership import Membership
 from agent.orchestrator import Deployment, Orchestrator
 from agent.peer_client import PeerError
@@ -69,8 +70,9 @@ def public_reason(error: BaseException) -> str:
 
 class ModelRouter:
     def __init__(self, config: AgentConfig, store: ModelStore, orchestrator: Orchestrator,
-                 membership: Membership) -> None:
+                 membership: Membership, events: EventLog) -> None:
         self.config = config
+        self.events = events
         self.store = store
         self.orchestrator = orchestrator
         self.membership = membership
@@ -89,6 +91,9 @@ class ModelRouter:
         self._members: frozenset[str] = frozenset()
         self._startup: set[str] = set()  # load-on-startup models not loaded yet since this node leads
         self._progress: dict[str, float] = {}  # share of the nodes holding a loading model's order
+        # Per model, the idle time after which it sleeps as the last request asked (Ollama's
+        # keep_alive); it overrides the preset's sleep_idle_s until the model stops.
+        self._keep_alive_s: dict[str, float] = {}
         orchestrator.on_role = self._on_role
         orchestrator.on_members = self._on_members
         orchestrator.on_deployment = self._on_deployment
@@ -303,8 +308,10 @@ class ModelRouter:
                 self.registry.measured(name, planned.min_bytes)
                 log.info("%s needs %s", name, ", ".join(f"{n[:8]} {b / MIB:.0f} MiB" for n, b in sorted(planned.min_bytes.items())))
             else:
+                started = time.monotonic()
                 deployment = await self.orchestrator.load(preset)
                 self.registry.loaded(name, deployment.effective_bytes, now=time.monotonic())
+                self.events.record("load", f"{name} loaded", model=name, duration_s=time.monotonic() - started)
         except asyncio.CancelledError:
             self.registry.failed(name, "the router stopped")
             raise
@@ -312,6 +319,7 @@ class ModelRouter:
             log.warning("%s %s failed: %s", "measuring" if action.measure else "loading", name,
                         str(error) or type(error).__name__)
             self.registry.failed(name, public_reason(error), retry_after_s=retry_after_s)
+            self.events.record("load_failed", f"{name} failed to load: {public_reason(error)}", model=name)
         self._emit(name)
         self._tick()
 
@@ -326,10 +334,13 @@ class ModelRouter:
         except Exception as error:  # noqa: BLE001
             log.warning("unloading %s: %s", name, error)
         finally:
+            self._keep_alive_s.pop(name, None)
             if sleep:
                 self.registry.slept(name)
             else:
                 self.registry.unloaded(name)
+            kind = "sleep" if sleep else "evict" if reason.startswith("evicted") else "unload"
+            self.events.record(kind, f"{name}: {reason}", model=name)
             self._emit(name, reason=reason)
             self._tick()
 
@@ -350,7 +361,8 @@ class ModelRouter:
                     await asyncio.sleep(SLEEP_CHECK_INTERVAL_S)
                     if not self.enabled:
                         continue
-                    idle = {name: preset.settings.sleep_idle_s for name, preset in self.presets.items()}
+                    idle = {name: self._keep_alive_s.get(name, preset.settings.sleep_idle_s)
+                            for name, preset in self.presets.items()}
                     for name in self.registry.sleep_candidates(time.monotonic(), idle):
                         if self.registry.begin_stop(name):
                             log.info("%s idle for %g s: sleeping (plan kept)", name, idle[name])
@@ -459,6 +471,31 @@ class ModelRouter:
         else:
             await self._run_stop(name, sleep=False, reason="unloaded on request")
         return self.model_info(name)
+
+    async def sleep(self, name: str) -> dict[str, Any]:
+        """`POST /models/sleep`: release an idle model's memory now, keeping its plan (the next
+        request wakes it without measuring again); a busy one is refused."""
+        entry = self.registry.entry(name)
+        if entry.state == "sleeping":
+            return self.model_info(name)
+        if entry.state != "ready":
+            raise ModelNotLoadedError(f"model {name!r} is {entry.state}; only a ready model can sleep")
+        if not self.registry.begin_stop(name):
+            raise ModelBusyError(f"model {name!r} has {entry.active_requests} request(s) in flight"
+                                 f"{' and requests waiting' if self.registry.find(name) else ''}; retry when it is idle")
+        await self._run_stop(name, sleep=True, reason="put to sleep on request")
+        return self.model_info(name)
+
+    def keep_alive(self, name: str, seconds: float) -> None:
+        """After this request, keep ``name`` loaded while it is idle for ``seconds`` (Ollama's
+        keep_alive): 0 unloads it as soon as it is idle, a negative value keeps it loaded."""
+        if seconds == 0:
+            self._keep_alive_s.pop(name, None)
+            if self.registry.begin_stop(name):
+                self._spawn(self._run_stop(name, sleep=False, reason="unloaded after the request (keep_alive 0)"),
+                            f"unload {name}")
+            return
+        self._keep_alive_s[name] = seconds if seconds > 0 else 0.0  # 0 in the idle table: never
 
     # --- views and events --------------------------------------------------------------------------
     def model_info(self, name: str) -> dict[str, Any]:

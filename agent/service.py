@@ -25,7 +25,7 @@ from typing import Any
 import aiohttp
 from aiohttp import web, web_protocol
 
-from agent import api
+from agent import api, dashboard_page, metrics, ollama
 from agent.compat import TaskGroup, timeout
 from agent.config import CLUSTER_KEY_FILE, AgentConfig, ConfigError
 from agent.core.auth import HEADER_NONCE, ReplayGuard, admin_token, sign_answer, verify
@@ -35,17 +35,19 @@ from agent.core.orders import RoutingOrder
 from agent.core.wire import decode_frame, encode_frame
 from agent.dataplane import BUSY_INTERVAL_S, STREAM_PATH, Links, StageError
 from agent.discovery import Discovery
+from agent.events import EventLog
 from agent.files import write_private
 from agent.identity import load_or_create_node_id
 from agent.membership import DESCRIBE_PATH, Membership
+from agent.metrics import ClusterStateCollector, Metrics, count_requests
 from agent.orchestrator import ABORT_PATH, COMMIT_PATH, COPY_PATH, ROUTING_PATH, UNLOAD_PATH, Orchestrator
 from agent.pairing import PAIR_PATH, REKEY_PATH, InviteStore, join_pending, take_new_key
 from agent.peer_client import PeerClient
 from agent.router import ModelRouter
 from agent.sd_notify import SystemdNotifier, format_status, run_watchdog, watchdog_interval_s
 from agent.service_keys import (
-    ADMIN_TOKEN, CLIENT, CONFIG, DATA_PLANE_SOCKETS, INVITES, LIFECYCLE, LINKS, MEMBERSHIP, NODE_ID, ORCHESTRATOR,
-    REPLAY_GUARD, ROUTER, STORE, WORKER, Lifecycle,
+    ADMIN_TOKEN, CLIENT, CONFIG, DATA_PLANE_SOCKETS, EVENTS, INVITES, LIFECYCLE, LINKS, MEMBERSHIP, METRICS, NODE_ID,
+    ORCHESTRATOR, REPLAY_GUARD, ROUTER, STORE, WORKER, Lifecycle,
 )
 from agent.tls import TLS_DIR, TlsFiles, issue_node_files
 from agent.weights import complete_models, describe_model_files, resolve_model_file
@@ -57,7 +59,7 @@ from shards.verify import intact
 
 log = logging.getLogger(__name__)
 SHUTDOWN_TIMEOUT_S = 30.0
-PUBLIC_WITHOUT_TOKEN = ("/health", "/openapi.json", PAIR_PATH)
+PUBLIC_WITHOUT_TOKEN = ("/health", "/openapi.json", PAIR_PATH, *dashboard_page.PAGE_PATHS)
 ANSWER_NONCE = web.RequestKey("answer_nonce", str)  # the nonce of the member's request a signed answer binds
 
 internal = web.RouteTableDef()
@@ -361,7 +363,8 @@ async def close_data_plane(app: web.Application) -> None:
 # --- the application -------------------------------------------------------------------------------
 def build_app(config: AgentConfig, *, node_id: str, store: ModelStore, api_port: int, peer_port: int, key: bytes,
               tls: TlsFiles) -> web.Application:
-    app = web.Application(middlewares=[peer_auth, access, api.openai_errors], client_max_size=16 * 1024 * 1024)
+    app = web.Application(middlewares=[ollama.error_shape, count_requests, peer_auth, access, api.openai_errors],
+                          client_max_size=16 * 1024 * 1024)
     app[CONFIG] = config
     app[NODE_ID] = node_id
     app[STORE] = store
@@ -370,20 +373,33 @@ def build_app(config: AgentConfig, *, node_id: str, store: ModelStore, api_port:
     app[LIFECYCLE] = Lifecycle(asyncio.Event())
     app[INVITES] = InviteStore(config.state_dir)
     app[DATA_PLANE_SOCKETS] = set()
+    app[EVENTS] = EventLog()
+    app[METRICS] = Metrics()
+    app[EVENTS].listen(app[METRICS].count_event)
     app.on_shutdown.append(close_data_plane)
     app.on_response_prepare.append(sign_answers)
     app.add_routes(internal)
     app.add_routes(api.routes)
+    app.add_routes(ollama.routes)
+    app.add_routes(dashboard_page.routes)
+    app.add_routes(metrics.routes)
 
     async def peers(app: web.Application) -> AsyncIterator[None]:
         session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=256, keepalive_timeout=60))
         client = PeerClient(session, key, node_id, tls.client_context())
         app[CLIENT] = client
         app[LINKS] = Links(client)
-        app[MEMBERSHIP] = Membership(config, node_id, client, api_port=api_port, peer_port=peer_port)
-        app[WORKER] = Worker(node_id, config, store, client, app[LINKS])
-        app[ORCHESTRATOR] = Orchestrator(node_id, config, app[MEMBERSHIP], app[WORKER], client, store)
-        app[ROUTER] = ModelRouter(config, store, app[ORCHESTRATOR], app[MEMBERSHIP])
+        events = app[EVENTS]
+        app[MEMBERSHIP] = Membership(config, node_id, client, api_port=api_port, peer_port=peer_port, events=events)
+        app[WORKER] = Worker(node_id, config, store, client, app[LINKS], app[METRICS])
+        app[ORCHESTRATOR] = Orchestrator(node_id, config, app[MEMBERSHIP], app[WORKER], client, store, events)
+        app[ROUTER] = ModelRouter(config, store, app[ORCHESTRATOR], app[MEMBERSHIP], events)
+        state = ClusterStateCollector(
+            models=app[ROUTER].models, worker_status=app[WORKER].status, device_memory=app[WORKER].device_memory,
+            degraded=lambda: {n for n, d in app[ORCHESTRATOR].deployments.items() if d.order.degraded},
+            alive_nodes=lambda: len(app[MEMBERSHIP].alive_nodes()), is_orchestrator=lambda: app[ROUTER].enabled)
+        app[METRICS].registry.register(state)
+        events.listen(state.account)
         app[MEMBERSHIP].extra_describe = lambda: {
             "models": complete_models(store), "worker": app[WORKER].status(),
             "device_memory": app[WORKER].device_memory(),

@@ -22,6 +22,8 @@ REPLAY_GUARD = web.AppKey("replay_guard", "ReplayGuard")
 ADMIN_TOKEN = web.AppKey("admin_token", str)
 DATA_PLANE_SOCKETS = web.AppKey("data_plane_sockets", set)
 INVITES = web.AppKey("invites", "InviteStore")
+EVENTS = web.AppKey("events", "EventLog")
+METRICS = web.AppKey("metrics", "Metrics")
 
 
 @dataclass

@@ -33,6 +33,7 @@ from agent.config import AgentConfig
 from agent.core.errors import NcmError
 from agent.core.orders import RoutingOrder
 from agent.dataplane import Links, StageError, error_from_header
+from agent.metrics import Metrics
 from agent.peer_client import PeerClient
 from agent.probe import device_memory
 from agent.weights import StoreWriteError, WeightTransferError, complete_models, ensure_model_files, missing_files
@@ -120,8 +121,10 @@ class Worker:
     """Runs the fragments of this node. Compute runs on one thread and fragment builds on another,
     both off the event loop."""
 
-    def __init__(self, node_id: str, config: AgentConfig, store: ModelStore, client: PeerClient, links: Links) -> None:
+    def __init__(self, node_id: str, config: AgentConfig, store: ModelStore, client: PeerClient, links: Links,
+                 metrics: Metrics | None = None) -> None:
         self.node_id = node_id
+        self.metrics = metrics or Metrics()
         self.config = config
         self.store = store
         self.client = client
@@ -406,11 +409,12 @@ class Worker:
         if fresh:
             info = self.sessions[sid] = _SessionInfo(order.plan_version, time.monotonic())
         assert info is not None
-        info.last_used = time.monotonic()
+        info.last_used = started = time.monotonic()
         try:
             output = await asyncio.get_running_loop().run_in_executor(
                 self.executor, self._compute, runner, sid, header["start"], tensor
             )
+            self.metrics.stage_compute.labels(order.name).observe(time.monotonic() - started)
         except (StageError, ShardsError) as error:
             if fresh:  # a step of a session this node does not hold (a late one, after its close)
                 self._free(sid)
@@ -445,7 +449,9 @@ class Worker:
         if node_id == self.node_id:
             return await self.step(header, tensor)
         link = await self.links.get(node_id, order.addresses[node_id])
+        started = time.monotonic()
         result, _ = await link.call(header, tensor, timeout_s=timeout_s)
+        self.metrics.hop_latency.labels(node_id).observe(time.monotonic() - started)
         if result["kind"] == "error":
             raise error_from_header(result)
         return result, None

@@ -48,6 +48,11 @@ def _store(args: argparse.Namespace):
     return ModelStore(Path(args.home) if getattr(args, "home", None) else None)
 
 
+def _progress(args: argparse.Namespace) -> bool:
+    """Draw progress bars: not with --quiet, nor when stderr is no terminal (logs, systemd, CI)."""
+    return not args.quiet and sys.stderr.isatty()
+
+
 @_reports_errors
 def cmd_pull(args: argparse.Namespace) -> int:
     """ncm pull NAME: download a known model and import it."""
@@ -57,7 +62,7 @@ def cmd_pull(args: argparse.Namespace) -> int:
     source, weights = resolve_pull_name(args.name, args.weights)
     target = stored_name(source.name, weights)
     already = store.has(target)
-    manifest = pull_model(args.name, store, weights=args.weights, progress=not args.quiet)
+    manifest = pull_model(args.name, store, weights=args.weights, progress=_progress(args))
     print(f"{manifest.name}: {'already present' if already else 'ready'} ({manifest.weight_format}, "
           f"{manifest.n_layers} layers)")
     return EXIT_OK
@@ -72,7 +77,7 @@ def cmd_import(args: argparse.Namespace) -> int:
     if not path.exists():
         raise ShardsError(f"{path} does not exist")
     manifest = import_model(path, name=args.name, weights=args.weights, store=_store(args),
-                            progress=not args.quiet)
+                            progress=_progress(args))
     print(f"{manifest.name}: imported ({manifest.architecture}, {manifest.n_layers} layers, "
           f"{manifest.weight_format})")
     return EXIT_OK
@@ -143,7 +148,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("name", metavar="NAME", help="model to pull, e.g. smollm2-135m")
     p.add_argument("--weights", choices=WEIGHT_CHOICES, default="f32", help="weight format (default f32)")
     p.add_argument("--home", help=home_help)
-    p.add_argument("--quiet", action="store_true", help="no progress output")
+    p.add_argument("--quiet", action="store_true", help="no progress bars (none either when stderr is no terminal)")
     p.set_defaults(func=cmd_pull, command="pull")
 
     p = subparsers.add_parser("import", help="import a GGUF file or Hugging Face folder")
@@ -151,7 +156,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--name", help="name in the store (default: from the file name)")
     p.add_argument("--weights", choices=WEIGHT_CHOICES, default="f32", help="weight format (default f32)")
     p.add_argument("--home", help=home_help)
-    p.add_argument("--quiet", action="store_true", help="no progress output")
+    p.add_argument("--quiet", action="store_true", help="no progress bars (none either when stderr is no terminal)")
     p.set_defaults(func=cmd_import, command="import")
 
     p = subparsers.add_parser("models", help="list the models in the store")

