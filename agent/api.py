@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import functools
 import json
 import logging
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from aiohttp import web
@@ -155,7 +156,7 @@ async def cluster_nodes(request: web.Request) -> web.Response:
 async def cluster_join(request: web.Request) -> web.Response:
     """`ncm join`: {"url": ...} adds a static peer at run time; {"invite": join string} makes
     this agent a member of the cluster that issued the invite (it restarts to be one)."""
-    body = await _read_json(request)
+    body = await read_json(request)
     if isinstance(body, dict) and isinstance(body.get("invite"), str):
         return await _join_by_invite(request, body["invite"])
     url = body.get("url") if isinstance(body, dict) else None
@@ -189,7 +190,7 @@ def _invite_settings(body: Any) -> tuple[float, int]:
 @routes.post("/cluster/invites")
 async def create_invite(request: web.Request) -> web.Response:
     """`ncm invite`: a join string for a new device (admin)."""
-    ttl_s, uses = _invite_settings(await _read_json(request) if request.can_read_body else {})
+    ttl_s, uses = _invite_settings(await read_json(request) if request.can_read_body else {})
     try:
         invite = request.app[INVITES].create(ttl_s=ttl_s, uses=uses)
     except InviteError as error:
@@ -217,7 +218,7 @@ async def revoke_invite(request: web.Request) -> web.Response:
 @routes.post(PAIR_PATH)
 async def pair(request: web.Request) -> web.Response:
     """A new device redeems an invite: the cluster key, sealed with the invite's secret."""
-    body = await _read_json(request)
+    body = await read_json(request)
     fields = [body.get(k) if isinstance(body, dict) else None for k in ("invite", "nonce", "proof")]
     if not all(isinstance(f, str) and len(f) <= 128 for f in fields):
         raise InvalidRequestError("the body must be {\"invite\", \"nonce\", \"proof\"} strings")
@@ -233,7 +234,7 @@ async def pair(request: web.Request) -> web.Response:
                               **seal(invite.secret, nonce, invite_id, request.app[CLIENT].key)})
 
 
-async def _ask_orchestrator(request: web.Request) -> web.StreamResponse | None:
+async def pass_to_orchestrator(request: web.Request) -> web.StreamResponse | None:
     """Pass the request on to the orchestrator when this node is not it (None: handle here)."""
     membership = request.app[MEMBERSHIP]
     election = membership.election
@@ -249,7 +250,7 @@ def on_orchestrator(handler: Any) -> Any:
     """Run ``handler`` on the orchestrator: other agents pass the request on to it."""
     @functools.wraps(handler)
     async def wrapper(request: web.Request) -> web.StreamResponse:
-        proxied = await _ask_orchestrator(request)
+        proxied = await pass_to_orchestrator(request)
         return proxied if proxied is not None else await handler(request)
     return wrapper
 
@@ -259,7 +260,7 @@ def on_orchestrator(handler: Any) -> Any:
 async def remove_node(request: web.Request) -> web.Response:
     """`ncm remove NODE` (admin): the cluster key changes on every other member, so the
     removed device's key opens nothing any more. Every member restarts to take the new key."""
-    body = await _read_json(request)
+    body = await read_json(request)
     node = body.get("node") if isinstance(body, dict) else None
     membership = request.app[MEMBERSHIP]
     if not isinstance(node, str) or (node not in membership.alive_nodes() and membership.table.url_of(node) is None):
@@ -356,7 +357,7 @@ async def models(request: web.Request) -> web.StreamResponse:
 async def models_load_unload(request: web.Request) -> web.StreamResponse:
     """Body {"model": name or alias}: load it (answers once ready), unload it, or put it to
     sleep (its memory released, its plan kept)."""
-    body = await _read_json(request)
+    body = await read_json(request)
     name = body.get("model") if isinstance(body, dict) else None
     if name is None:
         raise InvalidRequestError("the body must be {\"model\": \"<name or alias>\"}", "model")
@@ -407,7 +408,7 @@ async def _read_body(request: web.Request) -> bytes:
             f"the request body could not be read as {request.headers.get('Content-Encoding', 'sent')}") from None
 
 
-async def _read_json(request: web.Request) -> Any:
+async def read_json(request: web.Request) -> Any:
     """The body as JSON: UTF-8 whatever charset is declared (JSON's encoding), no unpaired
     surrogates, nesting and numbers that the parser takes without running out of stack."""
     raw = await _read_body(request)
@@ -423,7 +424,7 @@ async def _read_json(request: web.Request) -> Any:
     return body
 
 
-def _sampling(chat: ChatRequest, prompt_tokens: int, max_context: int) -> SamplingParams:
+def sampling_params(chat: ChatRequest, prompt_tokens: int, max_context: int) -> SamplingParams:
     room = max_context - prompt_tokens
     if room < 1:
         raise InvalidRequestError(
@@ -438,10 +439,10 @@ def _sampling(chat: ChatRequest, prompt_tokens: int, max_context: int) -> Sampli
 
 
 async def _completion(request: web.Request, *, chat: bool) -> web.StreamResponse:
-    body = await _read_json(request)
+    body = await read_json(request)
     parsed = parse_request(body, chat=chat)
     autoload = _autoload(request)
-    proxied = await _ask_orchestrator(request)
+    proxied = await pass_to_orchestrator(request)
     if proxied is not None:
         if proxied.status < 400:  # a name the orchestrator accepted: a bounded set, fit for a label
             request[REQUEST_MODEL] = parsed.model or ""
@@ -475,12 +476,14 @@ def _resume_tokens(request: web.Request, body: Any, deployment: Deployment) -> t
     return tuple(tokens)
 
 
-async def _generate(request: web.Request, parsed: ChatRequest, deployment: Deployment, *, chat: bool,
-                    headers: dict[str, str], resume: tuple[int, ...] = ()) -> web.StreamResponse:
-    orchestrator = request.app[ORCHESTRATOR]
+def start_generation(request: web.Request, parsed: ChatRequest, deployment: Deployment, *,
+                     max_context: int | None = None, top_k: int = 0,
+                     resume: tuple[int, ...] = ()) -> AsyncIterator[Completion]:
+    """The events of a generation of ``parsed`` (its messages through the chat template, else
+    its prompt as it is) on ``deployment``, timed and counted; ``max_context`` narrows the
+    model's context."""
     tokenizer = deployment.tokenizer
-    if chat:
-        assert parsed.messages is not None
+    if parsed.messages is not None:
         try:
             prompt_ids = tokenizer.encode_chat([{"role": r, "content": c} for r, c in parsed.messages])
         except ShardsError as error:
@@ -488,11 +491,18 @@ async def _generate(request: web.Request, parsed: ChatRequest, deployment: Deplo
     else:
         assert parsed.prompt is not None
         prompt_ids = tokenizer.encode(parsed.prompt)
-    params = _sampling(parsed, len(prompt_ids), deployment.settings.max_context)
+    params = sampling_params(parsed, len(prompt_ids), max_context or deployment.settings.max_context)
+    if top_k:
+        params = dataclasses.replace(params, top_k=top_k)
+    return request.app[METRICS].observe_generation(
+        deployment.name, request.app[ORCHESTRATOR].complete(deployment, prompt_ids, params, resume))
+
+
+async def _generate(request: web.Request, parsed: ChatRequest, deployment: Deployment, *, chat: bool,
+                    headers: dict[str, str], resume: tuple[int, ...] = ()) -> web.StreamResponse:
+    events = start_generation(request, parsed, deployment, resume=resume)
     created = int(time.time())
     ident = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
-    events = request.app[METRICS].observe_generation(
-        deployment.name, orchestrator.complete(deployment, prompt_ids, params, resume))
     with_tokens = bool(request.headers.get(RESUMABLE_HEADER)) and from_member(request)
 
     if not parsed.stream:

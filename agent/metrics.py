@@ -70,6 +70,8 @@ class Metrics:
                                              buckets=DURATION_BUCKETS_S, registry=r)
         self.model_stops = Counter("ncm_model_stops", "Models stopped, by how (unload, sleep, evict)", ["model", "how"],
                                    registry=r)
+        self.model_stop_duration = Histogram("ncm_model_stop_seconds", "Duration of model stops (unload, sleep, evict)",
+                                             ["how"], buckets=DURATION_BUCKETS_S, registry=r)
         self._tokens_at: deque[tuple[float, int]] = deque()  # (time, tokens) of recent generation events
 
     # --- events ------------------------------------------------------------------------------
@@ -91,6 +93,8 @@ class Metrics:
             self.model_loads.labels(model, "failed").inc()
         elif event.kind in ("unload", "sleep", "evict"):
             self.model_stops.labels(model, event.kind).inc()
+            if event.duration_s is not None:
+                self.model_stop_duration.labels(event.kind).observe(event.duration_s)
 
     # --- generation --------------------------------------------------------------------------
     async def observe_generation(self, model: str, events: AsyncIterator[Any]) -> AsyncIterator[Any]:

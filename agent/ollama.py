@@ -12,7 +12,6 @@ onto the router's sleep and unload. Errors use Ollama's shape, ``{"error": "mess
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import datetime
 import hashlib
 import json
@@ -24,14 +23,14 @@ from typing import Any
 
 from aiohttp import web
 
-from agent.api import _ask_orchestrator, _read_json, _sampling, on_orchestrator
-from agent.core.chat_request import ROLES, ChatRequest, InvalidRequestError, check_model_name
+from agent.api import on_orchestrator, pass_to_orchestrator, read_json, start_generation
+from agent.core.chat_request import ChatRequest, InvalidRequestError, check_model_name, parse_request
 from agent.core.errors import ClusterError
 from agent.dataplane import StageError
 from agent.metrics import REQUEST_MODEL
 from agent.orchestrator import Completion, Deployment
 from agent.router import without_addresses
-from agent.service_keys import METRICS, ORCHESTRATOR, ROUTER, STORE
+from agent.service_keys import ORCHESTRATOR, ROUTER, STORE
 from shards.errors import ShardsError
 from shards.manifest import Manifest
 from shards.pull import pull_model, resolve_pull_name
@@ -223,7 +222,7 @@ def parse_options(body: dict[str, Any]) -> tuple[dict[str, Any], int | None]:
             stop = [stop]
         if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop):
             raise InvalidRequestError("option 'stop' must be a list of non-empty strings", "options.stop")
-        fields["stop"] = tuple(stop)
+        fields["stop"] = stop
     return fields, _option_int(options, "num_ctx", 1)
 
 
@@ -241,33 +240,33 @@ def _check_unsupported(body: dict[str, Any]) -> None:
         raise InvalidRequestError("'stream' must be true or false", "stream")
 
 
-def _request(body: Any, *, model: str, messages: tuple[tuple[str, str], ...] | None, prompt: str | None,
-             fields: dict[str, Any]) -> ChatRequest:
-    defaults: dict[str, Any] = {"max_tokens": None, "temperature": 1.0, "top_p": 1.0, "seed": None, "stop": ()}
-    defaults.update((k, v) for k, v in fields.items() if k != "top_k")
-    return ChatRequest(model=model, messages=messages, prompt=prompt, stream=body.get("stream", True),
-                       include_usage=False, **defaults)
-
-
-def _messages(raw: Any) -> tuple[tuple[str, str], ...]:
-    if not isinstance(raw, list):
-        raise InvalidRequestError("'messages' must be a list of {role, content} objects", "messages")
-    messages = []
-    for index, message in enumerate(raw):
-        where = f"messages[{index}]"
-        if not isinstance(message, dict):
-            raise InvalidRequestError(f"{where} must be an object with 'role' and 'content'", where)
-        role, content = message.get("role"), message.get("content", "")
-        if role == "tool" or message.get("tool_calls"):
-            raise InvalidRequestError(f"{where}: tool messages are not supported by ncm", where)
-        if not isinstance(role, str) or role not in ROLES:
-            raise InvalidRequestError(f"{where}.role must be one of {', '.join(ROLES)}", f"{where}.role")
-        if message.get("images"):
-            raise InvalidRequestError(f"{where}: images are not supported by ncm (text models only)", f"{where}.images")
-        if not isinstance(content, str):
-            raise InvalidRequestError(f"{where}.content must be a string", f"{where}.content")
-        messages.append((ROLES[role], content))
-    return tuple(messages)
+def _openai_body(body: dict[str, Any], *, chat: bool) -> dict[str, Any] | None:
+    """The request as the OpenAI endpoints take it (validated by the same parser), without
+    its options; None for Ollama's load or unload request (no messages, no prompt)."""
+    stream = body.get("stream", True)
+    if chat:
+        messages = body.get("messages") or []
+        if not isinstance(messages, list):
+            raise InvalidRequestError("'messages' must be a list of {role, content} objects", "messages")
+        for index, message in enumerate(messages):
+            if isinstance(message, dict) and message.get("images"):
+                raise InvalidRequestError(f"messages[{index}]: images are not supported by ncm (text models only)",
+                                          f"messages[{index}].images")
+            if isinstance(message, dict) and (message.get("role") == "tool" or message.get("tool_calls")):
+                raise InvalidRequestError(f"messages[{index}]: tool messages are not supported by ncm",
+                                          f"messages[{index}]")
+        return {"messages": messages, "stream": stream} if messages else None
+    prompt, system = body.get("prompt", ""), body.get("system")
+    if not isinstance(prompt, str) or (system is not None and not isinstance(system, str)):
+        raise InvalidRequestError("'prompt' and 'system' must be strings", "prompt")
+    if body.get("suffix") or body.get("template") or body.get("context"):
+        raise InvalidRequestError("'suffix', 'template' and 'context' are not supported by ncm", "prompt")
+    if not prompt:
+        return None
+    if body.get("raw", False) is True:
+        return {"prompt": prompt, "stream": stream}
+    turns = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
+    return {"messages": turns, "stream": stream}
 
 
 # --- endpoints ---------------------------------------------------------------------------------------
@@ -299,7 +298,7 @@ async def running(request: web.Request) -> web.StreamResponse:
 @routes.post("/api/show")
 @on_orchestrator
 async def show(request: web.Request) -> web.StreamResponse:
-    body = await _read_json(request)
+    body = await read_json(request)
     name = _resolve(request, _name(body))
     router = request.app[ROUTER]
     info = router.model_info(name)
@@ -332,7 +331,7 @@ async def show(request: web.Request) -> web.StreamResponse:
 async def pull(request: web.Request) -> web.StreamResponse:
     """Download a model ncm knows by name (`ncm pull`) into this node's store; the router
     lists it from then on. Streams Ollama's status lines unless ``stream`` is false."""
-    body = await _read_json(request)
+    body = await read_json(request)
     name = _name(body)
     try:
         source, weights = resolve_pull_name(name)
@@ -344,20 +343,19 @@ async def pull(request: web.Request) -> web.StreamResponse:
     if stream:
         response = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})
         await response.prepare(request)
-        await response.write(json.dumps({"status": "pulling manifest"}).encode() + b"\n")
+        await response.write(_line({"status": f"pulling {name}"}))
     try:
         await asyncio.to_thread(pull_model, name, request.app[STORE], weights=weights, progress=False)
     except ShardsError as error:
         if response is None:
             raise InvalidRequestError(f"pulling {name} failed: {error}", "model", status=502) from None
-        await response.write(json.dumps({"error": f"pulling {name} failed: {error}"}).encode() + b"\n")
+        await response.write(_line({"error": f"pulling {name} failed: {error}"}))
         await response.write_eof()
         return response
     request.app[ROUTER].reload()
     if response is None:
         return web.json_response({"status": "success"})
-    for status in ("verifying sha256 digest", "writing manifest", "success"):
-        await response.write(json.dumps({"status": status}).encode() + b"\n")
+    await response.write(_line({"status": "success"}))
     await response.write_eof()
     return response
 
@@ -373,26 +371,17 @@ async def generate(request: web.Request) -> web.StreamResponse:
 
 
 async def _generate(request: web.Request, *, chat: bool) -> web.StreamResponse:
-    body = await _read_json(request)
+    body = await read_json(request)
     if not isinstance(body, dict):
         raise InvalidRequestError("the request body must be a JSON object")
     name = _name(body)
     _check_unsupported(body)
     keep_alive_s = parse_duration_s(body["keep_alive"]) if body.get("keep_alive") is not None else None
     fields, num_ctx = parse_options(body)
-    if chat:
-        messages: tuple[tuple[str, str], ...] | None = _messages(body.get("messages", []))
-        prompt = None
-    else:
-        prompt, system = body.get("prompt", ""), body.get("system")
-        if not isinstance(prompt, str) or (system is not None and not isinstance(system, str)):
-            raise InvalidRequestError("'prompt' and 'system' must be strings", "prompt")
-        raw = body.get("raw", False) is True
-        if body.get("suffix") or body.get("template") or body.get("context"):
-            raise InvalidRequestError("'suffix', 'template' and 'context' are not supported by ncm", "prompt")
-        messages = None if raw else (((("system", system),) if system else ()) + ((("user", prompt),) if prompt else ()))
-        prompt = prompt if raw else None
-    proxied = await _ask_orchestrator(request)
+    top_k = fields.pop("top_k", 0)
+    openai = _openai_body(body, chat=chat)
+    parsed = parse_request({"model": name, **openai, **fields}, chat="messages" in openai) if openai else None
+    proxied = await pass_to_orchestrator(request)
     if proxied is not None:
         if proxied.status < 400:  # a name the orchestrator accepted: a bounded set, fit for a label
             request[REQUEST_MODEL] = name
@@ -400,13 +389,12 @@ async def _generate(request: web.Request, *, chat: bool) -> web.StreamResponse:
     router = request.app[ROUTER]
     name = _resolve(request, name)
     started = time.perf_counter()
-    if not messages and not prompt:  # Ollama's way to load (or, with keep_alive 0, unload) a model
+    if parsed is None:  # Ollama's way to load (or, with keep_alive 0, unload) a model
         return await _load_or_unload(request, name, keep_alive_s, chat=chat)
-    parsed = _request(body, model=name, messages=messages, prompt=prompt, fields=fields)
     try:
         async with router.use(name) as deployment:
             loaded = time.perf_counter()
-            return await _answer(request, parsed, deployment, chat=chat, num_ctx=num_ctx, top_k=fields.get("top_k"),
+            return await _answer(request, parsed, deployment, chat=chat, num_ctx=num_ctx, top_k=top_k,
                                  load_s=loaded - started, started=started)
     finally:
         if keep_alive_s is not None:
@@ -429,20 +417,10 @@ async def _load_or_unload(request: web.Request, name: str, keep_alive_s: float |
 
 
 async def _answer(request: web.Request, parsed: ChatRequest, deployment: Deployment, *, chat: bool,
-                  num_ctx: int | None, top_k: int | None, load_s: float, started: float) -> web.StreamResponse:
-    tokenizer = deployment.tokenizer
-    try:
-        prompt_ids = (tokenizer.encode_chat([{"role": r, "content": c} for r, c in parsed.messages])
-                      if parsed.messages is not None else tokenizer.encode(parsed.prompt or ""))
-    except ShardsError as error:
-        raise InvalidRequestError(f"cannot apply the chat template: {error}", "messages") from None
+                  num_ctx: int | None, top_k: int, load_s: float, started: float) -> web.StreamResponse:
     # num_ctx narrows the model's context; a larger one is capped at what the model was planned for.
-    context = min(num_ctx, deployment.settings.max_context) if num_ctx else deployment.settings.max_context
-    params = _sampling(parsed, len(prompt_ids), context)
-    if top_k:
-        params = dataclasses.replace(params, top_k=top_k)
-    events = request.app[METRICS].observe_generation(
-        deployment.name, request.app[ORCHESTRATOR].complete(deployment, prompt_ids, params))
+    context = min(num_ctx, deployment.settings.max_context) if num_ctx else None
+    events = start_generation(request, parsed, deployment, max_context=context, top_k=top_k)
     # The first token is computed before anything goes out: early failures are still 4xx/5xx.
     generating = time.perf_counter()
     try:
@@ -467,11 +445,8 @@ async def _answer(request: web.Request, parsed: ChatRequest, deployment: Deploym
     try:
         async for event in _chain(first, events):
             last = event
-            if event.finish_reason is not None:
-                if event.text:
-                    await response.write(_line(_chunk(event.model, event.text, chat=chat)))
-                break
-            await response.write(_line(_chunk(event.model, event.text, chat=chat)))
+            if event.text:
+                await response.write(_line(_chunk(event.model, event.text, chat=chat)))
         await response.write(_line(_final(last, "", chat=chat, started=started, load_s=load_s, prompt_s=prompt_s)))
     except (StageError, ClusterError) as error:
         await response.write(_line({"error": without_addresses(str(error))}))

@@ -280,7 +280,7 @@ class ModelRouter:
                 self._spawn(self._run_load(action), f"load {action.model}")
             elif isinstance(action, Evict):
                 log.info("evicting %s (least recently used, idle) to load %s", action.victim, action.model)
-                self._spawn(self._run_stop(action.victim, sleep=False, reason=f"evicted for {action.model}"),
+                self._spawn(self._run_stop(action.victim, "evict", reason=f"evicted for {action.model}"),
                             f"evict {action.victim}")
             elif isinstance(action, Refuse):
                 # Not a state change (unless the model goes back from measuring): its own event.
@@ -323,9 +323,12 @@ class ModelRouter:
         self._emit(name)
         self._tick()
 
-    async def _run_stop(self, name: str, *, sleep: bool, reason: str) -> None:
+    async def _run_stop(self, name: str, how: str, *, reason: str) -> None:
+        """Stop ``name``: ``how`` is "sleep" (the plan is kept), "unload" or "evict"."""
         preset = self.presets.get(name)
         timeout_s = preset.settings.stop_timeout_s if preset else 10.0
+        sleep = how == "sleep"
+        started = time.monotonic()
         try:
             async with timeout(timeout_s):
                 await self.orchestrator.unload(name, keep_plan=sleep)
@@ -339,8 +342,7 @@ class ModelRouter:
                 self.registry.slept(name)
             else:
                 self.registry.unloaded(name)
-            kind = "sleep" if sleep else "evict" if reason.startswith("evicted") else "unload"
-            self.events.record(kind, f"{name}: {reason}", model=name)
+            self.events.record(how, f"{name}: {reason}", model=name, duration_s=time.monotonic() - started)
             self._emit(name, reason=reason)
             self._tick()
 
@@ -366,7 +368,7 @@ class ModelRouter:
                     for name in self.registry.sleep_candidates(time.monotonic(), idle):
                         if self.registry.begin_stop(name):
                             log.info("%s idle for %g s: sleeping (plan kept)", name, idle[name])
-                            self._spawn(self._run_stop(name, sleep=True, reason="idle"), f"sleep {name}")
+                            self._spawn(self._run_stop(name, "sleep", reason="idle"), f"sleep {name}")
             finally:
                 self._tasks = None
 
@@ -469,7 +471,7 @@ class ModelRouter:
             raise ModelBusyError(f"model {name!r} is {entry.state} with {entry.active_requests} request(s) in flight"
                                  f"{' and requests waiting' if self.registry.find(name) else ''}; retry when it is idle")
         else:
-            await self._run_stop(name, sleep=False, reason="unloaded on request")
+            await self._run_stop(name, "unload", reason="unloaded on request")
         return self.model_info(name)
 
     async def sleep(self, name: str) -> dict[str, Any]:
@@ -483,7 +485,7 @@ class ModelRouter:
         if not self.registry.begin_stop(name):
             raise ModelBusyError(f"model {name!r} has {entry.active_requests} request(s) in flight"
                                  f"{' and requests waiting' if self.registry.find(name) else ''}; retry when it is idle")
-        await self._run_stop(name, sleep=True, reason="put to sleep on request")
+        await self._run_stop(name, "sleep", reason="put to sleep on request")
         return self.model_info(name)
 
     def keep_alive(self, name: str, seconds: float) -> None:
@@ -492,7 +494,7 @@ class ModelRouter:
         if seconds == 0:
             self._keep_alive_s.pop(name, None)
             if self.registry.begin_stop(name):
-                self._spawn(self._run_stop(name, sleep=False, reason="unloaded after the request (keep_alive 0)"),
+                self._spawn(self._run_stop(name, "unload", reason="unloaded after the request (keep_alive 0)"),
                             f"unload {name}")
             return
         self._keep_alive_s[name] = seconds if seconds > 0 else 0.0  # 0 in the idle table: never

@@ -1,6 +1,6 @@
 """`/metrics` in Prometheus' format and `/cluster/events`, on a 3-agent loopback cluster
 serving the tiny model: the output parses with prometheus_client's parser, the counters move
-as requests run, and loads, sleeps and a lost node show as events and counts."""
+as requests run, and loads, sleeps, a lost node and its failover show as events and counts."""
 
 from __future__ import annotations
 
@@ -11,6 +11,8 @@ from typing import Any
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
+from agent.events import EventLog
+from agent.metrics import ClusterStateCollector, Metrics
 from agent.service_keys import ADMIN_TOKEN, EVENTS
 from tests.agent.inprocess import LocalAgent, call, eventually
 from tests.agent.tiny import TINY, tiny_cluster
@@ -96,9 +98,12 @@ def test_metrics_move_with_requests_and_cluster_events_are_streamed(tmp_path):
                 reader.cancel()
             slept = await scrape(leader)
             assert total(slept, "ncm_model_stops_total", model=TINY, how="sleep") == 1
+            assert value(slept, "ncm_model_stop_seconds_count", how="sleep") == 1
             assert value(slept, "ncm_model_state", model=TINY, state="sleeping") == 1.0
 
-            # a lost node: its death is an event, counted
+            # a lost node: its death is an event, counted (the model woken first, on all three)
+            status, _ = await call("POST", leader.url + "/v1/completions", {"model": TINY, "prompt": "w7", "max_tokens": 2})
+            assert status == 200
             await others[1].runner.cleanup()
             await eventually(lambda: any(e.kind == "death" for e in leader.app[EVENTS].history), timeout_s=15,
                              what="the lost node's death event")
@@ -106,4 +111,40 @@ def test_metrics_move_with_requests_and_cluster_events_are_streamed(tmp_path):
             assert total(dead, "ncm_cluster_events_total", kind="death") >= 1
             assert value(dead, "ncm_nodes_alive") == 2.0
 
+            # the next request finds a stage gone: the failover (here: no replica of its layers
+            # and no fallback model, so it fails) is an event and a count
+            status, _ = await call("POST", leader.url + "/v1/completions", {"model": TINY, "prompt": "w7", "max_tokens": 2})
+            assert status in (200, 503)
+            await eventually(lambda: any(e.kind in ("failover", "degraded") for e in leader.app[EVENTS].history),
+                             timeout_s=30, what="the failover event")
+            assert value(await scrape(leader), "ncm_failovers_total", model=TINY) >= 1
+
     asyncio.run(scenario())
+
+
+def test_degraded_seconds_count_the_time_a_model_was_served_by_its_fallback():
+    """Accounted at each cluster event (a change is always one) and each scrape."""
+    now = [100.0]
+    degraded: set[str] = set()
+    metrics = Metrics(clock=lambda: now[0])
+    state = ClusterStateCollector(
+        models=list, degraded=lambda: set(degraded), worker_status=dict, device_memory=dict, alive_nodes=lambda: 1,
+        is_orchestrator=lambda: False, clock=lambda: now[0])
+    metrics.registry.register(state)
+    events = EventLog(clock=lambda: now[0])
+    events.listen(metrics.count_event)
+    events.listen(state.account)
+
+    now[0] += 5.0  # ok for 5 s, then degraded
+    degraded.add("m")
+    events.record("degraded", "m: serving m-tiny", model="m", duration_s=1.5)
+    now[0] += 7.0
+    assert metrics.registry.get_sample_value("ncm_degraded_seconds_total", {"model": "m"}) == 7.0  # a scrape
+    now[0] += 3.0  # planned whole again
+    degraded.clear()
+    events.record("recovered", "re-planned m", model="m")
+    now[0] += 50.0
+    assert metrics.registry.get_sample_value("ncm_degraded_seconds_total", {"model": "m"}) == 10.0
+    assert metrics.registry.get_sample_value("ncm_failovers_total", {"model": "m"}) == 1.0
+    assert metrics.registry.get_sample_value("ncm_failover_seconds_sum", {"model": "m"}) == 1.5
+    assert metrics.registry.get_sample_value("ncm_replans_total", {"model": "m"}) == 1.0

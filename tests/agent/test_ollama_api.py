@@ -100,6 +100,9 @@ def test_the_official_client_against_a_three_agent_cluster(tmp_path):
                 with pytest.raises(ollama.ResponseError) as bad_value:
                     await client("generate", model=TINY, prompt="w1", options={"temperature": "hot"})
                 assert bad_value.value.status_code == 400 and "temperature" in bad_value.value.error
+                with pytest.raises(ollama.ResponseError) as too_long:  # num_ctx narrows the context
+                    await client("chat", model=TINY, messages=MESSAGES, options={"num_ctx": 4})
+                assert too_long.value.status_code == 400 and "context" in too_long.value.error
                 with pytest.raises(ollama.ResponseError) as bad_keep_alive:
                     await client("generate", model=TINY, prompt="w1", keep_alive="soon")
                 assert bad_keep_alive.value.status_code == 400 and "keep_alive" in bad_keep_alive.value.error
@@ -112,5 +115,21 @@ def test_the_official_client_against_a_three_agent_cluster(tmp_path):
                              what="the model unloaded after keep_alive 0")
             loaded = await asyncio.to_thread(run_client, others[1].url, "generate", model=TINY, keep_alive="10m")
             assert loaded.done_reason == "load" and router.registry.entries[TINY].state == "ready"
+
+    asyncio.run(scenario())
+
+
+def test_pull_takes_known_models_only(tmp_path):
+    """`/api/pull` is `ncm pull`: a model it already stores is a success at once (nothing is
+    downloaded), a name ncm does not know is a 404 in Ollama's shape."""
+    async def scenario() -> None:
+        async with tiny_cluster(tmp_path, 1, names=(TINY, "smollm2-135m")) as (leader, _):
+            status = await asyncio.to_thread(run_client, leader.url, "pull", "smollm2-135m")
+            assert status.status == "success"
+            lines = await asyncio.to_thread(run_client, leader.url, "pull", "smollm2-135m", stream=True)
+            assert [line.status for line in lines][-1] == "success"
+            with pytest.raises(ollama.ResponseError) as unknown:
+                await asyncio.to_thread(run_client, leader.url, "pull", "llama9-900b", stream=False)
+            assert unknown.value.status_code == 404 and "llama9-900b" in unknown.value.error
 
     asyncio.run(scenario())
