@@ -5,7 +5,10 @@ Each backend runs the whole model as one fragment, in its own flavour, with the 
 threads; prefill is one prompt of --prompt tokens, decode --decode single-token steps after
 it. With --also PYTHON the same measurement also runs under another environment's
 interpreter (e.g. .venv-openvino/bin/python, whose onnxruntime is the OpenVINO build) and
-its rows join the table; its CPU row is the ratio's base for its own backends.
+its rows join the table; its CPU row is the ratio's base for its own backends. Where the
+RKNN converter's environment is set up (`.venv-rknn`, or $NCM_RKNN_PYTHON), the RK3588's
+NPU is also run on rknn-toolkit2's simulator: its row is marked "simulator" and its figures
+are the simulator's speed on this CPU, not the NPU's; what it shows is the fp16 error.
 
     python bench/backends.py [--model smollm2-135m] [--threads 2] [--also .venv-openvino/bin/python]
 """
@@ -24,7 +27,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from agent.demo import _ensure_model  # noqa: E402
-from shards.backends import OPENVINO, backend_chain, detect_platform  # noqa: E402
+from shards.backends import OPENVINO, backend_chain, detect_platform, rknn_backend  # noqa: E402
 from shards.fragment import load_manifest  # noqa: E402
 from shards.runner import OrtFragmentRunner  # noqa: E402
 from shards.store import ModelStore  # noqa: E402
@@ -35,6 +38,9 @@ def measure(model_dir: Path, backend_names: list[str], threads: int, prompt: int
     platform = detect_platform()
     forced = [OPENVINO] if OPENVINO in platform.providers else []
     chain, _ = backend_chain(platform, forced)
+    if platform.rknn_converter:
+        chain.append(rknn_backend(platform.rknn_target or "rk3588", runtime="simulator"))
+    reference = None
     rows = []
     for backend in chain:
         if backend_names and backend.name not in backend_names:
@@ -48,13 +54,17 @@ def measure(model_dir: Path, backend_names: list[str], threads: int, prompt: int
         started = time.perf_counter()
         out = runner.forward("s", ids)
         prefill_s = time.perf_counter() - started
+        if reference is None:
+            reference = out
+        error = float(np.abs(out - reference).max() / np.abs(reference).max())
         token = int(out[0, -1].argmax())
         started = time.perf_counter()
         for _ in range(decode):
             token = int(runner.forward("s", np.array([[token]]))[0, -1].argmax())
         decode_s = time.perf_counter() - started
         rows.append({"backend": backend.name, "provider": runner.provider, "flavour": runner.flavour,
-                     "prefill_tok_s": prompt / prefill_s, "decode_tok_s": decode / decode_s})
+                     "prefill_tok_s": prompt / prefill_s, "decode_tok_s": decode / decode_s, "logits_error": error,
+                     "simulator": dict(backend.options).get("runtime") == "simulator"})
         runner.close()
     return rows
 
@@ -64,7 +74,9 @@ def report(rows: list[dict], where: str) -> None:
     for r in rows:
         ratio = (f"{r['decode_tok_s'] / cpu['decode_tok_s']:5.2f}x / {r['prefill_tok_s'] / cpu['prefill_tok_s']:5.2f}x"
                  if cpu else "-")
-        print(f"{where:<14} {r['backend']:<14} {r['flavour']:<9} {r['decode_tok_s']:9.1f} {r['prefill_tok_s']:10.1f}   {ratio}")
+        note = "  simulator: not the NPU's speed" if r.get("simulator") else ""
+        print(f"{where:<14} {r['backend']:<14} {r['flavour']:<9} {r['decode_tok_s']:9.1f} {r['prefill_tok_s']:10.1f}   "
+              f"{ratio}   {r['logits_error']:.1e}{note}")
 
 
 def main() -> None:
@@ -84,7 +96,8 @@ def main() -> None:
         print(json.dumps(rows))
         return
     print(f"{args.model}, {args.threads} threads, prompt {args.prompt}, decode {args.decode}")
-    print(f"{'environment':<14} {'backend':<14} {'flavour':<9} {'decode/s':>9} {'prefill/s':>10}   vs cpu (decode / prefill)")
+    print(f"{'environment':<14} {'backend':<14} {'flavour':<9} {'decode/s':>9} {'prefill/s':>10}   "
+          f"vs cpu (decode / prefill)   prefill logits vs the first row (relative)")
     report(rows, "this")
     if args.also:
         command = [args.also, __file__, "--json", "--model", args.model, "--threads", str(args.threads),

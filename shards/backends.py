@@ -20,7 +20,8 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-from shards.errors import RunnerError
+from shards.errors import RknnUnavailableError, RunnerError
+from shards.rknn import RKNN, RknnSession, board_target, converter_python, lite_runtime_problem
 
 log = logging.getLogger(__name__)
 
@@ -71,6 +72,9 @@ class Platform:
     providers: tuple[str, ...]
     openvino_devices: tuple[str, ...] = ()  # as OpenVINO names them: "CPU", "GPU", "GPU.1", "NPU"
     qnn_htp_library: str | None = None
+    rknn_target: str | None = None  # a Rockchip board with an NPU: "rk3588", "rk3576"
+    rknn_problem: str | None = None  # why its NPU cannot be reached (None: rknnlite can try)
+    rknn_converter: bool = False  # an environment with rknn-toolkit2 (conversion, and the simulator)
 
 
 CPU_BACKEND = Backend("cpu", CPU, "cpu", "cpu")
@@ -86,17 +90,29 @@ def _openvino(device: str) -> Backend:
                    (("device_type", device), ("precision", "ACCURACY")))
 
 
+def rknn_backend(target: str, runtime: str = "npu", core_mask: str = "auto") -> Backend:
+    """Rockchip's NPU through RKNN (:mod:`shards.rknn`): the static fragment converted to fp16;
+    ``runtime="simulator"`` runs it on the toolkit's simulator instead (x86, for checks)."""
+    name = f"rknn-{'sim' if runtime == 'simulator' else 'npu'}"
+    return Backend(name, RKNN, "npu", "static", (("runtime", runtime), ("target", target), ("core_mask", core_mask)))
+
+
 def backend_chain(platform: Platform, forced: Sequence[str] = ()) -> tuple[list[Backend], list[Unusable]]:
     """The backends to try, best first and CPU last, and the accelerators left out with why.
 
     ``forced`` (the `providers` setting) names backends ("openvino-cpu") or providers
     ("OpenVINOExecutionProvider": each of its usable backends); then only those are tried,
     then the CPU. Without it OpenVINO's CPU device is not used: the CPU provider's fused
-    fragments are faster there.
+    fragments are faster there, and the RKNN simulator ("rknn-sim") is not either.
     """
     available = set(platform.providers)
     usable: list[Backend] = []
     unusable: list[Unusable] = []
+    if platform.rknn_target is not None:
+        if platform.rknn_problem is None:
+            usable.append(rknn_backend(platform.rknn_target))
+        else:
+            unusable.append(Unusable("rknn-npu", RKNN, platform.rknn_problem))
     for provider, name in (("TensorrtExecutionProvider", "tensorrt"), ("CUDAExecutionProvider", "cuda")):
         if provider in available:
             usable.append(Backend(name, provider, "gpu", "portable", (("device_id", "0"),)))
@@ -119,6 +135,8 @@ def backend_chain(platform: Platform, forced: Sequence[str] = ()) -> tuple[list[
     if not forced:
         return usable + [CPU_BACKEND], unusable
     extra = [_openvino("CPU")] if OPENVINO in available and "CPU" in platform.openvino_devices else []
+    if platform.rknn_converter:
+        extra.append(rknn_backend(platform.rknn_target or "rk3588", runtime="simulator"))
     candidates = usable + extra
     chosen: list[Backend] = []
     for wanted in forced:
@@ -183,16 +201,36 @@ def detect_platform() -> Platform:
 
     providers = tuple(ort.get_available_providers())
     capi_dir = Path(ort.__file__).parent / "capi"
+    target = board_target()
     return Platform(
         providers=providers,
         openvino_devices=_openvino_devices(capi_dir) if OPENVINO in providers else (),
         qnn_htp_library=_qnn_htp_library(capi_dir) if QNN in providers else None,
+        rknn_target=target,
+        rknn_problem=lite_runtime_problem() if target else None,
+        rknn_converter=_has_converter(),
     )
+
+
+def _has_converter() -> bool:
+    try:
+        converter_python()
+    except RknnUnavailableError:
+        return False
+    return True
 
 
 def _session(backend: Backend, model: Any) -> Any:
     """An onnxruntime session of ``model`` on ``backend`` (RunnerError if it cannot start)."""
     import onnxruntime as ort
+
+    if backend.provider == RKNN:
+        import tempfile
+
+        with tempfile.TemporaryDirectory(prefix="ncm-rknn-") as folder:  # converted, then opened
+            path = Path(folder) / "block.onnx"
+            path.write_bytes(model.SerializeToString())
+            return RknnSession(path, **dict(backend.options))
 
     try:
         session = ort.InferenceSession(model.SerializeToString(), providers=backend.providers())

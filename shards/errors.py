@@ -46,6 +46,14 @@ class RunnerError(ShardsError):
     """A fragment runner was used wrongly (unknown session, wrong input shape...)."""
 
 
+class RknnUnavailableError(RunnerError):
+    """RKNN cannot run here: no converter environment, no lite runtime or librknnrt.so, no board."""
+
+
+class RknnConversionError(RunnerError):
+    """The RKNN converter refused a fragment, or the NPU (or its simulator) could not run it."""
+
+
 class CorruptWeightsError(ModelFormatError):
     """Stored weight files do not match the sha256 of the model's manifest (``paths``: which)."""
 

@@ -48,7 +48,8 @@ from shards.verify import verify_weight_files
 
 log = logging.getLogger(__name__)
 FLAVOURS = ("cpu", "portable", "static")
-BUILDER_VERSION = 8
+BUILDER_VERSION = 9
+RMS_SCALE_FLOOR = 1e-3  # the static flavour's RMS norms divide a row by its largest |x|, at least this
 ONNX_FILE = "fragment.onnx"
 FRAGMENTS_DIR = "fragments"  # the default cache, inside the model's directory
 BLOB_POOL = ".blobs"
@@ -233,13 +234,23 @@ class _Builder:
 
     # --- norms ----------------------------------------------------------------------------
     def rms(self, x: str, w: np.ndarray, label: str) -> str:
-        """RMS norm from plain ops (the "cpu" flavour uses the fused add_rms everywhere)."""
+        """RMS norm from plain ops (the "cpu" flavour uses the fused add_rms everywhere).
+
+        The static flavour runs on fp16 NPUs, where x * x overflows (65504) once |x| passes 256,
+        and hidden states reach thousands: it normalises x' = x / s with s = max |x| of the row
+        (at least RMS_SCALE_FLOOR, so a padded row of zeros stays finite), which gives the same
+        value for any s > 0: x / sqrt(mean(x^2) + eps) = x' / sqrt(mean(x'^2) + eps / s^2)."""
         g, eps = self.g, float(self.m.rms_norm_eps)
         wn = g.const(label, w.astype(np.float32))
+        eps_term = g.const("rms_eps", np.array(eps, np.float32))
+        if self.s.flavour == "static":
+            peak = g.op1("ReduceMax", [g.op1("Abs", [x])], axes=[-1], keepdims=1)
+            inv_s = g.op1("Reciprocal", [g.op1("Max", [peak, g.const("rms_scale_floor", np.array(RMS_SCALE_FLOOR, np.float32))])])
+            x = g.op1("Mul", [x, inv_s])
+            eps_term = g.op1("Mul", [g.op1("Mul", [eps_term, inv_s]), inv_s])  # in this order: no fp16 overflow
         sq = g.op1("Mul", [x, x])
         ms = g.op1("ReduceMean", [sq], axes=[-1], keepdims=1)
-        eps_c = g.const("rms_eps", np.array(eps, np.float32))
-        inv = g.op1("Reciprocal", [g.op1("Sqrt", [g.op1("Add", [ms, eps_c])])])
+        inv = g.op1("Reciprocal", [g.op1("Sqrt", [g.op1("Add", [ms, eps_term])])])
         return g.op1("Mul", [g.op1("Mul", [x, inv]), wn])
 
     def add_rms(self, x: str, residual: str, w: np.ndarray, label: str) -> tuple[str, str]:

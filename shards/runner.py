@@ -19,6 +19,7 @@ import numpy as np
 from shards.backends import Backend, backend_chain, detect_platform
 from shards.errors import RunnerError
 from shards.fragment import build_fragment, load_manifest
+from shards.rknn import RKNN, RknnSession
 
 log = logging.getLogger(__name__)
 
@@ -155,6 +156,10 @@ class OrtFragmentRunner(FragmentRunner):
                                    cache_dir=cache_dir)
         info = json.loads((self.path.parent / "fragment.json").read_text(encoding="utf-8"))
         self._weight_bytes = int(info["weight_bytes"])
+        if backend.provider == RKNN:  # Rockchip's NPU: the static fragment converted (shards.rknn)
+            self._sess = RknnSession(self.path, **dict(backend.options))
+            self.provider = RKNN
+            return
         try:
             self._sess = ort.InferenceSession(str(self.path), so, providers=backend.providers())
         except Exception as e:  # onnxruntime raises its own exception types
@@ -215,6 +220,8 @@ class OrtFragmentRunner(FragmentRunner):
     def close(self) -> None:
         with self._lock:
             self._sessions.clear()
+            if isinstance(self._sess, RknnSession):
+                self._sess.close()  # its worker process or NPU context
             self._sess = None
 
     # --- forward -----------------------------------------------------------------------------
