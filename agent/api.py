@@ -315,7 +315,7 @@ async def list_models(request: web.Request) -> web.StreamResponse:
         {"id": info["id"], "object": "model", "created": 0, "owned_by": "ncm"} for info in router.models()]})
 
 
-# --- model management (seed 000) -------------------------------------------------------------------
+# --- model management (design §10) -------------------------------------------------------------------
 def _autoload(request: web.Request) -> bool | None:
     value = request.query.get("autoload")
     if value is None:

@@ -1,6 +1,6 @@
 """The orchestrator: plans the model over the live nodes, deploys the plan (`set_routing` on
 every worker), drives requests through the pipeline one step per token, and keeps them
-going when a device dies (redundancy design §6–§8):
+going when a device dies (design §6–§8):
 
 - a device on the route dies and every layer it served has a live holder: the cheapest
   holders are spliced into its place (their fragments were built ahead, as standby), and

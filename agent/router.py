@@ -1,4 +1,4 @@
-"""The model router: many models behind the one API (seed 000, at cluster scale).
+"""The model router: many models behind the one API (design §10).
 
 The orchestrator plays llama.cpp's router for the whole cluster: a model is *loaded* when its
 fragments are planned and running on the devices. This module is the I/O around the pure

@@ -1,4 +1,4 @@
-"""Capacity of a node and its score (redundancy design §1).
+"""Capacity of a node and its score (design §1).
 
 score(n) = (w_v·VRAM + w_r·RAM + w_n·NPU − w_l·latency/100) · (1 − 0.5·load), floored at 1e-3,
 with w = (2.0, 0.5, 1.5, 0.25) normalised to sum 1. VRAM and RAM are in GiB, NPU in TOPS,

@@ -1,4 +1,4 @@
-"""Bookkeeping of the model router (seed 000, at cluster scale). Pure: time is a parameter.
+"""Bookkeeping of the model router (design §10). Pure: time is a parameter.
 
 A model is *loaded* when its fragments are planned and running on the devices. States:
 ``unloaded``, ``measuring`` (its per-device memory is being worked out, then room made for it),

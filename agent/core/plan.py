@@ -1,4 +1,4 @@
-"""Layer split, contiguous blocks and head replication (redundancy design §2–§5).
+"""Layer split, contiguous blocks and head replication (design §2–§5).
 
 Everything here is a pure function of its arguments: the same scores give the same plan on
 every agent. Scores come from :func:`agent.core.capacity.score` (exact fractions); tests feed

@@ -1,4 +1,4 @@
-"""Routes through the pipeline, failover and degraded mode (redundancy design §6–§7).
+"""Routes through the pipeline, failover and degraded mode (design §6–§7).
 
 A route is the ordered list of hops a request takes: each hop is one node running a
 contiguous range of layers. Routes are chosen by cost; when a node dies, its hops are

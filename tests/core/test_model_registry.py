@@ -1,4 +1,4 @@
-"""The router's bookkeeping: unit cases from seed 000 and a stateful property test."""
+"""The router's bookkeeping: unit cases of docs/design.md §10 and a stateful property test."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""§2–§5 of the redundancy design: split, contiguous blocks, head replication, redundancy map."""
+"""§2–§5 of docs/design.md: split, contiguous blocks, head replication, redundancy map."""
 
 import json
 import math

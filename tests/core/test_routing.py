@@ -1,4 +1,4 @@
-"""§6–§7 of the redundancy design: routes, failover, forwarding tables, degraded mode."""
+"""§6–§7 of docs/design.md: routes, failover, forwarding tables, degraded mode."""
 
 from fractions import Fraction
 
