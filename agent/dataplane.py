@@ -153,11 +153,6 @@ class Links:
             link = self._links[node_id] = StageLink(self.client, node_id, url)
         return link
 
-    async def drop(self, node_id: str) -> None:
-        link = self._links.pop(node_id, None)
-        if link is not None:
-            await link.close()
-
     async def close(self) -> None:
         for link in list(self._links.values()):
             await link.close()

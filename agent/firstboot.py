@@ -42,6 +42,7 @@ from agent.compat import tomllib
 from agent.config import PENDING_JOIN_FILE
 from agent.core.errors import NcmError
 from agent.core.invites import JOIN_PREFIX, InviteError, JoinString
+from shards import cli as shards_cli
 
 log = logging.getLogger(__name__)
 
@@ -621,10 +622,8 @@ def pull_pending(state_dir: Path, pull: Callable[[str], int] | None = None) -> i
     if not _MODEL_RE.match(model):
         raise FirstbootError(f"{request} does not name a model")
     if pull is None:
-        from agent import cli  # late import: cli imports this module
-
         def pull(name: str) -> int:
-            return cli.main(["pull", name])
+            return shards_cli.main(["pull", name])
 
     log.info("pulling model %s", model)
     code = pull(model)

@@ -53,7 +53,8 @@ def prompt_ids(gguf_path: Path, n_tokens: int) -> list[int]:
     """``n_tokens`` ids of a repeated English paragraph, from the model's own tokenizer."""
     import gguf
 
-    from shards.tokenizer import Tokenizer, tokenizer_spec_from_gguf
+    from shards.tokenizer import Tokenizer
+    from shards.tokenizer_spec import tokenizer_spec_from_gguf
 
     tokenizer = Tokenizer(tokenizer_spec_from_gguf(gguf.GGUFReader(gguf_path)))
     ids: list[int] = []

@@ -200,7 +200,7 @@ class HfSource:
         return {"norm": norm, "lm_head": w}
 
     def tokenizer_spec(self) -> Any:
-        from shards.tokenizer import tokenizer_spec_from_hf
+        from shards.tokenizer_spec import tokenizer_spec_from_hf
 
         return tokenizer_spec_from_hf(self.path)
 

@@ -166,7 +166,7 @@ def import_model(path: Path | str, *, name: str | None = None, weights: str = "f
     spec = src.tokenizer_spec()  # TokenizerError before anything is written
     params = dict(src.params)
     n = params["n_layers"]
-    from shards.tokenizer import save_tokenizer_spec
+    from shards.tokenizer_spec import save_tokenizer_spec
 
     with store.staging(name) as tmp:
         (tmp / WEIGHTS_DIR).mkdir()

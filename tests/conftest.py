@@ -99,6 +99,7 @@ def smollm2_tokenizer(smollm2_gguf: Path):
     """The default model's Tokenizer, built straight from its GGUF (no import needed)."""
     import gguf
 
-    from shards.tokenizer import Tokenizer, tokenizer_spec_from_gguf
+    from shards.tokenizer import Tokenizer
+    from shards.tokenizer_spec import tokenizer_spec_from_gguf
 
     return Tokenizer(tokenizer_spec_from_gguf(gguf.GGUFReader(smollm2_gguf)))
