@@ -8,6 +8,7 @@ the converter refuses, a board without the runtime) are one clear line each."""
 from __future__ import annotations
 
 import os
+import sys
 
 import numpy as np
 import pytest
@@ -30,7 +31,7 @@ def _converter() -> str | None:
     try:
         return converter_python()
     except RknnUnavailableError as error:
-        if os.environ.get("CI"):
+        if os.environ.get("CI") and sys.version_info[:2] <= (3, 12):  # rknn-toolkit2's wheels stop at 3.12
             pytest.fail(f"CI must set up the RKNN converter: {error}")
         return None
 
