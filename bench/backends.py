@@ -10,7 +10,7 @@ RKNN converter's environment is set up (`.venv-rknn`, or $NCM_RKNN_PYTHON), the 
 NPU is also run on rknn-toolkit2's simulator: its row is marked "simulator" and its figures
 are the simulator's speed on this CPU, not the NPU's; what it shows is the fp16 error.
 
-    python bench/backends.py [--model smollm2-135m] [--threads 2] [--also .venv-openvino/bin/python]
+    python bench/backends.py [--model smollm2-135m] [--threads 2] [--layers 0-3] [--also .venv-openvino/bin/python]
 """
 
 from __future__ import annotations
@@ -33,8 +33,10 @@ from shards.runner import OrtFragmentRunner  # noqa: E402
 from shards.store import ModelStore  # noqa: E402
 
 
-def measure(model_dir: Path, backend_names: list[str], threads: int, prompt: int, decode: int) -> list[dict]:
+def measure(model_dir: Path, backend_names: list[str], threads: int, prompt: int, decode: int,
+            layers: tuple[int, int] | None = None) -> list[dict]:
     m = load_manifest(model_dir)
+    first, last = layers or (0, m.n_layers - 1)
     platform = detect_platform()
     forced = [OPENVINO] if OPENVINO in platform.providers else []
     chain, _ = backend_chain(platform, forced)
@@ -45,7 +47,7 @@ def measure(model_dir: Path, backend_names: list[str], threads: int, prompt: int
     for backend in chain:
         if backend_names and backend.name not in backend_names:
             continue
-        runner = OrtFragmentRunner(model_dir, 0, m.n_layers - 1, backends=[backend], threads=threads,
+        runner = OrtFragmentRunner(model_dir, first, last, backends=[backend], threads=threads,
                                    max_context=prompt + decode + 1, prefill_chunk=min(prompt, 64))
         ids = np.random.default_rng(0).integers(0, m.vocab_size, (1, prompt))
         runner.open_session("warm")
@@ -86,22 +88,26 @@ def main() -> None:
     parser.add_argument("--prompt", type=int, default=128)
     parser.add_argument("--decode", type=int, default=64)
     parser.add_argument("--backend", action="append", default=[], help="only these backends (repeatable)")
+    parser.add_argument("--layers", metavar="FIRST-LAST", help="a fragment of these layers (default: the whole model; "
+                        "the simulator converts a whole model slowly)")
     parser.add_argument("--also", metavar="PYTHON", help="also measure under this interpreter's environment")
     parser.add_argument("--json", action="store_true", help=argparse.SUPPRESS)  # used by --also
     args = parser.parse_args()
     _ensure_model(args.model)
     model_dir = ModelStore().model_dir(args.model)
-    rows = measure(model_dir, args.backend, args.threads, args.prompt, args.decode)
+    layers = tuple(int(n) for n in args.layers.split("-")) if args.layers else None
+    rows = measure(model_dir, args.backend, args.threads, args.prompt, args.decode, layers)
     if args.json:
         print(json.dumps(rows))
         return
-    print(f"{args.model}, {args.threads} threads, prompt {args.prompt}, decode {args.decode}")
+    print(f"{args.model}{f' layers {args.layers}' if args.layers else ''}, {args.threads} threads, "
+          f"prompt {args.prompt}, decode {args.decode}")
     print(f"{'environment':<14} {'backend':<14} {'flavour':<9} {'decode/s':>9} {'prefill/s':>10}   "
-          f"vs cpu (decode / prefill)   prefill logits vs the first row (relative)")
+          f"vs cpu (decode / prefill)   prefill output vs the first row (relative)")
     report(rows, "this")
     if args.also:
         command = [args.also, __file__, "--json", "--model", args.model, "--threads", str(args.threads),
-                   "--prompt", str(args.prompt), "--decode", str(args.decode)]
+                   "--prompt", str(args.prompt), "--decode", str(args.decode)] + (["--layers", args.layers] if args.layers else [])
         result = subprocess.run(command, capture_output=True, text=True, check=True)
         report(json.loads(result.stdout.strip().splitlines()[-1]), Path(args.also).parents[1].name)
 
