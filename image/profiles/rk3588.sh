@@ -16,13 +16,16 @@ image/build rk3588 --armbian-dir DIR [options]
   --rknn-runtime FILE    librknnrt.so to install (from Rockchip's rknpu2 release that
                          matches rknn-toolkit-lite2); without it the NPU is not usable
   --no-rknn              do not install rknn-toolkit-lite2
+  --rknn-converter       also put the RKNN converter (rknn-toolkit2, with torch: about
+                         700 MB) in its own environment, so the board converts fragments
+                         for its NPU itself (else copy converted .rknn files onto it)
   --work DIR             build cache (default: $XDG_CACHE_HOME/ncm-image or ~/.cache/ncm-image)
   --dry-run              check the tree and print every step; write nothing, run nothing
 USAGE
 }
 
 profile_main() {
-    local armbian="" board=rock-5b release=bookworm setup="" rknn_runtime="" rknn=yes
+    local armbian="" board=rock-5b release=bookworm setup="" rknn_runtime="" rknn=yes converter=no
     local work="${XDG_CACHE_HOME:-$HOME/.cache}/ncm-image"
     while [ $# -gt 0 ]; do
         case "$1" in
@@ -33,6 +36,7 @@ profile_main() {
             --wheel) NCM_WHEEL="$2"; shift 2 ;;
             --rknn-runtime) rknn_runtime="$2"; shift 2 ;;
             --no-rknn) rknn=no; shift ;;
+            --rknn-converter) converter=yes; shift ;;
             --work) work="$2"; shift 2 ;;
             --dry-run) DRY_RUN=yes; shift ;;
             -h|--help) profile_usage; exit 0 ;;
@@ -60,6 +64,7 @@ profile_main() {
 
     local userpatches="$armbian/userpatches" payload="$armbian/userpatches/overlay/ncm"
     local config_name=ncm-rk3588 wheelhouse="$work/wheels-arm64-py$pyver-rk3588"
+    local converter_wheels="$work/rknn-converter-arm64-py$pyver"
     if [ -e "$userpatches/customize-image.sh" ] && ! grep -q '^# ncm: Armbian' "$userpatches/customize-image.sh"; then
         die "$userpatches/customize-image.sh exists and is not ncm's: merge it by hand or move it away"
     fi
@@ -86,6 +91,9 @@ CONF
         log "dry run: Armbian $release (vendor kernel) for $board in $armbian"
         log "would build the ncm wheel and download its dependencies for arm64 / Python $pyver into $wheelhouse"
         [ "$rknn" = yes ] && log "would add rknn-toolkit-lite2 (aarch64, Python $pyver) as an extra wheel"
+        [ "$converter" = yes ] && log "would download the RKNN converter ($(grep -E '^rknn-toolkit2==' \
+            "$IMAGE_DIR/rknn-converter.txt"), its requirements and torch; aarch64, Python $pyver) into" \
+            "$converter_wheels, for /opt/ncm-rknn on the board"
         if [ -n "$rknn_runtime" ]; then
             log "would install $rknn_runtime as /usr/lib/librknnrt.so"
         else
@@ -115,9 +123,31 @@ CONF
         mkdir -p "$payload/rknn"
         cp "$rknn_runtime" "$payload/rknn/librknnrt.so"
     fi
+    if [ "$converter" = yes ]; then
+        download_rknn_converter "$converter_wheels" "$pyver" "$glibc_minor"
+        mkdir -p "$payload/rknn-converter"
+        cp "$converter_wheels"/*.whl "$IMAGE_DIR/rknn-converter.txt" "$payload/rknn-converter/"
+    fi
     install -m 0755 "$IMAGE_DIR/profiles/rk3588/customize-image.sh" "$userpatches/customize-image.sh"
     printf '%s\n' "$config" >"$userpatches/config-$config_name.conf"
     log "running Armbian's build (this takes a long time and needs its own prerequisites)"
     (cd "$armbian" && ./compile.sh "$config_name")
     log "done: the image is in $armbian/output/images/"
+}
+
+# download_rknn_converter DIR PYVER GLIBC_MINOR: rknn-toolkit2 (without its dependencies),
+# the requirements of image/rknn-converter.txt and torch, as aarch64 wheels.
+download_rknn_converter() {
+    local dir="$1" pyver="$2" glibc_minor="$3" requirements="$IMAGE_DIR/rknn-converter.txt"
+    local flags=(--quiet --disable-pip-version-check --only-binary=:all: --implementation cp
+                 --python-version "$pyver" --abi "cp${pyver/./}" --abi abi3 --abi none --platform any --dest "$dir")
+    # shellcheck disable=SC2207
+    flags+=($(manylinux_platforms aarch64 "$glibc_minor"))
+    rm -rf "$dir"
+    mkdir -p "$dir"
+    log "downloading the RKNN converter for aarch64 / Python $pyver into $dir"
+    "$HOST_PYTHON" -m pip download "${flags[@]}" --no-deps "$(grep -E '^rknn-toolkit2==' "$requirements")" \
+        || die "rknn-toolkit2 has no aarch64 wheel for Python $pyver"
+    "$HOST_PYTHON" -m pip download "${flags[@]}" -r <(grep -vE '^(#|rknn-toolkit2==|$)' "$requirements") torch \
+        || die "cannot download the RKNN converter's requirements for aarch64 / Python $pyver"
 }

@@ -99,6 +99,19 @@ def test_rk3588_dry_run(armbian: Path, tmp_path: Path) -> None:
     assert not (tmp_path / "work").exists()
 
 
+def test_rk3588_dry_run_with_the_rknn_converter(armbian: Path, tmp_path: Path) -> None:
+    """--rknn-converter: rknn-toolkit2 (the version ./dev uses) for an environment of its own on
+    the board, which customize-image.sh makes and names to the agent."""
+    result = build("rk3588", "--armbian-dir", str(armbian), "--rknn-converter", "--work", str(tmp_path / "work"),
+                   "--dry-run")
+    assert result.returncode == 0, result.stderr
+    log = result.stdout + result.stderr
+    assert "RKNN converter (rknn-toolkit2==" in log and "/opt/ncm-rknn" in log
+    hook = (REPO / "image/profiles/rk3588/customize-image.sh").read_text()
+    assert "Environment=NCM_RKNN_PYTHON=" in hook and 'rknn-converter.txt' in hook
+    assert not (tmp_path / "work").exists()
+
+
 @pytest.mark.parametrize(
     ("change", "message"),
     [

@@ -31,3 +31,24 @@ if [ -f "$payload/rknn/librknnrt.so" ]; then
     ldconfig
     echo "ncm: installed librknnrt.so"
 fi
+
+# The RKNN converter (image/build rk3588 --rknn-converter): rknn-toolkit2 in an environment of
+# its own (it pins old numpy, onnx and protobuf), which the agent runs to convert fragments.
+if [ -d "$payload/rknn-converter" ]; then
+    converter=/opt/ncm-rknn
+    wheels="$payload/rknn-converter"
+    pip=("$converter/bin/python" -m pip --disable-pip-version-check --no-cache-dir --no-input)
+    rm -rf "$converter"
+    python3 -m venv "$converter"
+    PIP_CONFIG_FILE=/dev/null "${pip[@]}" install --quiet --no-index --find-links "$wheels" --no-deps \
+        "$(grep -E '^rknn-toolkit2==' "$wheels/rknn-converter.txt")"
+    PIP_CONFIG_FILE=/dev/null "${pip[@]}" install --quiet --no-index --find-links "$wheels" \
+        -r <(grep -vE '^(#|rknn-toolkit2==|$)' "$wheels/rknn-converter.txt") torch 2>&1 \
+        | grep -v "rknn-toolkit2 .* requires \|dependency resolver does not currently" || true
+    "$converter/bin/python" -c 'from rknn.api import RKNN' >/dev/null \
+        || { echo "ncm: the RKNN converter does not import in $converter" >&2; exit 1; }
+    mkdir -p /etc/systemd/system/ncm-agent.service.d
+    printf '[Service]\nEnvironment=NCM_RKNN_PYTHON=%s/bin/python\n' "$converter" \
+        > /etc/systemd/system/ncm-agent.service.d/rknn-converter.conf
+    echo "ncm: installed the RKNN converter in $converter"
+fi
