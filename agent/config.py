@@ -14,6 +14,7 @@ from urllib.parse import urlsplit
 
 from agent.compat import tomllib
 from agent.core.errors import NcmError
+from agent.core.threads import SPIN_CHOICES
 from shards.store import ncm_home
 
 INSTALLED_CONFIG_PATH = Path("/etc/ncm/agent.toml")
@@ -60,6 +61,7 @@ class AgentConfig:
     ram_gib: float | None = None
     providers: tuple[str, ...] = ()
     threads: int = 0
+    spin: str = "auto"  # compute threads spin between runs: auto (only when alone on the host), on, off
     health_interval_s: float = 1.0
     failure_threshold: int = 3
     peer_timeout_s: float = 2.0
@@ -106,6 +108,8 @@ class AgentConfig:
                 raise ConfigError(f"{name} must be >= 0, got {value}")
         if self.threads < 0:
             raise ConfigError(f"threads must be >= 0 (0 = let the runtime choose), got {self.threads}")
+        if self.spin not in SPIN_CHOICES:
+            raise ConfigError(f"spin must be one of {', '.join(SPIN_CHOICES)}, got {self.spin!r}")
         for name in ("health_interval_s", "peer_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")
@@ -154,7 +158,7 @@ _FIELD_TYPES: dict[str, str] = {
     "advertise_host": "str",
     "peers": "list", "state_dir": "path", "model": "str", "orchestrator": "bool", "api_token": "str",
     "api_keys": "list",
-    "mdns": "bool", "interfaces": "list", "npu_tops": "float?", "vram_gib": "float?", "ram_gib": "float?", "providers": "list", "threads": "int",
+    "mdns": "bool", "interfaces": "list", "npu_tops": "float?", "vram_gib": "float?", "ram_gib": "float?", "providers": "list", "threads": "int", "spin": "str",
     "health_interval_s": "float", "failure_threshold": "int", "peer_timeout_s": "float",
     "discovery_grace_s": "float", "replicate_head_ratio": "float", "replica_count": "int?",
     "min_layers_per_node": "int", "max_context": "int", "prefill_chunk": "int",

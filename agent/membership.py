@@ -17,12 +17,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
+import socket
 import statistics
 import time
 from typing import Any, Callable
+from urllib.parse import urlsplit
 
 import aiohttp
+import psutil
 from yarl import URL
 
 from agent import __version__
@@ -181,6 +185,13 @@ class Membership:
         self.events.record(kind, reason, node=node)
         self._signal()
 
+    def agents_on_host(self) -> int:
+        """This agent and the live peers that run on the same machine (their URLs name one of its
+        addresses): they share its cores."""
+        local = _local_addresses() | {host for host in (self.config.advertise_host, self._seen_as) if host}
+        return 1 + sum(1 for url, entry in self.table.entries.items()
+                       if entry.alive and urlsplit(url).hostname in local)
+
     def alive_nodes(self) -> dict[str, NodeAdvert]:
         """node id -> advert of every live node, this one included."""
         return {self.node_id: self.advert(), **self.table.alive_adverts()}
@@ -329,3 +340,12 @@ class Membership:
         while True:
             await self.round()
             await asyncio.sleep(self.config.health_interval_s)
+
+
+@functools.lru_cache(maxsize=1)
+def _local_addresses() -> frozenset[str]:
+    """The names and addresses of this machine (loopback included)."""
+    addresses = {"localhost", "127.0.0.1", "::1", socket.gethostname()}
+    for interface in psutil.net_if_addrs().values():
+        addresses.update(a.address.split("%")[0] for a in interface if a.family in (socket.AF_INET, socket.AF_INET6))
+    return frozenset(addresses)

@@ -391,7 +391,7 @@ def build_app(config: AgentConfig, *, node_id: str, store: ModelStore, api_port:
         app[LINKS] = Links(client)
         events = app[EVENTS]
         app[MEMBERSHIP] = Membership(config, node_id, client, api_port=api_port, peer_port=peer_port, events=events)
-        app[WORKER] = Worker(node_id, config, store, client, app[LINKS], app[METRICS])
+        app[WORKER] = Worker(node_id, config, store, client, app[LINKS], app[METRICS], app[MEMBERSHIP].agents_on_host)
         app[ORCHESTRATOR] = Orchestrator(node_id, config, app[MEMBERSHIP], app[WORKER], client, store, events)
         app[ROUTER] = ModelRouter(config, store, app[ORCHESTRATOR], app[MEMBERSHIP], events)
         state = ClusterStateCollector(

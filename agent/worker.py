@@ -19,6 +19,7 @@ import asyncio
 import errno
 import logging
 import math
+import os
 import shutil
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -32,6 +33,7 @@ import psutil
 from agent.config import AgentConfig
 from agent.core.errors import NcmError
 from agent.core.orders import RoutingOrder
+from agent.core.threads import ThreadPlan, thread_plan
 from agent.dataplane import Links, StageError, error_from_header
 from agent.metrics import Metrics
 from agent.peer_client import PeerClient
@@ -122,9 +124,11 @@ class Worker:
     both off the event loop."""
 
     def __init__(self, node_id: str, config: AgentConfig, store: ModelStore, client: PeerClient, links: Links,
-                 metrics: Metrics | None = None) -> None:
+                 metrics: Metrics | None = None, agents_on_host: Callable[[], int] = lambda: 1) -> None:
         self.node_id = node_id
         self.metrics = metrics or Metrics()
+        self._agents_on_host = agents_on_host  # this one and the live peers on the same machine
+        self._thread_plan: ThreadPlan | None = None
         self.config = config
         self.store = store
         self.client = client
@@ -344,10 +348,17 @@ class Worker:
 
     def _open_runner(self, model_dir: Path, key: RunnerKey) -> FragmentRunner:
         _, first, last, max_context, prefill_chunk = key
+        plan = thread_plan(configured_threads=self.config.threads, spin=self.config.spin,
+                           agents_on_host=self._agents_on_host(), cores=os.cpu_count() or 1)
+        if plan != self._thread_plan:
+            log.info("fragments run on %s thread(s), %s (%s)", plan.threads or "all",
+                     "spinning between runs" if plan.spinning else "not spinning", plan.reason)
+            self._thread_plan = plan
         return OrtFragmentRunner(
             model_dir, first, last,
             providers=list(self.config.providers) or None,
-            threads=self.config.threads or None,
+            threads=plan.threads,
+            spinning=plan.spinning,
             max_context=max_context,
             prefill_chunk=prefill_chunk,
         )

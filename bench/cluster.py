@@ -1,6 +1,6 @@
 """Decode speed of the default model on 1 agent and on 3 agents on loopback, from one run.
 
-    python bench/cluster.py [--tokens 96] [--threads 1]
+    python bench/cluster.py [--tokens 96] [--threads 1] [--spin auto|on|off]
 
 Prints decode tokens/s for each cluster size, their ratio (aim >= 0.9), the per-hop overhead
 derived from the two (extra time per token / extra network hops per token), and the raw
@@ -40,9 +40,9 @@ def stream_timings(url: str, tokens: int) -> tuple[int, float]:
     return len(stamps), stamps[-1] - stamps[0]
 
 
-def measure(nodes: int, port: int, tokens: int, threads: int) -> dict:
+def measure(nodes: int, port: int, tokens: int, threads: int, spin: str = "auto") -> dict:
     with tempfile.TemporaryDirectory(prefix="ncm-bench-") as base:
-        processes = start_local_cluster(nodes, port, Path(base), "smollm2-135m", env={"NCM_THREADS": str(threads)},
+        processes = start_local_cluster(nodes, port, Path(base), "smollm2-135m", env={"NCM_THREADS": str(threads), "NCM_SPIN": spin},
                                         log_dir=Path(base) / "logs")
         try:
             status = wait_ready(f"http://127.0.0.1:{port}", processes, 600)
@@ -105,11 +105,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, default=96)
     parser.add_argument("--threads", type=int, default=1, help="onnxruntime threads per agent")
+    parser.add_argument("--spin", choices=("auto", "on", "off"), default="auto",
+                        help="the agents' spin setting (auto: off when agents share the host, as here)")
     parser.add_argument("--port", type=int, default=18600)
     args = parser.parse_args()
     _ensure_model("smollm2-135m")
-    one = measure(1, args.port, args.tokens, args.threads)
-    three = measure(3, args.port + 10, args.tokens, args.threads)
+    one = measure(1, args.port, args.tokens, args.threads, args.spin)
+    three = measure(3, args.port + 10, args.tokens, args.threads, args.spin)
     for row in (one, three):
         print(f"{row['nodes']} agent(s): {row['tok_per_s']:6.1f} tok/s  ({row['ms_per_token']:.2f} ms/token, "
               f"{row['tokens']} tokens, {row['hops']} network hop(s) per token)")

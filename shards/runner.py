@@ -107,7 +107,7 @@ class OrtFragmentRunner(FragmentRunner):
                  providers: Sequence[str] | None = None, backends: Sequence[Backend] | None = None,
                  threads: int | None = None, flavour: str | None = None, max_context: int | None = None,
                  prefill_chunk: int | None = None, cache_dir: Path | None = None,
-                 io_binding: bool | None = None) -> None:
+                 io_binding: bool | None = None, spinning: bool | None = None) -> None:
         import onnxruntime as ort
 
         self.model_dir = Path(model_dir)
@@ -121,6 +121,8 @@ class OrtFragmentRunner(FragmentRunner):
         so = ort.SessionOptions()
         if threads:
             so.intra_op_num_threads = int(threads)
+        if spinning is not None:  # None: onnxruntime's default (its threads spin between runs)
+            so.add_session_config_entry("session.intra_op.allow_spinning", "1" if spinning else "0")
         so.log_severity_level = 3
         failures: list[str] = []
         for backend in backends:

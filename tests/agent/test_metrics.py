@@ -13,7 +13,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from agent.events import EventLog
 from agent.metrics import ClusterStateCollector, Metrics
-from agent.service_keys import ADMIN_TOKEN, EVENTS
+from agent.service_keys import ADMIN_TOKEN, EVENTS, MEMBERSHIP
 from tests.agent.inprocess import LocalAgent, call, eventually
 from tests.agent.tiny import TINY, tiny_cluster
 
@@ -48,6 +48,7 @@ async def read_events(response: aiohttp.ClientResponse, events: list[dict[str, A
 def test_metrics_move_with_requests_and_cluster_events_are_streamed(tmp_path):
     async def scenario() -> None:
         async with tiny_cluster(tmp_path, 3, layers=4) as (leader, others):
+            assert leader.app[MEMBERSHIP].agents_on_host() == 3  # all on loopback: they share the cores
             before = await scrape(leader)
             assert value(before, "ncm_is_orchestrator") == 1.0 and value(before, "ncm_nodes_alive") == 3.0
             assert value(before, "ncm_model_state", model=TINY, state="ready") == 1.0
