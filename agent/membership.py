@@ -56,7 +56,9 @@ class Membership:
     """The live view of the cluster from this node."""
 
     def __init__(self, config: AgentConfig, node_id: str, client: PeerClient, *, api_port: int,
-                 peer_port: int, events: EventLog) -> None:
+                 peer_port: int, events: EventLog, describe_extra: Callable[[], dict[str, Any]] = dict) -> None:
+        """``describe_extra``: what this node tells peers besides its advert (its models, its
+        worker's state, its device memory)."""
         self.config = config
         self.events = events
         self.node_id = node_id
@@ -72,7 +74,7 @@ class Membership:
         self.started_at = time.monotonic()
         self._subscribers: list[asyncio.Event] = []
         self._capacity_at = time.monotonic()
-        self.extra_describe: Callable[[], dict[str, Any]] = dict
+        self._describe_extra = describe_extra
         self._extras: dict[str, dict[str, Any]] = {}
         self._seen_as: str | None = None
         for url in config.peers:
@@ -108,7 +110,7 @@ class Membership:
     def describe(self, caller_host: str | None = None) -> dict[str, Any]:
         """The answer to a peer's describe: my advert, my live peers, and how I see the caller."""
         return {"advert": self.advert().to_json(), "peers": self.live_peer_urls(), "you": caller_host,
-                "detected": self.detected.to_dict(), "accelerators": self.accelerators.to_dict(), **self.extra_describe()}
+                "detected": self.detected.to_dict(), "accelerators": self.accelerators.to_dict(), **self._describe_extra()}
 
     def introduction(self) -> dict[str, Any]:
         """What a describe request says about the caller: its API port, and its URL if configured."""

@@ -29,9 +29,9 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -132,11 +132,35 @@ def min_bytes_per_node(manifest: Manifest, ranges: dict[str, set[tuple[int, int]
     return need
 
 
+class ModelHooks(Protocol):
+    """What the orchestrator tells the model router (:class:`agent.router.ModelRouter`), and
+    asks it."""
+
+    def on_role(self, is_orchestrator: bool) -> None:
+        """This node became (or stopped being) the orchestrator."""
+
+    def on_members(self, members: frozenset[str]) -> None:
+        """The live members changed."""
+
+    def on_deployment(self, name: str, deployment: Deployment | None, reason: str) -> None:
+        """A deployment changed by itself (failover, re-plan, loss: None)."""
+
+    def on_progress(self, name: str, nodes_done: int, nodes: int) -> None:
+        """A model's order is held by ``nodes_done`` of ``nodes`` nodes."""
+
+    def preset_of(self, name: str) -> ModelPreset | None:
+        """The preset of router model ``name``."""
+
+    def shortfall(self, name: str, min_bytes: Mapping[str, int]) -> Mapping[str, int]:
+        """Per node, the bytes model ``name`` would lack with a plan needing ``min_bytes``."""
+
+
 class Orchestrator:
     def __init__(self, node_id: str, config: AgentConfig, membership: Membership, worker: Worker,
-                 client: PeerClient, store: ModelStore, events: EventLog) -> None:
+                 client: PeerClient, store: ModelStore, events: EventLog, models: ModelHooks) -> None:
         self.node_id = node_id
         self.events = events
+        self.models = models
         self.config = config
         self.membership = membership
         self.worker = worker
@@ -153,15 +177,6 @@ class Orchestrator:
         self._last_replan = -float("inf")
         self._lock = asyncio.Lock()
         self._tokenizers: dict[str, Tokenizer] = {}
-        # The router's hooks: called when this node becomes (or stops being) the orchestrator,
-        # when the members change, and when a deployment changes by itself (failover, loss).
-        self.on_role: Callable[[bool], None] = lambda is_orchestrator: None
-        self.on_members: Callable[[frozenset[str]], None] = lambda members: None
-        self.on_deployment: Callable[[str, Deployment | None, str], None] = lambda name, deployment, reason: None
-        self.on_progress: Callable[[str, int, int], None] = lambda name, nodes_done, nodes: None
-        self.preset_of: Callable[[str], ModelPreset | None] = lambda name: None
-        # Per node, the bytes that model ``name`` would lack with a plan needing ``min_bytes``.
-        self.shortfall: Callable[[str, Mapping[str, int]], Mapping[str, int]] = lambda name, min_bytes: {}
 
     # --- status ---------------------------------------------------------------------------
     @property
@@ -283,7 +298,7 @@ class Orchestrator:
                 return await self._send_order(node_id, order)
             finally:
                 nodes_done += 1
-                self.on_progress(name, nodes_done, len(nodes))
+                self.models.on_progress(name, nodes_done, len(nodes))
 
         results = await asyncio.gather(*(send(n) for n in nodes), return_exceptions=True)
         failed = {n: r for n, r in zip(nodes, results) if isinstance(r, BaseException)}
@@ -503,14 +518,14 @@ class Orchestrator:
     async def replan(self, name: str, reason: str) -> None:
         """Plan a loaded model again over every live node and deploy it (§8)."""
         async with self._lock:
-            preset = self.preset_of(name)
+            preset = self.models.preset_of(name)
             if name not in self.deployments or preset is None or not self.membership.is_orchestrator:
                 return
             self._last_replan = started = time.monotonic()
             was_degraded = self.deployments[name].order.degraded
             try:
                 planned = await self._plan_model(preset)
-                short = self.shortfall(name, planned.min_bytes)
+                short = self.models.shortfall(name, planned.min_bytes)
                 if short:
                     lacking = ", ".join(f"{node} lacks {missing / MIB:.0f} MiB" for node, missing in sorted(short.items()))
                     log.warning("not re-planning %s (%s): the new plan does not fit (%s); it keeps its plan",
@@ -523,7 +538,7 @@ class Orchestrator:
                 return
             self.planned[name] = planned
             log.info("re-planned %s: %s", name, reason)
-            self.on_deployment(name, deployment, reason)
+            self.models.on_deployment(name, deployment, reason)
             self._settle_state()
             self.events.record("recovered" if was_degraded else "replan", f"re-planned {name}: {reason}", model=name,
                                duration_s=time.monotonic() - started)
@@ -567,11 +582,11 @@ class Orchestrator:
                 self.deployments.pop(name, None)
                 self.forget_plan(name)
                 self._set_state("failed", reason)
-                self.on_deployment(name, None, reason)
+                self.models.on_deployment(name, None, reason)
                 self.events.record("failover", reason, model=name, node=min(dead))
                 raise ClusterError(reason) from None
             self._set_state("degraded" if degraded else "ok", message)
-            self.on_deployment(name, deployment, message)
+            self.models.on_deployment(name, deployment, message)
             self.events.record("degraded" if degraded and not base.order.degraded else "failover", message,
                                model=name, node=min(dead), duration_s=time.monotonic() - started)
             return deployment
@@ -590,7 +605,7 @@ class Orchestrator:
                     newest[order.name] = order
         alive = set(self.membership.alive_nodes())
         for name, order in sorted(newest.items()):
-            preset = self.preset_of(name)
+            preset = self.models.preset_of(name)
             settings = preset.settings if preset is not None else ModelSettings(
                 max_context=order.max_context or self.config.max_context,
                 prefill_chunk=order.prefill_chunk or self.config.prefill_chunk)
@@ -605,11 +620,11 @@ class Orchestrator:
                     async with self._lock:
                         deployment = await self._deploy(name, adopted.plan, order.route, order.model, settings,
                                                         degraded=order.degraded, holdings=self.holdings())
-                    self.on_deployment(name, deployment, f"took over serving {order.model}")
+                    self.models.on_deployment(name, deployment, f"took over serving {order.model}")
             except (NcmError, ShardsError) as error:
                 log.warning("could not take over %s (%s); it is unloaded", name, error)
                 await self._drop_orders(name)
-                self.on_deployment(name, None, f"could not take over: {error}")
+                self.models.on_deployment(name, None, f"could not take over: {error}")
         self._settle_state()
 
     async def run(self) -> None:
@@ -622,7 +637,7 @@ class Orchestrator:
             if not self.membership.is_orchestrator:
                 if was_orchestrator:
                     log.info("no longer the orchestrator")
-                    self.on_role(False)
+                    self.models.on_role(False)
                 was_orchestrator = False
                 self.deployments.clear()
                 self.planned.clear()
@@ -636,7 +651,7 @@ class Orchestrator:
                     was_orchestrator = True
                     self._deployed_members = members
                     await self._adopt_after_election()
-                    self.on_role(True)
+                    self.models.on_role(True)
                     await self._spread_fallback()
                     continue
                 for deployment in list(self.deployments.values()):
@@ -644,7 +659,7 @@ class Orchestrator:
                     if lost:
                         with contextlib.suppress(ClusterError):
                             await self.recover(deployment, lost)
-                self.on_members(members)
+                self.models.on_members(members)
                 self._replan_pending |= self._clear_faults(members)
                 if self.deployments and (members - self._deployed_members or self._replan_pending):
                     wait_s = self._last_replan + self.config.replan_min_interval_s - time.monotonic()

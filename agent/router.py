@@ -16,7 +16,7 @@ import contextlib
 import logging
 import re
 import time
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from typing import Any
 
 from agent.compat import TaskGroup, timeout
@@ -32,7 +32,7 @@ from agent.core.presets import (
 )
 from agent.events import EventLog
 from agent.membership import Membership
-from agent.orchestrator import Deployment, Orchestrator
+from agent.orchestrator import Deployment, ModelHooks, Orchestrator
 from agent.peer_client import PeerError
 from agent.weights import WeightTransferError
 from shards.errors import ShardsError
@@ -69,12 +69,12 @@ def public_reason(error: BaseException) -> str:
 
 
 class ModelRouter:
-    def __init__(self, config: AgentConfig, store: ModelStore, orchestrator: Orchestrator,
-                 membership: Membership, events: EventLog) -> None:
+    def __init__(self, config: AgentConfig, store: ModelStore, membership: Membership, events: EventLog,
+                 orchestrator: Callable[[ModelHooks], Orchestrator]) -> None:
+        """``orchestrator`` makes this router's orchestrator, given the router as its hooks."""
         self.config = config
         self.events = events
         self.store = store
-        self.orchestrator = orchestrator
         self.membership = membership
         self.registry = ModelRegistry(models_max=config.models_max,
                                       memory_margin_bytes=config.models_memory_margin_mib * MIB)
@@ -94,12 +94,7 @@ class ModelRouter:
         # Per model, the idle time after which it sleeps as the last request asked (Ollama's
         # keep_alive); it overrides the preset's sleep_idle_s until the model stops.
         self._keep_alive_s: dict[str, float] = {}
-        orchestrator.on_role = self._on_role
-        orchestrator.on_members = self._on_members
-        orchestrator.on_deployment = self._on_deployment
-        orchestrator.preset_of = self._preset_of
-        orchestrator.on_progress = self._on_progress
-        orchestrator.shortfall = self._replan_shortfall
+        self.orchestrator = orchestrator(self)
 
     # --- sources -----------------------------------------------------------------------------
     def _read_preset_file(self) -> PresetFile | None:
@@ -153,7 +148,7 @@ class ModelRouter:
         for name in sorted(set(self.registry.entries) ^ before):
             self._emit(name)
 
-    def _preset_of(self, name: str) -> ModelPreset | None:
+    def preset_of(self, name: str) -> ModelPreset | None:
         if not self.presets:
             with contextlib.suppress(PresetError):
                 self.reload()
@@ -172,7 +167,7 @@ class ModelRouter:
         return canonical
 
     # --- hooks from the orchestrator ----------------------------------------------------------
-    def _on_role(self, is_orchestrator: bool) -> None:
+    def on_role(self, is_orchestrator: bool) -> None:
         self.enabled = is_orchestrator
         if not is_orchestrator:
             self.registry.reset(ModelLoadError("this node stopped being the orchestrator; retry"))
@@ -207,7 +202,7 @@ class ModelRouter:
             self.registry.loaded(name, deployment.effective_bytes, now=time.monotonic())
             self._emit(name)
 
-    def _on_members(self, members: frozenset[str]) -> None:
+    def on_members(self, members: frozenset[str]) -> None:
         self._update_devices()
         if members != self._members:
             self._members = members
@@ -218,7 +213,7 @@ class ModelRouter:
             self._load_startup_models()
         self._tick()
 
-    def _on_deployment(self, name: str, deployment: Deployment | None, reason: str) -> None:
+    def on_deployment(self, name: str, deployment: Deployment | None, reason: str) -> None:
         entry = self.registry.entries.get(name)
         if entry is None:
             return
@@ -237,12 +232,12 @@ class ModelRouter:
         self._emit(name, reason=reason)
         self._tick()
 
-    def _replan_shortfall(self, name: str, min_bytes: Mapping[str, int]) -> Mapping[str, int]:
+    def shortfall(self, name: str, min_bytes: Mapping[str, int]) -> Mapping[str, int]:
         """What a loaded model's new plan would lack, its own memory counted as free."""
         self._update_devices()
         return self.registry.shortfall(min_bytes, without=[name])
 
-    def _on_progress(self, name: str, nodes_done: int, nodes: int) -> None:
+    def on_progress(self, name: str, nodes_done: int, nodes: int) -> None:
         entry = self.registry.entries.get(name)
         if entry is not None and entry.state == "loading":
             self._progress[name] = nodes_done / nodes

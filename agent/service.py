@@ -390,20 +390,20 @@ def build_app(config: AgentConfig, *, node_id: str, store: ModelStore, api_port:
         app[CLIENT] = client
         app[LINKS] = Links(client)
         events = app[EVENTS]
-        app[MEMBERSHIP] = Membership(config, node_id, client, api_port=api_port, peer_port=peer_port, events=events)
+        app[MEMBERSHIP] = Membership(
+            config, node_id, client, api_port=api_port, peer_port=peer_port, events=events,
+            describe_extra=lambda: {"models": complete_models(store), "worker": app[WORKER].status(),
+                                    "device_memory": app[WORKER].device_memory()})
         app[WORKER] = Worker(node_id, config, store, client, app[LINKS], app[METRICS], app[MEMBERSHIP].agents_on_host)
-        app[ORCHESTRATOR] = Orchestrator(node_id, config, app[MEMBERSHIP], app[WORKER], client, store, events)
-        app[ROUTER] = ModelRouter(config, store, app[ORCHESTRATOR], app[MEMBERSHIP], events)
+        app[ROUTER] = ModelRouter(config, store, app[MEMBERSHIP], events, lambda models: Orchestrator(
+            node_id, config, app[MEMBERSHIP], app[WORKER], client, store, events, models))
+        app[ORCHESTRATOR] = app[ROUTER].orchestrator
         state = ClusterStateCollector(
             models=app[ROUTER].models, worker_status=app[WORKER].status, device_memory=app[WORKER].device_memory,
             degraded=lambda: {n for n, d in app[ORCHESTRATOR].deployments.items() if d.order.degraded},
             alive_nodes=lambda: len(app[MEMBERSHIP].alive_nodes()), is_orchestrator=lambda: app[ROUTER].enabled)
         app[METRICS].registry.register(state)
         events.listen(state.account)
-        app[MEMBERSHIP].extra_describe = lambda: {
-            "models": complete_models(store), "worker": app[WORKER].status(),
-            "device_memory": app[WORKER].device_memory(),
-        }
         yield
         await app[LINKS].close()
         app[WORKER].close()
