@@ -99,15 +99,24 @@ def run_ncm(model_dir: Path, ids: list[int], decode_tokens: int, threads: int, r
             "decode_tokens_per_s": decode_tokens / min(decode_seconds), "provider": provider}
 
 
+def _next_token(llm) -> int:
+    """Greedy: the argmax of the last evaluated token's logits, read from llama.cpp's context
+    (``llm.scores`` holds them only with ``logits_all=True``; without it, it is not filled)."""
+    import llama_cpp
+
+    logits = np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(llm._ctx.ctx, -1), shape=(llm.n_vocab(),))
+    return int(np.argmax(logits))
+
+
 def run_llama_cpp(gguf_path: Path, ids: list[int], decode_tokens: int, threads: int, repeats: int) -> dict:
     """The same measurement with llama.cpp (llama-cpp-python) on the GGUF as it is."""
     import llama_cpp
 
     llm = llama_cpp.Llama(str(gguf_path), n_threads=threads, n_threads_batch=threads,
-                          n_ctx=max(512, len(ids) + decode_tokens + 16), n_batch=max(512, len(ids)), verbose=False)
+                          n_ctx=len(ids) + decode_tokens + 16, n_batch=max(512, len(ids)), verbose=False)
     llm.eval(ids[:16])
     for _ in range(4):
-        llm.eval([int(np.argmax(llm.scores[llm.n_tokens - 1]))])
+        llm.eval([_next_token(llm)])
     llm.reset()
 
     prefill_seconds, decode_seconds = [], []
@@ -118,7 +127,7 @@ def run_llama_cpp(gguf_path: Path, ids: list[int], decode_tokens: int, threads: 
         prefill_seconds.append(time.perf_counter() - started)
         started = time.perf_counter()
         for _ in range(decode_tokens):
-            llm.eval([int(np.argmax(llm.scores[llm.n_tokens - 1]))])
+            llm.eval([_next_token(llm)])
         decode_seconds.append(time.perf_counter() - started)
     return {"prefill_tokens_per_s": len(ids) / min(prefill_seconds),
             "decode_tokens_per_s": decode_tokens / min(decode_seconds),
