@@ -33,7 +33,8 @@ from agent.metrics import REQUEST_MODEL, THROUGHPUT_WINDOW_S
 from agent.openapi import openapi_document
 from agent.orchestrator import Completion, Deployment
 from agent.proxy import RESUMABLE_HEADER, RESUME_FIELD, TOKENS_FIELD, ask_orchestrator
-from agent.pairing import PAIR_PATH, join_by_invite, rotate_key, seal
+from agent.pairing import join_by_invite, rotate_key, seal
+from agent.protocol import PAIR_PATH
 from agent.router import ModelBusyError, without_addresses
 from agent.service_keys import (
     CLIENT, CONFIG, EVENTS, INVITES, LIFECYCLE, MEMBERSHIP, METRICS, NODE_ID, ORCHESTRATOR, ROUTER, WORKER,
@@ -57,6 +58,46 @@ def error_response(status: int, message: str, *, type_: str | None = None, param
                              status=status, headers=headers)
 
 
+@dataclasses.dataclass(frozen=True)
+class ErrorAnswer:
+    """How the public API answers an error class: status, OpenAI code and param, Retry-After
+    (fixed seconds, or ``retry_from_error``: the error's own ``retry_after_s`` when it has one)."""
+
+    status: int
+    code: str
+    param: str | None = None
+    retry_after_s: float | None = None
+    retry_from_error: bool = False
+    message: Callable[[Exception], str] = str
+
+
+# The one table of the API's errors, most specific class first (the first that matches answers).
+# InvalidRequestError carries its own status, param and code; StageError depends on who failed.
+ERROR_ANSWERS: tuple[tuple[type[Exception], ErrorAnswer], ...] = (
+    (UnknownModelError, ErrorAnswer(404, "model_not_found", "model")),
+    (ModelNotLoadedError, ErrorAnswer(400, "model_not_loaded", "model")),
+    (ModelBusyError, ErrorAnswer(409, "model_busy", "model")),
+    (TooManyRequestsError, ErrorAnswer(429, "rate_limit_exceeded", retry_from_error=True)),
+    (CapacityError, ErrorAnswer(503, "model_capacity", retry_from_error=True)),
+    # Without a Retry-After, retrying cannot help yet: the message says what to do.
+    (ModelLoadError, ErrorAnswer(503, "model_load_failed", retry_from_error=True, message=lambda e: (
+        f"{e}; retry the request to load it again" if getattr(e, "retry_after_s", None) else str(e)))),
+    (RouterError, ErrorAnswer(503, "model_unavailable", retry_after_s=5)),
+    (PresetError, ErrorAnswer(400, "invalid_presets", message=lambda e: f"the model presets are invalid: {e}")),
+    (ClusterError, ErrorAnswer(503, "cluster_unavailable", retry_after_s=5)),
+)
+
+
+def error_answer(error: Exception) -> web.Response | None:
+    """The OpenAI-shaped answer of ``error`` by :data:`ERROR_ANSWERS` (None: not an API error)."""
+    answer = next((a for kind, a in ERROR_ANSWERS if isinstance(error, kind)), None)
+    if answer is None:
+        return None
+    retry_after_s = getattr(error, "retry_after_s", None) if answer.retry_from_error else answer.retry_after_s
+    headers = {"Retry-After": f"{retry_after_s:.0f}"} if retry_after_s else None
+    return error_response(answer.status, answer.message(error), param=answer.param, code=answer.code, headers=headers)
+
+
 @web.middleware
 async def openai_errors(request: web.Request, handler: Any) -> web.StreamResponse:
     """Turn every failure of a public endpoint into the OpenAI error shape."""
@@ -64,42 +105,19 @@ async def openai_errors(request: web.Request, handler: Any) -> web.StreamRespons
         return await handler(request)
     except InvalidRequestError as error:
         return error_response(error.status, str(error), param=error.param, code=error.code)
-    except RouterError as error:
-        return _router_error(error)
-    except PresetError as error:
-        return error_response(400, f"the model presets are invalid: {error}", code="invalid_presets")
-    except ClusterError as error:
-        return error_response(503, str(error), code="cluster_unavailable", headers={"Retry-After": "5"})
     except StageError as error:
         status = 400 if error.node is None and error.code == "bad_request" else 503
         message = without_addresses(str(error))
         return error_response(status, f"{message} (retry in a moment)" if status == 503 else message,
                               code=error.code, headers={"Retry-After": "2"} if status == 503 else None)
+    except (RouterError, PresetError, ClusterError) as error:
+        answer = error_answer(error)
+        assert answer is not None  # every one of these classes is in the table
+        return answer
     except web.HTTPException as error:
         if error.status >= 400 and error.content_type != "application/json":
             return error_response(error.status, error.reason or "error", code=str(error.status))
         raise
-
-
-def _router_error(error: RouterError) -> web.Response:
-    if isinstance(error, UnknownModelError):
-        return error_response(404, str(error), param="model", code="model_not_found")
-    if isinstance(error, ModelNotLoadedError):
-        return error_response(400, str(error), param="model", code="model_not_loaded")
-    if isinstance(error, ModelBusyError):
-        return error_response(409, str(error), param="model", code="model_busy")
-    if isinstance(error, TooManyRequestsError):
-        return error_response(429, str(error), code="rate_limit_exceeded",
-                              headers={"Retry-After": str(error.retry_after_s)})
-    if isinstance(error, CapacityError):
-        headers = {"Retry-After": f"{error.retry_after_s:.0f}"} if error.retry_after_s else None
-        return error_response(503, str(error), code="model_capacity", headers=headers)
-    if isinstance(error, ModelLoadError):
-        if error.retry_after_s is None:  # retrying cannot help yet: the message says what to do
-            return error_response(503, str(error), code="model_load_failed")
-        return error_response(503, f"{error}; retry the request to load it again", code="model_load_failed",
-                              headers={"Retry-After": f"{error.retry_after_s:.0f}"})
-    return error_response(503, str(error), code="model_unavailable", headers={"Retry-After": "5"})
 
 
 # --- health and cluster views -------------------------------------------------------------------

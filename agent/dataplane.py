@@ -14,9 +14,9 @@ from agent.compat import timeout
 from agent.core.errors import NcmError, WireError
 from agent.core.wire import decode_frame, encode_frame
 from agent.peer_client import PeerClient, PeerError
+from agent.protocol import STREAM_PATH
 
 log = logging.getLogger(__name__)
-STREAM_PATH = "/internal/stream"
 CONNECT_TIMEOUT_S = 5.0
 BUSY_INTERVAL_S = 0.25  # how often a stage says "busy" on a socket while steps from it run
 SILENCE_S = 1.5  # a stage silent this long with a step pending is frozen or gone: it is blamed

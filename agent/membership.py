@@ -41,9 +41,9 @@ from agent.discovery import choose_addresses
 from agent.events import EventLog
 from agent.peer_client import PeerAuthError, PeerClient, PeerError
 from agent.probe import CPU_ONLY, detect_capacity, find_accelerators
+from agent.protocol import DESCRIBE_PATH
 
 log = logging.getLogger(__name__)
-DESCRIBE_PATH = "/internal/describe"
 CAPACITY_REFRESH_S = 10.0
 
 

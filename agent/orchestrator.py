@@ -48,6 +48,7 @@ from agent.dataplane import StageError
 from agent.events import EventLog
 from agent.membership import Membership
 from agent.peer_client import PeerClient, PeerError
+from agent.protocol import ABORT_PATH, COMMIT_PATH, COPY_PATH, ROUTING_PATH, UNLOAD_PATH
 from agent.weights import complete_models, ensure_model_files
 from agent.worker import Worker
 from shards.errors import ShardsError
@@ -58,12 +59,7 @@ from shards.store import ModelStore
 from shards.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
-ROUTING_PATH = "/internal/routing"
-COMMIT_PATH = "/internal/routing/commit"
-ABORT_PATH = "/internal/routing/abort"
-COPY_PATH = "/internal/copy"
 ORDER_STEP_TIMEOUT_S = 30.0
-UNLOAD_PATH = "/internal/unload"
 UNLOAD_TIMEOUT_S = 30.0
 RUNTIME_OVERHEAD_BYTES = 24 * 1024 * 1024  # per fragment: the runtime session and its buffers
 DEPLOY_TIMEOUT_S = 900.0

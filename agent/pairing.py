@@ -27,6 +27,7 @@ from agent.core.invites import (
     Invite, InviteBook, InviteError, JoinString, MemberUnreachable, fingerprint, pairing_proof,
 )
 from agent.files import write_private
+from agent.protocol import PAIR_PATH, REKEY_PATH
 from agent.service_keys import Lifecycle
 
 if TYPE_CHECKING:
@@ -36,7 +37,6 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 INVITES_FILE = "invites.json"
 PENDING_RETRY_S = 10.0
-PAIR_PATH = "/cluster/pair"
 PAIR_TIMEOUT_S = 30.0
 
 
@@ -165,7 +165,6 @@ async def join_pending(config: AgentConfig, session: aiohttp.ClientSession, life
         return
 
 
-REKEY_PATH = "/internal/rekey"
 REKEY_TIMEOUT_S = 10.0
 
 

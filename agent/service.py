@@ -33,15 +33,19 @@ from agent.core.errors import AuthError, StaleRequestError, WireError
 from agent.core.invites import InviteError
 from agent.core.orders import RoutingOrder
 from agent.core.wire import decode_frame, encode_frame
-from agent.dataplane import BUSY_INTERVAL_S, STREAM_PATH, Links, StageError
+from agent.dataplane import BUSY_INTERVAL_S, Links, StageError
 from agent.discovery import Discovery
 from agent.events import EventLog
 from agent.files import write_private
 from agent.identity import load_or_create_node_id
-from agent.membership import DESCRIBE_PATH, Membership
+from agent.membership import Membership
 from agent.metrics import ClusterStateCollector, Metrics, count_requests
-from agent.orchestrator import ABORT_PATH, COMMIT_PATH, COPY_PATH, ROUTING_PATH, UNLOAD_PATH, Orchestrator
-from agent.pairing import PAIR_PATH, REKEY_PATH, InviteStore, join_pending, take_new_key
+from agent.orchestrator import Orchestrator
+from agent.pairing import InviteStore, join_pending, take_new_key
+from agent.protocol import (
+    ABORT_PATH, COMMIT_PATH, COPY_PATH, DESCRIBE_PATH, INTERNAL_PREFIX, MODEL_FILE_PATH, MODEL_LISTING_PATH, PAIR_PATH,
+    REKEY_PATH, ROUTING_PATH, STATE_PATH, STREAM_PATH, UNLOAD_PATH,
+)
 from agent.peer_client import PeerClient
 from agent.router import ModelRouter
 from agent.sd_notify import SystemdNotifier, format_status, run_watchdog, watchdog_interval_s
@@ -90,7 +94,7 @@ def cluster_key(config: AgentConfig) -> bytes:
 async def peer_auth(request: web.Request, handler: Any) -> web.StreamResponse:
     """Internal endpoints: only peers holding the cluster key (HMAC over the whole URL, the
     target node, time and nonce). Answers to members are signed (:func:`sign_answers`)."""
-    if not request.path.startswith("/internal/"):
+    if not request.path.startswith(INTERNAL_PREFIX):
         return await handler(request)
     if not api.from_member(request):
         return web.json_response({"error": {
@@ -138,7 +142,7 @@ def _matches(given: str, accepted: Any) -> bool:
 async def access(request: web.Request, handler: Any) -> web.StreamResponse:
     """Public endpoints: those that change the cluster need the admin token, always; the
     others need an API key (or the admin token) when `api_keys` / `api_token` are set."""
-    if request.path.startswith("/internal/") or request.path in PUBLIC_WITHOUT_TOKEN:
+    if request.path.startswith(INTERNAL_PREFIX) or request.path in PUBLIC_WITHOUT_TOKEN:
         return await handler(request)
     given = _bearer(request)
     admin = request.app[ADMIN_TOKEN]
@@ -251,12 +255,12 @@ async def rekey(request: web.Request) -> web.Response:
     return web.json_response({"rekeyed": request.app[NODE_ID]})
 
 
-@internal.get("/internal/state")
+@internal.get(STATE_PATH)
 async def state(request: web.Request) -> web.Response:
     return web.json_response(request.app[WORKER].status())
 
 
-@internal.get("/internal/models/{name}")
+@internal.get(MODEL_LISTING_PATH)
 async def model_listing(request: web.Request) -> web.Response:
     store = request.app[STORE]
     name = request.match_info["name"]
@@ -265,7 +269,7 @@ async def model_listing(request: web.Request) -> web.Response:
     return web.json_response(await asyncio.to_thread(describe_model_files, store.models_dir / name))
 
 
-@internal.get("/internal/models/{name}/files/{path:.+}")
+@internal.get(MODEL_FILE_PATH.replace("{path}", "{path:.+}"))
 async def model_file(request: web.Request) -> web.StreamResponse:
     store = request.app[STORE]
     name = request.match_info["name"]

@@ -22,6 +22,7 @@ import aiohttp
 
 from agent.core.errors import NcmError
 from agent.peer_client import PeerClient, PeerError
+from agent.protocol import model_file_path, model_listing_path
 from shards.errors import ShardsError
 from shards.manifest import Manifest
 from shards.store import ModelStore
@@ -107,7 +108,7 @@ async def _download(client: PeerClient, source: Source, name: str, relative: str
     if offset:
         digest = await asyncio.to_thread(hash_file, part)
         log.info("resuming %s of %s at %d / %d bytes", relative, name, offset, size)
-    url, headers = client.signed_request("GET", base_url, f"/internal/models/{name}/files/{relative}",
+    url, headers = client.signed_request("GET", base_url, model_file_path(name, relative),
                                          target=node_id)
     if offset:
         headers["Range"] = f"bytes={offset}-"
@@ -166,7 +167,7 @@ async def _listing(client: PeerClient, name: str, sources: list[Source], errors:
     for source in sources:
         node_id, base_url = source
         try:
-            listing = await client.request_json("GET", base_url, f"/internal/models/{name}", target=node_id,
+            listing = await client.request_json("GET", base_url, model_listing_path(name), target=node_id,
                                                 timeout_s=30.0)
             if isinstance(listing, dict) and isinstance(listing.get("manifest"), dict):
                 return source, listing

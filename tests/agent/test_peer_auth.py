@@ -12,7 +12,7 @@ import aiohttp
 import pytest
 
 from agent.core.auth import HEADER_NODE, HEADER_SIGNATURE, sign
-from agent.membership import DESCRIBE_PATH
+from agent.protocol import DESCRIBE_PATH
 from agent.service_keys import MEMBERSHIP
 from agent.tls import issue_node_files
 from tests.agent.agents import ADMIN, CLUSTER_KEY, free_ports, member_tls
