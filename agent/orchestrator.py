@@ -171,7 +171,8 @@ class Orchestrator:
         self.faults: dict[str, NodeFault] = {}
         self._replan_pending = False  # a node left out of plans may be planned again
         self._last_replan = -float("inf")
-        self._lock = asyncio.Lock()
+        # One lock per model: a failover of one model does not wait for another model's load.
+        self._locks: dict[str, asyncio.Lock] = {}
         self._tokenizers: dict[str, Tokenizer] = {}
 
     # --- status ---------------------------------------------------------------------------
@@ -463,7 +464,7 @@ class Orchestrator:
 
     async def load(self, preset: ModelPreset) -> Deployment:
         """Deploy a measured model (its kept plan while every node of it is alive, else a new one)."""
-        async with self._lock:
+        async with self._lock(preset.name):
             planned = self.planned.get(preset.name)
             alive = set(self.membership.alive_nodes())
             if planned is None or planned.preset != preset or not planned.members <= alive:
@@ -482,12 +483,16 @@ class Orchestrator:
 
     async def unload(self, name: str, *, keep_plan: bool = False) -> None:
         """Drop model ``name`` from every worker (sleep: ``keep_plan``, the next load reuses it)."""
-        async with self._lock:
+        async with self._lock(name):
             self.deployments.pop(name, None)
             if not keep_plan:
                 self.forget_plan(name)
             await self._drop_orders(name)
             self._settle_state()
+
+    def _lock(self, name: str) -> asyncio.Lock:
+        """The lock of model ``name``'s deployment (its loads, re-plans, failovers and unloads)."""
+        return self._locks.setdefault(name, asyncio.Lock())
 
     def forget_plan(self, name: str) -> None:
         """A sleeping model that is unloaded: its next load plans it afresh."""
@@ -513,7 +518,7 @@ class Orchestrator:
 
     async def replan(self, name: str, reason: str) -> None:
         """Plan a loaded model again over every live node and deploy it (§8)."""
-        async with self._lock:
+        async with self._lock(name):
             preset = self.models.preset_of(name)
             if name not in self.deployments or preset is None or not self.membership.is_orchestrator:
                 return
@@ -543,7 +548,7 @@ class Orchestrator:
         """Fail over from ``broken`` after ``dead`` nodes died (§6, §7); returns what to use now."""
         name = broken.name
         started = time.monotonic()
-        async with self._lock:
+        async with self._lock(name):
             current = self.deployments.get(name)
             if current is not None and current is not broken and not (set(current.order.route.nodes) & dead):
                 return current  # another request already recovered
@@ -613,7 +618,7 @@ class Orchestrator:
                 if dead:
                     await self.recover(adopted, dead)
                 else:
-                    async with self._lock:
+                    async with self._lock(name):
                         deployment = await self._deploy(name, adopted.plan, order.route, order.model, settings,
                                                         degraded=order.degraded, holdings=self.holdings())
                     self.models.on_deployment(name, deployment, f"took over serving {order.model}")
