@@ -4,6 +4,7 @@ third-party host: a home network may have no internet). The page reads the publi
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 from aiohttp import web
@@ -15,8 +16,13 @@ PAGE_PATHS = ("/", *(f"/dashboard/{name}" for name in ASSETS))  # public: the da
 routes = web.RouteTableDef()
 
 
+@functools.lru_cache(maxsize=None)
+def _read(name: str) -> bytes:
+    return (ASSETS_DIR / name).read_bytes()  # once per process: the files ship with the package
+
+
 def _asset(name: str, content_type: str) -> web.Response:
-    return web.Response(body=(ASSETS_DIR / name).read_bytes(), content_type=content_type, charset="utf-8",
+    return web.Response(body=_read(name), content_type=content_type, charset="utf-8",
                         headers={"Cache-Control": "no-cache", "X-Content-Type-Options": "nosniff"})
 
 

@@ -72,7 +72,16 @@ class Metrics:
                                    registry=r)
         self.model_stop_duration = Histogram("ncm_model_stop_seconds", "Duration of model stops (unload, sleep, evict)",
                                              ["how"], buckets=DURATION_BUCKETS_S, registry=r)
-        self._tokens_at: deque[tuple[float, int]] = deque()  # (time, tokens) of recent generation events
+        self._tokens_at: deque[tuple[float, int]] = deque()  # (time, tokens) of the last THROUGHPUT_WINDOW_S
+        self._children: dict[tuple[int, tuple[str, ...]], Any] = {}
+
+    def child(self, metric: Any, *labels: str) -> Any:
+        """``metric.labels(*labels)``, looked up once: the per-step paths call this."""
+        key = (id(metric), labels)
+        found = self._children.get(key)
+        if found is None:
+            found = self._children[key] = metric.labels(*labels)
+        return found
 
     # --- events ------------------------------------------------------------------------------
     def count_event(self, event: ClusterEvent) -> None:
@@ -100,6 +109,8 @@ class Metrics:
     async def observe_generation(self, model: str, events: AsyncIterator[Any]) -> AsyncIterator[Any]:
         """Pass on a generation's events (:class:`~agent.orchestrator.Completion`), timing its
         first token and the tokens after it, and counting them."""
+        first_token, per_token = self.child(self.time_to_first_token, model), self.child(self.token_latency, model)
+        generated = self.child(self.generated_tokens, model)
         started = previous = self._clock()
         first = True
         try:
@@ -108,26 +119,29 @@ class Metrics:
                 tokens = len(event.tokens) or (1 if event.text else 0)
                 if tokens:
                     if first:
-                        self.time_to_first_token.labels(model).observe(now - started)
+                        first_token.observe(now - started)
                         tokens_after_first, first = tokens - 1, False
                     else:
                         tokens_after_first = tokens
                     for _ in range(tokens_after_first):
-                        self.token_latency.labels(model).observe((now - previous) / tokens_after_first)
-                    self.generated_tokens.labels(model).inc(tokens)
+                        per_token.observe((now - previous) / tokens_after_first)
+                    generated.inc(tokens)
                     self._tokens_at.append((now, tokens))
+                    self._forget_tokens_before(now - THROUGHPUT_WINDOW_S)
                     previous = now
                 if event.finish_reason is not None:
-                    self.prompt_tokens.labels(model).inc(event.prompt_tokens)
+                    self.child(self.prompt_tokens, model).inc(event.prompt_tokens)
                 yield event
         finally:
             await events.aclose()
 
+    def _forget_tokens_before(self, cutoff: float) -> None:
+        while self._tokens_at and self._tokens_at[0][0] < cutoff:
+            self._tokens_at.popleft()
+
     def tokens_per_s(self) -> float:
         """Tokens generated per second over the last :data:`THROUGHPUT_WINDOW_S`."""
-        now = self._clock()
-        while self._tokens_at and self._tokens_at[0][0] < now - THROUGHPUT_WINDOW_S:
-            self._tokens_at.popleft()
+        self._forget_tokens_before(self._clock() - THROUGHPUT_WINDOW_S)
         return sum(count for _, count in self._tokens_at) / THROUGHPUT_WINDOW_S
 
 

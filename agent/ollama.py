@@ -37,6 +37,7 @@ from shards.pull import pull_model, resolve_pull_name
 
 API_VERSION = "0.6.0"  # the version of Ollama's API these endpoints follow
 DEFAULT_TAG = "latest"
+NEVER_EXPIRES = "2318-01-01T00:00:00Z"  # /api/ps of a model kept loaded: far ahead, as Ollama reports it
 # Options that tune how Ollama runs a model on its machine: meaningless for ncm, accepted and ignored.
 IGNORED_OPTIONS = frozenset({"num_thread", "num_gpu", "main_gpu", "use_mmap", "use_mlock", "low_vram", "num_batch",
                              "numa", "num_keep", "vocab_only", "f16_kv", "logits_all", "embedding_only"})
@@ -286,12 +287,15 @@ async def tags(request: web.Request) -> web.StreamResponse:
 @on_orchestrator
 async def running(request: web.Request) -> web.StreamResponse:
     """The models loaded now, with the memory they hold on the devices."""
-    models = []
-    for info in request.app[ROUTER].models():
+    router, models = request.app[ROUTER], []
+    for info in router.models():
         if info["state"] != "ready":
             continue
         held = sum(((info.get("memory") or {}).get("effective_bytes") or {}).values())
-        models.append({**_entry(request, info), "size": held, "size_vram": 0, "expires_at": _iso(time.time() + 3600)})
+        idle_s = router.sleeps_after_s(info["id"])  # from its last use (0: it stays until asked)
+        last_used = time.time() - (time.monotonic() - info["last_used_s"])
+        expires = _iso(last_used + idle_s) if idle_s > 0 else NEVER_EXPIRES
+        models.append({**_entry(request, info), "size": held, "size_vram": 0, "expires_at": expires})
     return web.json_response({"models": models})
 
 

@@ -358,8 +358,7 @@ class ModelRouter:
                     await asyncio.sleep(SLEEP_CHECK_INTERVAL_S)
                     if not self.enabled:
                         continue
-                    idle = {name: self._keep_alive_s.get(name, preset.settings.sleep_idle_s)
-                            for name, preset in self.presets.items()}
+                    idle = {name: self.sleeps_after_s(name) for name in self.presets}
                     for name in self.registry.sleep_candidates(time.monotonic(), idle):
                         if self.registry.begin_stop(name):
                             log.info("%s idle for %g s: sleeping (plan kept)", name, idle[name])
@@ -482,6 +481,12 @@ class ModelRouter:
                                  f"{' and requests waiting' if self.registry.find(name) else ''}; retry when it is idle")
         await self._run_stop(name, "sleep", reason="put to sleep on request")
         return self.model_info(name)
+
+    def sleeps_after_s(self, name: str) -> float:
+        """How long ``name`` stays loaded while idle (0: until asked): Ollama's keep_alive of its
+        last request, else its sleep_idle_s."""
+        preset = self.presets.get(name)
+        return self._keep_alive_s.get(name, preset.settings.sleep_idle_s if preset else 0.0)
 
     def keep_alive(self, name: str, seconds: float) -> None:
         """After this request, keep ``name`` loaded while it is idle for ``seconds`` (Ollama's

@@ -425,7 +425,7 @@ class Worker:
             output = await asyncio.get_running_loop().run_in_executor(
                 self.executor, self._compute, runner, sid, header["start"], tensor
             )
-            self.metrics.stage_compute.labels(order.name).observe(time.monotonic() - started)
+            self.metrics.child(self.metrics.stage_compute, order.name).observe(time.monotonic() - started)
         except (StageError, ShardsError) as error:
             if fresh:  # a step of a session this node does not hold (a late one, after its close)
                 self._free(sid)
@@ -462,7 +462,7 @@ class Worker:
         link = await self.links.get(node_id, order.addresses[node_id])
         started = time.monotonic()
         result, _ = await link.call(header, tensor, timeout_s=timeout_s)
-        self.metrics.hop_latency.labels(node_id).observe(time.monotonic() - started)
+        self.metrics.child(self.metrics.hop_latency, node_id).observe(time.monotonic() - started)
         if result["kind"] == "error":
             raise error_from_header(result)
         return result, None

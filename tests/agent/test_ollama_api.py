@@ -7,6 +7,7 @@ orchestrator too, so the hand-over is on the path."""
 from __future__ import annotations
 
 import asyncio
+import datetime
 from typing import Any
 
 import ollama
@@ -115,6 +116,9 @@ def test_the_official_client_against_a_three_agent_cluster(tmp_path):
                              what="the model unloaded after keep_alive 0")
             loaded = await asyncio.to_thread(run_client, others[1].url, "generate", model=TINY, keep_alive="10m")
             assert loaded.done_reason == "load" and router.registry.entries[TINY].state == "ready"
+            running = await asyncio.to_thread(run_client, others[1].url, "ps")  # sleeps 10 min after its last use
+            left_s = (running.models[0].expires_at - datetime.datetime.now(datetime.timezone.utc)).total_seconds()
+            assert 540 < left_s <= 600, left_s
 
     asyncio.run(scenario())
 
