@@ -35,7 +35,8 @@ from agent.orchestrator import Completion, Deployment
 from agent.proxy import RESUMABLE_HEADER, RESUME_FIELD, TOKENS_FIELD, ask_orchestrator
 from agent.pairing import join_by_invite, rotate_key, seal
 from agent.protocol import PAIR_PATH
-from agent.router import ModelBusyError, without_addresses
+from agent.public_errors import without_addresses
+from agent.router import ModelBusyError
 from agent.service_keys import (
     CLIENT, CONFIG, EVENTS, INVITES, LIFECYCLE, MEMBERSHIP, METRICS, NODE_ID, ORCHESTRATOR, ROUTER, WORKER,
 )

@@ -187,13 +187,6 @@ def parse_join_string(join: str) -> tuple[str, str, str | None]:
     return url, validate_cluster_key(key), cluster_name
 
 
-def make_join_string(peer_url: str, cluster_key: str, cluster_name: str | None = None) -> str:
-    """The inverse of :func:`parse_join_string` (for ``ncm status`` to print)."""
-    url = validate_peer_url(peer_url)
-    query = f"/?cluster={validate_cluster_name(cluster_name)}" if cluster_name else ""
-    return f"{url}{query}#{validate_cluster_key(cluster_key)}"
-
-
 def validate_cluster_key(key: str) -> str:
     key = key.strip()
     if len(key) < MIN_CLUSTER_KEY_CHARS:

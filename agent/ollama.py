@@ -29,7 +29,7 @@ from agent.core.errors import ClusterError
 from agent.dataplane import StageError
 from agent.metrics import REQUEST_MODEL
 from agent.orchestrator import Completion, Deployment
-from agent.router import without_addresses
+from agent.public_errors import without_addresses
 from agent.service_keys import ORCHESTRATOR, ROUTER, STORE
 from shards.errors import ShardsError
 from shards.manifest import Manifest

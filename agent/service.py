@@ -422,7 +422,7 @@ def build_app(config: AgentConfig, *, node_id: str, store: ModelStore, api_port:
             asyncio.create_task(app[ORCHESTRATOR].run(), name="orchestrator"),
             asyncio.create_task(app[ROUTER].run(), name="model-router"),
             asyncio.create_task(app[WORKER].reap_idle_sessions(), name="session-reaper"),
-            asyncio.create_task(app[WORKER].fetch_copies(), name="fallback-copies"),
+            asyncio.create_task(app[WORKER].copies.fetch_copies(), name="fallback-copies"),
             asyncio.create_task(join_pending(config, app[CLIENT].session, app[LIFECYCLE]), name="pending-join"),
         ]
         if discovery is not None:

@@ -11,6 +11,9 @@ switches to it when the orchestrator *commits* it, or drops it when the orchestr
 it because another node could not stage it. A staged order already answers steps, and the
 order a commit replaces stays usable for :data:`RETIRE_GRACE_S`, so a request routed on either
 never meets a node that has let go of its plan.
+
+The fragments themselves live in a :class:`~agent.fragment_cache.FragmentCache`, and the whole
+copies of the fallback model this node keeps in :class:`~agent.whole_copies.WholeCopies`.
 """
 
 from __future__ import annotations
@@ -19,12 +22,9 @@ import asyncio
 import errno
 import logging
 import math
-import os
-import shutil
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Callable
 
 import numpy as np
@@ -33,53 +33,31 @@ import psutil
 from agent.config import AgentConfig
 from agent.core.errors import NcmError
 from agent.core.orders import RoutingOrder
-from agent.core.threads import ThreadPlan, thread_plan
 from agent.dataplane import Links, StageError, error_from_header
+from agent.fragment_cache import FragmentCache, RunnerKey
 from agent.metrics import Metrics
 from agent.peer_client import PeerClient
 from agent.probe import device_memory
-from agent.weights import StoreWriteError, WeightTransferError, complete_models, ensure_model_files, missing_files
+from agent.weights import StoreWriteError, WeightTransferError
+from agent.whole_copies import WholeCopies
 from shards.errors import CorruptWeightsError, ShardsError
-from shards.fragment import prune_blobs
-from shards.manifest import Manifest
-from shards.runner import FragmentRunner, OrtFragmentRunner
+from shards.runner import FragmentRunner
 from shards.sampling import Sampler, SamplingParams
 from shards.store import ModelStore
-from shards.verify import discard
 
 log = logging.getLogger(__name__)
-MAX_REPAIRS_KEPT = 8  # corrupt files found here, shown in the status
 RETIRE_GRACE_S = 30.0  # a replaced order keeps answering this long, for steps already under way
-COPY_MARGIN_BYTES = 1 << 30  # disk left free after fetching a whole copy of the fallback model
 MIN_FRAME_LIMIT_BYTES = 64 << 20  # data-plane frames this size are always taken
 FRAME_HEADER_BYTES = 64 << 10  # room for a frame's header on top of its tensor
 SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "seed")
-RunnerKey = tuple[str, int, int, int, int]  # model, first layer, last layer, max context, prefill chunk
 
 
 def _ranges(keys: set[RunnerKey]) -> str:
-    return ", ".join(f"{k[1]}-{k[2]}" for k in sorted(keys))
+    return ", ".join(f"{k.first_layer}-{k.last_layer}" for k in sorted(keys))
 
 
 def _rss_bytes() -> int:
     return psutil.Process().memory_info().rss
-
-
-def _free_bytes(path: Path) -> int:
-    """Free bytes on the disk ``path`` is (or will be) on."""
-    while not path.exists() and path != path.parent:
-        path = path.parent
-    return shutil.disk_usage(path).free
-
-
-def _delete_build(fragment_dir: Path) -> None:
-    shutil.rmtree(fragment_dir, ignore_errors=True)
-    prune_blobs(fragment_dir.parent)  # its weights, unless another fragment shares them
-
-
-def _files_of(keys: list[RunnerKey]) -> Callable[[Manifest], list[str]]:
-    """The weight files the fragments of ``keys`` are built from (for ensure_model_files)."""
-    return lambda m: sorted({f for k in keys for f in m.fragment_files(k[1], k[2])})
 
 
 class StaleOrderError(StageError):
@@ -119,6 +97,62 @@ class _SessionInfo:
     sampler: Sampler | None = None
 
 
+def max_frame_bytes(store: ModelStore) -> int:
+    """The largest data-plane frame this node takes: a prefill chunk of float32 hidden states
+    of the widest stored model, the chunk at most its context (never under
+    :data:`MIN_FRAME_LIMIT_BYTES`), plus room for the header. Larger frames are refused."""
+    widest = 0
+    for manifest in store.list():
+        widest = max(widest, manifest.hidden_size * manifest.context_length * 4)
+    return max(widest, MIN_FRAME_LIMIT_BYTES) + FRAME_HEADER_BYTES
+
+
+def _kv_budget_bytes(store: ModelStore, order: RoutingOrder, keys: set[RunnerKey], max_context: int) -> int:
+    """KV cache of one session at full context (the order's, else ``max_context``) over the
+    layers of ``keys``."""
+    try:
+        manifest = store.manifest(order.model)
+    except ShardsError:
+        return 0
+    layers = {layer for k in keys for layer in range(k.first_layer, k.last_layer + 1)}
+    return manifest.kv_bytes_per_token(len(layers)) * (order.max_context or max_context)
+
+
+def _stage_fault(order: RoutingOrder, error: BaseException) -> dict[str, Any]:
+    """Why ``order`` could not be staged (the worker's :attr:`~Worker.fault`), logged."""
+    cause = failure_cause(error)
+    fault = {"cause": cause, "message": f"{type(error).__name__}: {error}",
+             "model": order.model, "plan_version": order.plan_version}
+    log.error("cannot stage plan %d (%s): %s", order.plan_version, cause, fault["message"])
+    return fault
+
+
+def _compute(runner: FragmentRunner, sid: str, start: int, x: np.ndarray) -> np.ndarray:
+    """Run ``x`` (positions from ``start`` on) through ``runner`` for session ``sid``."""
+    if start == 0 and sid in runner.sessions():
+        runner.close_session(sid)  # a replay from the first token rebuilds the cache
+    if sid not in runner.sessions():
+        runner.open_session(sid)
+    length = runner.session_length(sid)
+    if length != start:
+        raise StageError("session_out_of_sync", f"session {sid} holds {length} positions, step starts at {start}", None)
+    return runner.forward(sid, x)
+
+
+def _sample(info: _SessionInfo, header: dict[str, Any], output: np.ndarray) -> int | None:
+    """The token the tail stage picks from ``output`` (None unless the step asks for one); the
+    session's sampler is made on its first step, from the step's parameters."""
+    if not header["sample"]:
+        return None
+    if header["start"] == 0 or info.sampler is None:
+        params = {k: v for k, v in (header.get("params") or {}).items() if k in SAMPLING_FIELDS}
+        try:
+            info.sampler = Sampler(SamplingParams(**params))
+        except (ShardsError, TypeError) as error:
+            raise StageError("bad_request", str(error), None) from None
+    return int(info.sampler.sample(output[0, -1]))
+
+
 class Worker:
     """Runs the fragments of this node. Compute runs on one thread and fragment builds on another,
     both off the event loop."""
@@ -127,29 +161,21 @@ class Worker:
                  metrics: Metrics | None = None, agents_on_host: Callable[[], int] = lambda: 1) -> None:
         self.node_id = node_id
         self.metrics = metrics or Metrics()
-        self._agents_on_host = agents_on_host  # this one and the live peers on the same machine
-        self._thread_plan: ThreadPlan | None = None
         self.config = config
         self.store = store
-        self.client = client
         self.links = links
+        self.fragments = FragmentCache(config, store, client, agents_on_host)
+        self.copies = WholeCopies(store, client)
         self.orders: dict[int, RoutingOrder] = {}
         self.serving: dict[str, RoutingOrder] = {}  # router name -> the order it serves
         self.staged: dict[str, RoutingOrder] = {}  # router name -> an order built, not yet committed
         self.retiring: dict[int, float] = {}  # plan version -> monotonic time it may be freed after
         self.fault: dict[str, Any] | None = None  # why the last order could not be staged
-        self.repairs: list[dict[str, Any]] = []  # the latest corrupt weight files found here
         self._standby_builds: set[asyncio.Task[None]] = set()  # owned here; cancelled by close()
-        self._copies: asyncio.Queue[tuple[str, list[tuple[str, str]]]] = asyncio.Queue()
-        self.copying: str | None = None  # the whole model being fetched now (see keep_whole_copy)
-        self._declined: dict[str, int] = {}  # model -> free disk bytes when a copy was declined for room
         self.memory_bytes: dict[str, int] = {}  # router name -> what loading it took (effective)
         self.newest_epoch = 0
-        self.runners: dict[RunnerKey, FragmentRunner] = {}
         self.state = "idle"
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ncm-compute")
-        # Fragments are built on a thread of their own: steps go on while one is built.
-        self.builder = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ncm-build")
         self.sessions: dict[str, _SessionInfo] = {}
         self._apply_lock = asyncio.Lock()
 
@@ -164,8 +190,8 @@ class Worker:
         return max(self.serving.values(), key=lambda o: o.plan_version, default=None)
 
     def _key(self, order: RoutingOrder, first: int, last: int) -> RunnerKey:
-        return (order.model, first, last, order.max_context or self.config.max_context,
-                order.prefill_chunk or self.config.prefill_chunk)
+        return RunnerKey(order.model, first, last, order.max_context or self.config.max_context,
+                         order.prefill_chunk or self.config.prefill_chunk)
 
     def _keys(self, order: RoutingOrder, *, with_standby: bool) -> set[RunnerKey]:
         ranges = order.ranges_for(self.node_id) if with_standby else {
@@ -182,36 +208,29 @@ class Worker:
             if known is not None and order.epoch == known.epoch and order.plan_version < known.plan_version:
                 raise StaleOrderError(f"plan {order.plan_version} is older than plan {known.plan_version}")
             self.newest_epoch = order.epoch
-            wanted = self._keys(order, with_standby=True)
+            wanted, serving = self._keys(order, with_standby=True), self._keys(order, with_standby=False)
             # A failover waits for nothing but its hops: the standby ranges come after the switch.
-            missing = sorted((self._keys(order, with_standby=False) if order.standby_later else wanted)
-                             - set(self.runners))
+            missing = sorted((serving if order.standby_later else wanted) - set(self.fragments.runners))
             previous_state, self.state = self.state, "loading"
             try:
                 if missing:
-                    await ensure_model_files(self.client, self.store, order.model, _files_of(missing),
-                                             order.sources())
+                    await self.fragments.fetch_weights(order, missing)
                 rss_before = _rss_bytes()
                 for key in missing:
-                    self.runners[key] = await self._open_verified(order, key)
+                    await self.fragments.open(order, key)
                 grown = _rss_bytes() - rss_before
             except Exception as error:
-                cause = failure_cause(error)
-                self.state = previous_state
-                self.fault = {"cause": cause, "message": f"{type(error).__name__}: {error}",
-                              "model": order.model, "plan_version": order.plan_version}
-                log.error("cannot stage plan %d (%s): %s", order.plan_version, cause, self.fault["message"])
+                self.state, self.fault = previous_state, _stage_fault(order, error)
                 self._retire()  # free what was built for it
                 raise
-            reported = sum(self.runners[k].memory_bytes() for k in wanted if k in self.runners)
             if missing or order.name not in self.memory_bytes:
-                self.memory_bytes[order.name] = max(reported, grown) + self._kv_budget_bytes(order, wanted)
+                kv_bytes = _kv_budget_bytes(self.store, order, wanted, self.config.max_context)
+                self.memory_bytes[order.name] = max(self.fragments.memory_bytes(wanted), grown) + kv_bytes
             self.orders[order.plan_version] = order
             self.staged[order.name] = order
             self._retire()  # an older staged order of this model is replaced
             self.state, self.fault = "ready", None
-            serving = self._keys(order, with_standby=False)
-            if wanted - set(self.runners):
+            if wanted - set(self.fragments.runners):
                 self._standby_builds.add(asyncio.create_task(self._build_standby(order), name="standby-build"))
             log.info("plan %d (epoch %d) staged: %s layers %s; standby %s", order.plan_version, order.epoch,
                      order.model, _ranges(serving) or "none", _ranges(wanted - serving) or "none")
@@ -222,18 +241,12 @@ class Worker:
         next failover go without a build); a failure only leaves that failover slower. The
         apply lock is not held meanwhile: the commit of the order must not wait for this."""
         try:
-            missing = sorted(self._keys(order, with_standby=True) - set(self.runners))
-            await ensure_model_files(self.client, self.store, order.model, _files_of(missing), order.sources())
+            missing = sorted(self._keys(order, with_standby=True) - set(self.fragments.runners))
+            await self.fragments.fetch_weights(order, missing)
             for key in missing:
                 if order.plan_version not in self.orders:
                     return  # aborted or replaced meanwhile
-                if key in self.runners:
-                    continue
-                runner = await self._open_verified(order, key)
-                if key in self.runners:  # built by a stage meanwhile
-                    runner.close()
-                else:
-                    self.runners[key] = runner
+                await self.fragments.open(order, key)  # a stage may have built it meanwhile
             log.info("plan %d: standby %s built", order.plan_version, _ranges(set(missing)))
             self._retire()
         except (NcmError, ShardsError, OSError) as error:
@@ -289,27 +302,12 @@ class Worker:
             return self.status()
 
     def max_frame_bytes(self) -> int:
-        """The largest data-plane frame this node takes: a prefill chunk of float32 hidden states
-        of the widest stored model, the chunk at most its context (never under
-        :data:`MIN_FRAME_LIMIT_BYTES`), plus room for the header. Larger frames are refused."""
-        widest = 0
-        for manifest in self.store.list():
-            widest = max(widest, manifest.hidden_size * manifest.context_length * 4)
-        return max(widest, MIN_FRAME_LIMIT_BYTES) + FRAME_HEADER_BYTES
+        return max_frame_bytes(self.store)
 
     def device_memory(self) -> dict[str, int]:
         """The device the fragments live in, for the router's memory ledger."""
         return device_memory(vram_gib=self.config.vram_gib, ram_gib=self.config.ram_gib,
                              held_bytes=sum(self.memory_bytes.values()))
-
-    def _kv_budget_bytes(self, order: RoutingOrder, keys: set[RunnerKey]) -> int:
-        """KV cache of one session at full context over the layers of ``keys``."""
-        try:
-            manifest = self.store.manifest(order.model)
-        except ShardsError:
-            return 0
-        layers = {layer for k in keys for layer in range(k[1], k[2] + 1)}
-        return manifest.kv_bytes_per_token(len(layers)) * (order.max_context or self.config.max_context)
 
     def _retire(self) -> None:
         """Forget orders no request uses any more, and free the fragments none of the rest needs."""
@@ -323,45 +321,7 @@ class Worker:
         needed: set[RunnerKey] = set()
         for order in self.orders.values():
             needed |= self._keys(order, with_standby=order.plan_version in newest)
-        for key in [k for k in self.runners if k not in needed]:
-            self.runners.pop(key).close()
-
-    async def _open_verified(self, order: RoutingOrder, key: RunnerKey) -> FragmentRunner:
-        """Open the runner of ``key``; weight files found corrupt while building its fragment
-        are deleted and fetched again from the order's sources, once."""
-        loop = asyncio.get_running_loop()
-        model_dir = self.store.models_dir / order.model
-        try:
-            return await loop.run_in_executor(self.builder, self._open_runner, model_dir, key)
-        except CorruptWeightsError as corrupt:
-            await asyncio.to_thread(discard, model_dir, corrupt.paths)
-            self.repairs = [*self.repairs[-(MAX_REPAIRS_KEPT - 1):],
-                            {"model": order.model, "files": list(corrupt.paths), "fetched_again": False}]
-            try:
-                await ensure_model_files(self.client, self.store, order.model, _files_of([key]), order.sources())
-            except WeightTransferError as error:
-                raise CorruptWeightsError(f"{corrupt}; no peer could provide intact copies: {error}",
-                                          corrupt.paths) from error
-            self.repairs[-1]["fetched_again"] = True
-            log.warning("fetched %s of %s again from a peer", ", ".join(corrupt.paths), order.model)
-            return await loop.run_in_executor(self.builder, self._open_runner, model_dir, key)
-
-    def _open_runner(self, model_dir: Path, key: RunnerKey) -> FragmentRunner:
-        _, first, last, max_context, prefill_chunk = key
-        plan = thread_plan(configured_threads=self.config.threads, spin=self.config.spin,
-                           agents_on_host=self._agents_on_host(), cores=os.cpu_count() or 1)
-        if plan != self._thread_plan:
-            log.info("fragments run on %s thread(s), %s (%s)", plan.threads or "all",
-                     "spinning between runs" if plan.spinning else "not spinning", plan.reason)
-            self._thread_plan = plan
-        return OrtFragmentRunner(
-            model_dir, first, last,
-            providers=list(self.config.providers) or None,
-            threads=plan.threads,
-            spinning=plan.spinning,
-            max_context=max_context,
-            prefill_chunk=prefill_chunk,
-        )
+        self.fragments.close_all_but(needed)
 
     def status(self) -> dict[str, Any]:
         current = self.current
@@ -370,22 +330,21 @@ class Worker:
             serving = self._keys(order, with_standby=False)
             models[name] = {
                 "model": order.model, "plan_version": order.plan_version, "memory_bytes": self.memory_bytes.get(name, 0),
-                "fragments": [{"layers": [k[1], k[2]], **self.runners[k].describe(),
-                               "memory_bytes": self.runners[k].memory_bytes()} for k in sorted(serving) if k in self.runners],
-                "standby": [[k[1], k[2]] for k in sorted(self._keys(order, with_standby=True) - serving)],
+                "fragments": self.fragments.describe(serving),
+                "standby": [[k.first_layer, k.last_layer] for k in sorted(self._keys(order, with_standby=True) - serving)],
             }
         return {
             "state": self.state,
             "fault": self.fault,
-            "repairs": self.repairs,
-            "copying": self.copying,
+            "repairs": self.fragments.repairs,
+            "copying": self.copies.copying,
             "staged": {name: {"plan_version": order.plan_version, "memory_bytes": self.memory_bytes.get(name, 0)}
                        for name, order in sorted(self.staged.items())},
             "model": current.model if current else None,
             "plan_version": current.plan_version if current else None,
             "epoch": self.newest_epoch,
             "fragments": [f for m in models.values() for f in m["fragments"]],
-            "fragments_held": len(self.runners),  # also standby, staged and retiring ones
+            "fragments_held": len(self.fragments.runners),  # also standby, staged and retiring ones
             "standby": [r for m in models.values() for r in m["standby"]],
             "models": models,
             "sessions": len(self.sessions),
@@ -393,16 +352,6 @@ class Worker:
         }
 
     # --- data plane ----------------------------------------------------------------------------
-    def _compute(self, runner: FragmentRunner, sid: str, start: int, x: np.ndarray) -> np.ndarray:
-        if start == 0 and sid in runner.sessions():
-            runner.close_session(sid)  # a replay from the first token rebuilds the cache
-        if sid not in runner.sessions():
-            runner.open_session(sid)
-        length = runner.session_length(sid)
-        if length != start:
-            raise StageError("session_out_of_sync", f"session {sid} holds {length} positions, step starts at {start}", None)
-        return runner.forward(sid, x)
-
     async def step(self, header: dict[str, Any], tensor: np.ndarray | None) -> tuple[dict[str, Any], np.ndarray | None]:
         """Run one step through my hop and everything after it; returns the result frame."""
         sid, seq = header["sid"], header["seq"]
@@ -410,20 +359,19 @@ class Worker:
         if order is None or header["epoch"] != order.epoch:
             raise StageError("stale_plan", f"node {self.node_id} does not know plan {header['plan']} of epoch {header['epoch']}", None)
         hop = order.hop_starting_at(header["layer"])
-        runner = self.runners.get(self._key(order, hop.layers.first, hop.layers.last)) if hop and hop.node_id == self.node_id else None
+        runner = self.fragments.runners.get(self._key(order, hop.layers.first, hop.layers.last)) if hop and hop.node_id == self.node_id else None
         if hop is None or runner is None:
             raise StageError("wrong_stage", f"node {self.node_id} does not serve layers starting at {header['layer']}", None)
         if tensor is None:
             raise StageError("bad_request", "step frame without tensor", None)
         info = self.sessions.get(sid)
         fresh = info is None or info.plan_version != order.plan_version
-        if fresh:
+        if info is None or fresh:
             info = self.sessions[sid] = _SessionInfo(order.plan_version, time.monotonic())
-        assert info is not None
         info.last_used = started = time.monotonic()
         try:
             output = await asyncio.get_running_loop().run_in_executor(
-                self.executor, self._compute, runner, sid, header["start"], tensor
+                self.executor, _compute, runner, sid, header["start"], tensor
             )
             self.metrics.child(self.metrics.stage_compute, order.name).observe(time.monotonic() - started)
         except (StageError, ShardsError) as error:
@@ -433,20 +381,11 @@ class Worker:
                 raise
             raise StageError("bad_request", f"layers {hop.layers}: {error}", None) from None
         if not math.isfinite(output.sum(dtype=np.float64)):  # a NaN or Inf anywhere; no array allocated
-            await self._drop_faulty(self._key(order, hop.layers.first, hop.layers.last))
+            await self.fragments.drop_faulty(self._key(order, hop.layers.first, hop.layers.last))
             raise StageError("stage_faulty", f"layers {hop.layers} on node {self.node_id} computed NaN or Inf",
                              self.node_id)
         if hop.layers.last == order.total_layers - 1:
-            token = None
-            if header["sample"]:
-                if header["start"] == 0 or info.sampler is None:
-                    params = {k: v for k, v in (header.get("params") or {}).items() if k in SAMPLING_FIELDS}
-                    try:
-                        info.sampler = Sampler(SamplingParams(**params))
-                    except (ShardsError, TypeError) as error:
-                        raise StageError("bad_request", str(error), None) from None
-                token = int(info.sampler.sample(output[0, -1]))
-            return {"kind": "result", "sid": sid, "seq": seq, "token": token}, None
+            return {"kind": "result", "sid": sid, "seq": seq, "token": _sample(info, header, output)}, None
         next_node = order.next_after(hop.layers.last)
         assert next_node is not None
         forward = dict(header, layer=hop.layers.last + 1)
@@ -467,23 +406,9 @@ class Worker:
             raise error_from_header(result)
         return result, None
 
-    async def _drop_faulty(self, key: RunnerKey) -> None:
-        """A fragment that computes NaN or Inf is closed and its build deleted: the next order
-        that needs it builds it again, from weight files checked against the manifest."""
-        runner = self.runners.pop(key, None)
-        if runner is None:
-            return
-        log.error("fragment %d-%d of %s computed NaN or Inf: dropped, with its build", key[1], key[2], key[0])
-        build = getattr(runner, "path", None)
-        runner.close()
-        if isinstance(build, Path):
-            await asyncio.to_thread(_delete_build, build.parent)
-
     def _free(self, sid: str) -> None:
         self.sessions.pop(sid, None)
-        for runner in self.runners.values():
-            if sid in runner.sessions():
-                runner.close_session(sid)
+        self.fragments.free_session(sid)
 
     def close_session(self, sid: str) -> None:
         """Free ``sid`` here (the orchestrator tells every stage of the route itself)."""
@@ -491,39 +416,7 @@ class Worker:
         self._retire()
 
     def keep_whole_copy(self, model: str, sources: list[tuple[str, str]]) -> bool:
-        """Queue a fetch of every file of ``model`` (the fallback, so that losing any one node
-        leaves a whole copy); False when this node holds it whole already or lacks the room."""
-        if model in complete_models(self.store) or model == self.copying:
-            return False
-        if model in self._declined and self._declined[model] >= _free_bytes(self.store.root):
-            return False  # no more room than when it was declined
-        self._copies.put_nowait((model, sources))
-        return True
-
-    async def fetch_copies(self) -> None:
-        """Fetch the whole models queued by :meth:`keep_whole_copy`, one at a time, when the disk
-        has room for them (owned by the service's cleanup context)."""
-        while True:
-            model, sources = await self._copies.get()
-            if model in complete_models(self.store):
-                continue
-            self.copying = model
-            try:
-                manifest = await ensure_model_files(self.client, self.store, model, lambda m: [], sources)
-                missing = sum(manifest.files[k].bytes
-                              for k in missing_files(self.store.models_dir / model, manifest, list(manifest.files)))
-                free = _free_bytes(self.store.root)
-                if free < missing + COPY_MARGIN_BYTES:
-                    self._declined[model] = free
-                    log.info("not keeping a whole copy of %s: %d MiB free, it needs %d MiB", model,
-                             free >> 20, (missing + COPY_MARGIN_BYTES) >> 20)
-                    continue
-                await ensure_model_files(self.client, self.store, model, lambda m: list(m.files), sources)
-                log.info("holding a whole copy of %s (the fallback model)", model)
-            except (NcmError, ShardsError) as error:
-                log.warning("could not keep a whole copy of %s: %s", model, error)
-            finally:
-                self.copying = None
+        return self.copies.keep_whole_copy(model, sources)
 
     async def reap_idle_sessions(self) -> None:
         """Free sessions abandoned by their requests (owned by the service's cleanup context)."""
@@ -538,8 +431,5 @@ class Worker:
     def close(self) -> None:
         for task in self._standby_builds:
             task.cancel()
-        for runner in self.runners.values():
-            runner.close()
-        self.runners.clear()
+        self.fragments.close()
         self.executor.shutdown(wait=False, cancel_futures=True)
-        self.builder.shutdown(wait=False, cancel_futures=True)

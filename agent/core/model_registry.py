@@ -24,8 +24,30 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 from agent.core.errors import NcmError
+from agent.core.state_enum import StateEnum
 
-STATES = ("unloaded", "measuring", "loading", "ready", "sleeping", "failed")
+
+
+class ModelState(StateEnum):
+    """Where a model is in the router (its value is what every view and event shows)::
+
+        unloaded, sleeping, failed --a request at the head of the queue--> measuring
+        measuring --fits, after evictions--> loading --loaded--> ready
+        measuring --refused, or measured for a plan only--> back to where it was
+        loading --error--> failed          ready --its deployment is lost--> failed
+        ready --idle for sleep_idle_s, or POST /models/sleep--> sleeping (plan kept)
+        ready, sleeping --unload, eviction, keep_alive 0--> unloaded
+    """
+
+    UNLOADED = "unloaded"
+    MEASURING = "measuring"
+    LOADING = "loading"
+    READY = "ready"
+    SLEEPING = "sleeping"
+    FAILED = "failed"
+
+
+STATES = tuple(state.value for state in ModelState)
 RETRY_AFTER_BUSY_S = 10.0
 RETRY_AFTER_LOAD_S = 5.0
 MIB = 1024 * 1024
@@ -81,7 +103,7 @@ class ModelEntry:
     """One model's bookkeeping (mutated only by :class:`ModelRegistry`)."""
 
     name: str
-    state: str = "unloaded"
+    state: ModelState = ModelState.UNLOADED
     reason: str | None = None
     last_used_s: float = 0.0
     active_requests: int = 0
@@ -89,11 +111,11 @@ class ModelEntry:
     effective_bytes: dict[str, int] | None = None  # per node, reported once loaded
     stopping: bool = False  # an unload or sleep is under way
     listed: bool = True  # still in the sources (a model dropped by a reload stays until unloaded)
-    resting_state: str = "unloaded"  # where a measure that did not lead to a load returns
+    resting_state: ModelState = ModelState.UNLOADED  # where a measure that did not lead to a load returns
 
     def held_bytes(self) -> Mapping[str, int]:
         """Device memory this model counts against: effective when known, else its reservation."""
-        if self.state not in ("loading", "ready"):
+        if self.state not in (ModelState.LOADING, ModelState.READY):
             return {}
         return self.effective_bytes or self.min_bytes or {}
 
@@ -173,7 +195,7 @@ class ModelRegistry:
                 self._drop_if_gone(entry)
 
     def _drop_if_gone(self, entry: ModelEntry) -> None:
-        if not entry.listed and entry.state in ("unloaded", "failed", "sleeping") and not entry.stopping \
+        if not entry.listed and entry.state in (ModelState.UNLOADED, ModelState.FAILED, ModelState.SLEEPING) and not entry.stopping \
                 and self.find(entry.name) is None:
             self.entries.pop(entry.name, None)
 
@@ -218,13 +240,13 @@ class ModelRegistry:
         ticket.done, ticket.claimed, ticket.outcome = True, False, outcome
         entry = self.entries.get(ticket.model)
         if entry is not None:
-            if entry.state == "measuring":  # measured, but no load followed: back to where it was
+            if entry.state == ModelState.MEASURING:  # measured, but no load followed: back to where it was
                 entry.state = entry.resting_state
             self._drop_if_gone(entry)
 
     # --- capacity --------------------------------------------------------------------------
     def loaded_count(self) -> int:
-        return sum(1 for e in self.entries.values() if e.state in ("loading", "ready"))
+        return sum(1 for e in self.entries.values() if e.state in (ModelState.LOADING, ModelState.READY))
 
     def budget_bytes(self, node: str) -> int | None:
         """Memory of ``node`` usable by models (None: the node never reported, no limit)."""
@@ -252,12 +274,12 @@ class ModelRegistry:
     def _evictable(self) -> list[ModelEntry]:
         """Idle ready models, least recently used first."""
         return sorted((e for e in self.entries.values()
-                       if e.state == "ready" and e.active_requests == 0 and not e.stopping and self.find(e.name) is None),
+                       if e.state == ModelState.READY and e.active_requests == 0 and not e.stopping and self.find(e.name) is None),
                       key=lambda e: (e.last_used_s, e.name))
 
     def _over_count(self, without: Iterable[str] = ()) -> bool:
         skip = set(without)
-        count = sum(1 for e in self.entries.values() if e.state in ("loading", "ready") and e.name not in skip)
+        count = sum(1 for e in self.entries.values() if e.state in (ModelState.LOADING, ModelState.READY) and e.name not in skip)
         return self.models_max > 0 and count >= self.models_max
 
     def next_action(self) -> Action | None:
@@ -267,20 +289,20 @@ class ModelRegistry:
             if head.claimed:
                 return None
             entry = self.entries[head.model]
-            if entry.state == "ready" and not entry.stopping:
+            if entry.state == ModelState.READY and not entry.stopping:
                 self._pop(head, None)
                 continue
             if entry.stopping or any(e.stopping for e in self.entries.values()):
                 return None  # an unload is under way: decide once it has freed its memory
             if entry.min_bytes is None:
                 head.claimed = True
-                if entry.state != "measuring":  # measuring again (the devices changed): same resting state
+                if entry.state != ModelState.MEASURING:  # measuring again (the devices changed): same resting state
                     entry.resting_state = entry.state
-                entry.state = "measuring"
+                entry.state = ModelState.MEASURING
                 return Load(head.model, measure=True)
             if self._fits(entry.min_bytes, []):
                 head.claimed = True
-                entry.state, entry.reason, entry.effective_bytes = "loading", None, None
+                entry.state, entry.reason, entry.effective_bytes = ModelState.LOADING, None, None
                 return Load(head.model, measure=False)
             victims = self._victims_for(entry)
             if victims:
@@ -319,7 +341,7 @@ class ModelRegistry:
                     f"add a device or lower the model's context", None)
         idle = [e.name for e in self._evictable()]
         kept = sorted((e for e in self.entries.values()
-                       if e.state in ("loading", "ready") and e.name != entry.name and e.name not in idle),
+                       if e.state in (ModelState.LOADING, ModelState.READY) and e.name != entry.name and e.name not in idle),
                       key=lambda e: e.name)
         reasons = []
         if self._over_count(idle):
@@ -344,7 +366,7 @@ class ModelRegistry:
 
     def _why_kept(self, entry: ModelEntry) -> str:
         """Why a loaded model cannot be evicted now."""
-        if entry.state == "loading":
+        if entry.state == ModelState.LOADING:
             return "loading"
         if entry.stopping:
             return "being unloaded"
@@ -366,7 +388,7 @@ class ModelRegistry:
         head = self.find(name)
         if head is not None:
             head.claimed = False
-        elif entry.state == "measuring":
+        elif entry.state == ModelState.MEASURING:
             entry.state = entry.resting_state
 
     def forget_measure(self, name: str) -> None:
@@ -376,13 +398,13 @@ class ModelRegistry:
         if entry is None:
             return
         head = self.find(name)
-        if entry.state in ("unloaded", "sleeping", "failed") or (
-                entry.state == "measuring" and head is not None and not head.claimed):
+        if entry.state in (ModelState.UNLOADED, ModelState.SLEEPING, ModelState.FAILED) or (
+                entry.state == ModelState.MEASURING and head is not None and not head.claimed):
             entry.min_bytes = None
 
     def loaded(self, name: str, effective_bytes: Mapping[str, int], *, now: float) -> None:
         entry = self.entry(name)
-        entry.state, entry.reason, entry.last_used_s = "ready", None, now
+        entry.state, entry.reason, entry.last_used_s = ModelState.READY, None, now
         entry.effective_bytes = dict(effective_bytes) or None
         head = self.find(name)
         if head is not None:
@@ -395,7 +417,7 @@ class ModelRegistry:
         entry = self.entries.get(name)
         if entry is None:
             return
-        entry.state, entry.reason, entry.stopping, entry.effective_bytes = "failed", reason, False, None
+        entry.state, entry.reason, entry.stopping, entry.effective_bytes = ModelState.FAILED, reason, False, None
         head = self.find(name)
         if head is not None and head.claimed:
             self._pop(head, ModelLoadError(f"model {name!r} failed to load: {reason}", retry_after_s))
@@ -403,13 +425,13 @@ class ModelRegistry:
 
     def update_effective(self, name: str, effective_bytes: Mapping[str, int]) -> None:
         entry = self.entries.get(name)
-        if entry is not None and entry.state == "ready":
+        if entry is not None and entry.state == ModelState.READY:
             entry.effective_bytes = dict(effective_bytes) or None
 
     def begin_stop(self, name: str) -> bool:
         """Start unloading or sleeping ``name``; False when it is busy, waited for or not loaded."""
         entry = self.entries.get(name)
-        if entry is None or entry.state != "ready" or entry.active_requests or entry.stopping or self.find(name):
+        if entry is None or entry.state != ModelState.READY or entry.active_requests or entry.stopping or self.find(name):
             return False
         entry.stopping = True
         return True
@@ -418,14 +440,14 @@ class ModelRegistry:
         entry = self.entries.get(name)
         if entry is None:
             return
-        entry.state, entry.stopping, entry.effective_bytes, entry.reason = "unloaded", False, None, None
+        entry.state, entry.stopping, entry.effective_bytes, entry.reason = ModelState.UNLOADED, False, None, None
         self._drop_if_gone(entry)
 
     def slept(self, name: str) -> None:
         entry = self.entries.get(name)
         if entry is None:
             return
-        entry.state, entry.stopping, entry.effective_bytes = "sleeping", False, None
+        entry.state, entry.stopping, entry.effective_bytes = ModelState.SLEEPING, False, None
         self._drop_if_gone(entry)
 
     def sleep_candidates(self, now: float, idle_s: Mapping[str, float]) -> list[str]:
@@ -436,7 +458,7 @@ class ModelRegistry:
     # --- requests ----------------------------------------------------------------------------
     def begin_request(self, name: str, *, now: float) -> None:
         entry = self.entry(name)
-        if entry.state != "ready" or entry.stopping:
+        if entry.state != ModelState.READY or entry.stopping:
             raise ModelNotLoadedError(f"model {name!r} is {entry.state}")
         entry.active_requests += 1
         entry.last_used_s = now

@@ -15,3 +15,12 @@ def full_store(smollm2_store, smollm2_gguf):
     if not smollm2_store.has(FALLBACK):
         import_model(smollm2_gguf, name=FALLBACK, weights="q4", store=smollm2_store, progress=False)
     return smollm2_store
+
+
+@pytest.fixture(autouse=True)
+def _shared_calibration(monkeypatch):
+    """In-process agents of a test process share one run of the backends' self-test and
+    calibration (they are on one machine); agents in processes of their own run their own."""
+    from tests.agent.inprocess import share_calibration
+
+    share_calibration(monkeypatch)

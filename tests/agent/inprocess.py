@@ -11,8 +11,9 @@ import asyncio
 import contextlib
 import json
 import ssl
+import threading
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -20,7 +21,9 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
+from agent import membership
 from agent.config import AgentConfig
+from agent.probe import Accelerators, find_accelerators
 from agent.service import AgentRunner, start_agent
 from agent.service_keys import MEMBERSHIP
 from shards.store import ModelStore
@@ -57,8 +60,10 @@ async def start_app(app: web.Application, port: int, host: str = "127.0.0.1") ->
 
 
 @contextlib.asynccontextmanager
-async def local_agents(tmp: Path, count: int, **settings: Any) -> AsyncIterator[list[LocalAgent]]:
-    """``count`` agents of cluster "test", each given the others as static peers."""
+async def local_agents(tmp: Path, count: int, *, per_agent: Sequence[Mapping[str, Any]] = (),
+                       **settings: Any) -> AsyncIterator[list[LocalAgent]]:
+    """``count`` agents of cluster "test", each given the others as static peers; ``per_agent[i]``
+    (when given) adds settings of agent i only (its capacity, being the configured orchestrator)."""
     ports = free_ports(count)
     agents = []
     try:
@@ -66,7 +71,8 @@ async def local_agents(tmp: Path, count: int, **settings: Any) -> AsyncIterator[
             config = AgentConfig(
                 cluster_name="test", cluster_key=CLUSTER_KEY, host="127.0.0.1", port=port,
                 advertise_host="127.0.0.1", peers=tuple(f"http://127.0.0.1:{p}" for p in ports if p != port),
-                state_dir=tmp / f"agent-{index}", mdns=False, threads=1, **{**FAST, **settings},
+                state_dir=tmp / f"agent-{index}", mdns=False, threads=1,
+                **{**FAST, **settings, **(per_agent[index] if index < len(per_agent) else {})},
             )
             node_id = f"node-{index}"
             runner = await start_agent(config, node_id=node_id, store=ModelStore(tmp / f"home-{index}"),
@@ -76,6 +82,26 @@ async def local_agents(tmp: Path, count: int, **settings: Any) -> AsyncIterator[
     finally:
         for agent in agents:
             await agent.runner.cleanup()
+
+
+_calibrations: dict[tuple[str, ...], Accelerators] = {}
+_calibrating = threading.Lock()
+
+
+def calibrated_once(providers: tuple[str, ...] = ()) -> Accelerators:
+    """:func:`agent.probe.find_accelerators` (the backends' self-test and calibration, a second or
+    more on a small machine) run once per test process and providers: in-process agents are on one
+    machine, so they may share its result. Opt in with :func:`share_calibration`."""
+    with _calibrating:
+        if providers not in _calibrations:
+            _calibrations[providers] = find_accelerators(providers)
+        return _calibrations[providers]
+
+
+def share_calibration(monkeypatch: Any) -> None:
+    """Agents started in this test take the backends' calibration of the first agent of the
+    process (``monkeypatch``: pytest's fixture, which undoes this after the test)."""
+    monkeypatch.setattr(membership, "find_accelerators", calibrated_once)
 
 
 async def eventually(condition: Callable[[], Awaitable[Any] | Any], *, timeout_s: float, what: str,
@@ -103,3 +129,45 @@ async def call(method: str, url: str, body: Any = None, *, headers: dict[str, st
             return response.status, json.loads(text)
         except ValueError:
             return response.status, text
+
+
+class SseEvents:
+    """`GET /models/sse` read in a task: (event kind, data) pairs, in order."""
+
+    def __init__(self, url: str) -> None:
+        self.items: list[tuple[str, dict[str, Any]]] = []
+        self.task = asyncio.create_task(self._read(url))
+
+    async def _read(self, url: str) -> None:
+        timeout = aiohttp.ClientTimeout(total=None, sock_connect=5, sock_read=60)
+        async with aiohttp.ClientSession() as session, session.get(url + "/models/sse", timeout=timeout) as response:
+            assert response.status == 200 and response.content_type == "text/event-stream"
+            kind = "message"
+            async for raw in response.content:
+                line = raw.decode().rstrip("\n")
+                if line.startswith("event: "):
+                    kind = line[len("event: "):]
+                elif line.startswith("data: "):
+                    self.items.append((kind, json.loads(line[len("data: "):])))
+
+    def states(self, model: str, *, after: int = 0) -> list[str]:
+        """The states ``model`` entered (status changes that repeat a state left out)."""
+        states = [data["state"] for kind, data in self.items[after:] if kind == "status_change" and data["model"] == model]
+        return [s for i, s in enumerate(states) if i == 0 or s != states[i - 1]]
+
+    def of(self, model: str, *, after: int = 0) -> list[tuple[str, dict[str, Any]]]:
+        """Every event about ``model`` (from the ``after``-th on), with its kind."""
+        return [(kind, data) for kind, data in self.items[after:] if data["model"] == model]
+
+    def changes(self, model: str, *, after: int = 0) -> list[dict[str, Any]]:
+        return [data for kind, data in self.items[after:] if kind == "status_change" and data["model"] == model]
+
+    async def reach(self, model: str, state: str, *, after: int) -> None:
+        """Wait until the stream (a connection of its own) has told that ``model`` entered ``state``."""
+        await eventually(lambda: self.states(model, after=after)[-1:] == [state], timeout_s=10,
+                         what=f"the event of {model} entering {state}")
+
+    async def close(self) -> None:
+        self.task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await self.task

@@ -13,7 +13,6 @@ the order of states) are checked at the end on in-process agents serving a tiny 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import http.client
 import json
 import os
@@ -25,16 +24,15 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-import aiohttp
 import pytest
 
 from agent.core.errors import ClusterError
 from agent.peer_client import PeerError
-from agent.router import public_reason
+from agent.public_errors import public_reason
 from agent.service_keys import ROUTER
 from agent.weights import WeightTransferError
 from tests.agent.agents import ADMIN, FALLBACK, REPO, Agent, ModelEvents, linked_copy, make_agents, shut_down, wait_for
-from tests.agent.inprocess import call, eventually
+from tests.agent.inprocess import SseEvents, call, eventually
 from tests.agent.test_admission import Gate, complete
 from tests.agent.tiny import TINY, tiny_cluster
 
@@ -310,33 +308,6 @@ def test_a_client_that_leaves_leaves_the_queue_and_the_load_still_completes(clus
 
 
 # --- rough edges, on in-process agents serving a tiny random model -------------------------------
-class SseEvents:
-    """`GET /models/sse` read in a task: (event kind, data) pairs, in order."""
-
-    def __init__(self, url: str) -> None:
-        self.items: list[tuple[str, dict[str, Any]]] = []
-        self.task = asyncio.create_task(self._read(url))
-
-    async def _read(self, url: str) -> None:
-        timeout = aiohttp.ClientTimeout(total=None, sock_connect=5, sock_read=60)
-        async with aiohttp.ClientSession() as session, session.get(url + "/models/sse", timeout=timeout) as response:
-            kind = "message"
-            async for raw in response.content:
-                line = raw.decode().rstrip("\n")
-                if line.startswith("event: "):
-                    kind = line[len("event: "):]
-                elif line.startswith("data: "):
-                    self.items.append((kind, json.loads(line[len("data: "):])))
-
-    def of(self, model: str, *, after: int = 0) -> list[tuple[str, dict[str, Any]]]:
-        return [(kind, data) for kind, data in self.items[after:] if data["model"] == model]
-
-    async def close(self) -> None:
-        self.task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await self.task
-
-
 def entered_states(events: list[tuple[str, dict[str, Any]]]) -> list[str]:
     states = [data["state"] for kind, data in events if kind == "status_change"]
     return [b for a, b in zip(states, states[1:]) if a != b]

@@ -101,7 +101,7 @@ def test_a_fragment_that_computes_nan_is_a_faulty_stage_and_is_dropped(smollm2_s
         with pytest.raises(StageError) as caught:
             await worker.step(step_header(o, "a"), np.asarray([[1, 2, 3]], dtype=np.int64))
         assert caught.value.code == "stage_faulty" and caught.value.node == NODE
-        assert worker.runners == {}  # closed, and its build deleted: the next order builds it again
+        assert worker.fragments.runners == {}  # closed, and its build deleted: the next order builds it again
         assert not list((model_dir / "fragments").glob(f"{MAIN}-000-*"))
 
     asyncio.run(with_worker(home, body))

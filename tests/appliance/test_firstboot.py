@@ -15,7 +15,6 @@ from agent.firstboot import (
     BootSetup,
     FirstbootError,
     SetupFileError,
-    make_join_string,
     merge_config,
     parse_join_string,
     parse_setup_text,
@@ -60,7 +59,6 @@ def test_join_string() -> None:
     url, key, name = parse_join_string(f"http://192.168.1.20:8080/?cluster=home#{KEY}")
     assert (url, key, name) == ("http://192.168.1.20:8080", KEY, "home")
     assert parse_join_string(f"https://ncm-a1b2c3.local:8080#{KEY}") == ("https://ncm-a1b2c3.local:8080", KEY, None)
-    assert parse_join_string(make_join_string("http://10.0.0.5:8080", KEY, "home")) == ("http://10.0.0.5:8080", KEY, "home")
     setup = parse_setup_text(f"join = http://10.0.0.5:8080#{KEY}\npeers = http://10.0.0.6:8080\n")
     assert setup.cluster_key == KEY
     assert setup.peers == ("http://10.0.0.5:8080", "http://10.0.0.6:8080")

@@ -12,6 +12,7 @@ from agent.core.admission import (
     AdmissionLimits, TooManyRequestsError,
 )
 from agent.core.model_registry import RouterError
+from tests.examples import examples
 
 
 def test_defaults_and_validation():
@@ -127,4 +128,4 @@ class AdmissionMachine(RuleBasedStateMachine):
 
 
 TestAdmissionMachine = AdmissionMachine.TestCase
-TestAdmissionMachine.settings = settings(max_examples=200, stateful_step_count=40, deadline=None)
+TestAdmissionMachine.settings = settings(max_examples=examples(200), stateful_step_count=40, deadline=None)

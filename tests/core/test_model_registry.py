@@ -10,6 +10,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 from agent.core.model_registry import (
     MIB, CapacityError, DeviceMemory, Evict, Load, ModelLoadError, ModelRegistry, Refuse, UnknownModelError,
 )
+from tests.examples import examples
 
 MODELS = ("a", "b", "c", "d")
 NODES = ("n1", "n2")
@@ -410,4 +411,4 @@ class RouterMachine(RuleBasedStateMachine):
 
 
 TestRouterMachine = RouterMachine.TestCase
-TestRouterMachine.settings = settings(max_examples=300, stateful_step_count=40, deadline=None)
+TestRouterMachine.settings = settings(max_examples=examples(300), stateful_step_count=40, deadline=None)

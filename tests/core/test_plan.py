@@ -20,6 +20,7 @@ from agent.core.plan import (
     plan_from_dict,
 )
 from tests.core.strategies import cluster_scores, integer_clusters
+from tests.examples import examples
 
 LAYERS = st.integers(1, 200)
 RATIOS = st.sampled_from([0.0, 0.1, 0.25, 0.5, 0.75, 1.0]) | st.floats(0, 1)
@@ -196,7 +197,7 @@ def test_replicas_go_to_the_lightest_non_owners_of_the_head(case, ratio, replica
 
 # --- §5 ---------------------------------------------------------------------------------------
 @given(plannable(), RATIOS, st.none() | st.integers(0, 8))
-@settings(max_examples=150)
+@settings(max_examples=examples(150))
 def test_redundancy_map_invariants(case, ratio, replica_count):
     scores, layers, minimum = case
     plan = make_plan(scores, layers, replicate_head_ratio=ratio, replica_count=replica_count, min_layers_per_node=minimum)
@@ -296,7 +297,7 @@ def integer_case(draw):
 
 @given(integer_case())
 @example(([NodeCapacity("a", ram_gib=1), NodeCapacity("b", ram_gib=3)], 2, 0))  # the RAM 1 / 3 GiB tie
-@settings(max_examples=300)
+@settings(max_examples=examples(300))
 def test_integer_clusters_follow_the_tie_rules_exactly(case):
     nodes, layers, minimum = case
     scores = {node.node_id: score(node) for node in nodes}

@@ -13,6 +13,7 @@ from agent.core.presets import (
     resolve_name,
     sections_without_weights,
 )
+from tests.examples import examples
 
 STORE = {"llama": 8192, "tiny": 512}
 
@@ -305,7 +306,7 @@ def layers(draw):
     return chosen
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=examples(60), deadline=None)
 @given(layers())
 def test_highest_layer_that_sets_a_value_wins(chosen):
     glob = "".join(f"{FIELD_VALUES[f][0]} = {_ini(v[0])}\n" for f, v in chosen.items() if v[0] is not None)

@@ -23,6 +23,7 @@ from agent.core.routing import (
     route_cost,
 )
 from tests.core.strategies import cluster_scores, integer_clusters
+from tests.examples import examples
 
 
 def route_of(*hops):
@@ -190,7 +191,7 @@ def failure_case(draw):
 
 
 @given(failure_case())
-@settings(max_examples=200)
+@settings(max_examples=examples(200))
 def test_failover_never_routes_through_a_dead_node_while_a_live_holder_exists(case):
     plan, dead, telemetry = case
     alive = set(dict(plan.scores)) - dead
@@ -217,7 +218,7 @@ def test_failover_never_routes_through_a_dead_node_while_a_live_holder_exists(ca
 
 
 @given(failure_case())
-@settings(max_examples=100)
+@settings(max_examples=examples(100))
 def test_degraded_decision_uses_only_survivors_of_the_route(case):
     plan, dead, telemetry = case
     alive = set(dict(plan.scores)) - dead
@@ -331,7 +332,7 @@ _EXAMPLE_NODES = [NodeCapacity(n, vram_gib=v, ram_gib=r, npu_tops=t)
 @given(tie_case())
 @example((_EXAMPLE_NODES, make_plan({node.node_id: score(node) for node in _EXAMPLE_NODES}, 12, replica_count=3),
           dict.fromkeys("abcde", 0), {"c"}))
-@settings(max_examples=300)
+@settings(max_examples=examples(300))
 def test_routes_are_cheapest_then_fewest_hops_with_exact_ties(case):
     nodes, plan, latency, dead = case
     scores = {node.node_id: score(node) for node in nodes}

@@ -15,8 +15,9 @@ from agent.core.advert import NodeAdvert, decode_txt
 from agent.core.errors import WireError
 from agent.core.orders import RoutingOrder
 from agent.core.wire import ALLOWED_DTYPES, MAGIC, SCHEMAS, decode_frame
+from tests.examples import examples
 
-EXAMPLES = 400
+EXAMPLES = examples(400)
 FIELD_NAMES = sorted({name for schema in SCHEMAS.values() for name in schema} | {"tensor", "cid", "params", "plan"})
 
 scalars = (st.none() | st.booleans() | st.integers(-2**63, 2**64 - 1) | st.floats(allow_nan=True)

@@ -9,6 +9,7 @@ from pathlib import Path
 import numpy as np
 
 from shards.runner import FragmentRunner, chain_forward, open_chain
+from shards.tensorfile import write_tensors
 
 SMOLLM2 = "smollm2-135m"
 SMOLLM2_Q4 = "smollm2-135m-q4"
@@ -53,6 +54,50 @@ def write_word_tokenizer(folder: Path, vocab_size: int) -> None:
     tok.save(str(folder / "tokenizer.json"))
     (folder / "tokenizer_config.json").write_text(json.dumps(
         {"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>", "add_bos_token": True}))
+
+
+VOCAB = 96
+# Turns as words of the vocabulary: w3 opens a system turn, w4 a user one, w5 an assistant one.
+CHAT_TEMPLATE = ("{{ bos_token }}{% for m in messages %}{{ {'system': 'w3', 'user': 'w4'}.get(m['role'], 'w5') }} "
+                 "{{ m['content'] }} {% endfor %}{% if add_generation_prompt %}w5 {% endif %}")
+
+
+def write_tiny_checkpoint(folder: Path, *, seed: int = 0, layers: int = 2) -> Path:
+    """A random llama checkpoint (config.json, model.safetensors, a word-level tokenizer with a
+    chat template) made with numpy alone: no torch, so it is written in milliseconds."""
+    rng = np.random.default_rng(seed)
+    hidden, inter, heads, kv_heads = 64, 160, 4, 2
+    head_dim = hidden // heads
+
+    def weight(*shape: int) -> np.ndarray:
+        return rng.normal(0.0, 0.15, shape).astype(np.float32)
+
+    tensors = {"model.embed_tokens.weight": weight(VOCAB, hidden), "model.norm.weight": np.ones(hidden, np.float32)}
+    for i in range(layers):
+        prefix = f"model.layers.{i}."
+        tensors.update({
+            prefix + "input_layernorm.weight": np.ones(hidden, np.float32),
+            prefix + "post_attention_layernorm.weight": np.ones(hidden, np.float32),
+            prefix + "self_attn.q_proj.weight": weight(heads * head_dim, hidden),
+            prefix + "self_attn.k_proj.weight": weight(kv_heads * head_dim, hidden),
+            prefix + "self_attn.v_proj.weight": weight(kv_heads * head_dim, hidden),
+            prefix + "self_attn.o_proj.weight": weight(hidden, heads * head_dim),
+            prefix + "mlp.gate_proj.weight": weight(inter, hidden),
+            prefix + "mlp.up_proj.weight": weight(inter, hidden),
+            prefix + "mlp.down_proj.weight": weight(hidden, inter),
+        })
+    folder.mkdir(parents=True, exist_ok=True)
+    write_tensors(folder / "model.safetensors", tensors)
+    (folder / "config.json").write_text(json.dumps({
+        "model_type": "llama", "hidden_size": hidden, "intermediate_size": inter, "num_hidden_layers": layers,
+        "num_attention_heads": heads, "num_key_value_heads": kv_heads, "vocab_size": VOCAB,
+        "max_position_embeddings": 256, "rms_norm_eps": 1e-5, "tie_word_embeddings": True,
+        "bos_token_id": 1, "eos_token_id": 2}))
+    write_word_tokenizer(folder, VOCAB)
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    config["chat_template"] = CHAT_TEMPLATE
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    return folder
 
 
 def make_hf_checkpoint(folder: Path, arch: str, *, seed: int = 0, attention_bias: bool = False,

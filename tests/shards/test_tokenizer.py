@@ -21,6 +21,7 @@ from shards.tokenizer_spec import (
     tokenizer_spec_from_gguf,
     tokenizer_spec_from_hf,
 )
+from tests.examples import examples
 
 SAMPLES = [
     "Hello world",
@@ -199,7 +200,7 @@ def test_stream_rejects_ids_outside_vocabulary(tok: Tokenizer) -> None:
         tok.stream_decoder().push(tok.vocab_size)
 
 
-_FAST = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+_FAST = settings(max_examples=examples(150), deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 
 
 # SmolLM2's byte alphabet lacks a few bytes (six rare control characters, and the lead

@@ -1,0 +1,153 @@
+"""A request's token loop (design §6): prefill the prompt through the pipeline in chunks, then
+one step per token, each through every stage of the route, sampled at the tail.
+
+When a stage fails, the request asks for what to use now (the orchestrator's failover),
+replays its tokens so far on that route and goes on: nothing is lost or repeated.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from agent.compat import timeout
+from agent.core.chat_request import InvalidRequestError
+from agent.core.errors import ClusterError
+from agent.core.orders import RoutingOrder
+from agent.dataplane import StageError
+from agent.deployer import Deployment
+from agent.membership import Membership
+from agent.worker import Worker
+from shards.generate import FINISH_LENGTH, TextStream
+from shards.sampling import SamplingParams
+
+log = logging.getLogger(__name__)
+PREFILL_STEP_TIMEOUT_S = 300.0
+DECODE_STEP_TIMEOUT_S = 60.0
+MAX_RECOVERIES_PER_REQUEST = 4
+
+
+@dataclass(frozen=True)
+class Completion:
+    """One event of a completion as the API streams it; ``model`` is the model that produced it."""
+
+    text: str
+    model: str
+    finish_reason: str | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    tokens: tuple[int, ...] = ()  # the sampled ids behind this event's text (since the previous event)
+
+
+class TokenLoop:
+    """Runs requests through the pipeline from this node. ``recover(deployment, dead)`` fails
+    over from a deployment whose ``dead`` nodes failed, and returns the one to go on with."""
+
+    def __init__(self, node_id: str, membership: Membership, worker: Worker,
+                 recover: Callable[[Deployment, set[str]], Awaitable[Deployment]]) -> None:
+        self.node_id = node_id
+        self.membership = membership
+        self.worker = worker
+        self._recover = recover
+
+    async def _step(self, order: RoutingOrder, header: dict[str, Any], tensor: np.ndarray, timeout_s: float) -> int | None:
+        head = order.route.hops[0].node_id
+        try:
+            async with timeout(timeout_s):
+                result, _ = await self.worker.forward_to(order, head, header, tensor, timeout_s=timeout_s)
+        except asyncio.TimeoutError:
+            raise StageError("stage_timeout", f"the pipeline did not answer within {timeout_s:g} s", head) from None
+        return result["token"]
+
+    async def _prefill(self, deployment: Deployment, order: RoutingOrder, sid: str, ids: list[int],
+                       sampling: dict[str, Any]) -> int:
+        """Feed ``ids`` from position 0 in chunks; the last chunk samples the next token."""
+        chunk = deployment.settings.prefill_chunk
+        token: int | None = None
+        for seq, start in enumerate(range(0, len(ids), chunk)):
+            header = {"kind": "step", "sid": sid, "seq": seq, "layer": 0, "start": start, "epoch": order.epoch,
+                      "plan": order.plan_version, "sample": start + chunk >= len(ids), "params": sampling}
+            token = await self._step(order, header, np.asarray([ids[start:start + chunk]], dtype=np.int64), PREFILL_STEP_TIMEOUT_S)
+        assert token is not None
+        return token
+
+    async def complete(self, deployment: Deployment, prompt_ids: list[int], params: SamplingParams,
+                       generated: Sequence[int] = ()) -> AsyncIterator[Completion]:
+        """Generate from ``prompt_ids``: yields text pieces, the last event has the finish reason.
+
+        ``generated``: the ids an earlier orchestrator sampled for this request before it was
+        lost (their text was sent already): the request goes on after them.
+        """
+        max_context = deployment.settings.max_context
+        if len(prompt_ids) + len(generated) + 1 > max_context:
+            raise ValueError(f"the prompt has {len(prompt_ids)} tokens; the context of {deployment.name} is {max_context}")
+        sampling = {"temperature": params.temperature, "top_k": params.top_k, "top_p": params.top_p, "seed": params.seed}
+        stream = TextStream(deployment.tokenizer, params)
+        for token in generated:  # their text went out already: only the stream's state matters
+            stream.push(token)
+            if stream.done:
+                raise InvalidRequestError("the tokens to go on after end the generation already", "ncm_resume")
+        context = [*prompt_ids, *generated]  # every token whose KV the stages must hold before the next step
+        unsent: list[int] = []  # sampled ids whose text has not gone out yet
+        recoveries = 0
+        sid = uuid.uuid4().hex
+        try:
+            token = None
+            while True:
+                order = deployment.order
+                served = order.model if order.degraded else order.name
+                try:
+                    if token is None:
+                        token = await self._prefill(deployment, order, sid, context, sampling)
+                    text = stream.push(token)
+                    unsent.append(token)
+                    if stream.done:
+                        yield Completion(text, served, stream.finish_reason, len(prompt_ids), stream.completion_tokens,
+                                         tuple(unsent))
+                        return
+                    if len(context) + 1 >= max_context:
+                        yield Completion(text + stream.finish(FINISH_LENGTH), served, FINISH_LENGTH,
+                                         len(prompt_ids), stream.completion_tokens, tuple(unsent))
+                        return
+                    if text:
+                        yield Completion(text, served, tokens=tuple(unsent))
+                        unsent.clear()
+                    context.append(token)
+                    header = {"kind": "step", "sid": sid, "seq": len(context), "layer": 0, "start": len(context) - 1,
+                              "epoch": order.epoch, "plan": order.plan_version, "sample": True}
+                    token = None
+                    token = await self._step(order, header, np.asarray([[context[-1]]], dtype=np.int64), DECODE_STEP_TIMEOUT_S)
+                except StageError as error:
+                    if error.node is None or error.node == self.node_id or recoveries >= MAX_RECOVERIES_PER_REQUEST:
+                        raise
+                    recoveries += 1
+                    log.warning("request %s: stage %s failed (%s); failing over", sid[:8], error.node, error.code)
+                    self.membership.mark_unreachable(error.node)
+                    await self._close(order, sid)
+                    previous = deployment
+                    deployment = await self._recover(deployment, {error.node})
+                    if deployment.order.model != previous.order.model and deployment.tokenizer.vocab_size != previous.tokenizer.vocab_size:
+                        raise ClusterError("the fallback model uses another tokenizer; the request cannot continue on it") from None
+                    sid = uuid.uuid4().hex
+                    token = None  # replay everything so far on the new route
+        finally:
+            await self._close(deployment.order, sid)
+
+    async def _close(self, order: RoutingOrder, sid: str) -> None:
+        """Free ``sid`` on every stage of ``order``'s route: each is told directly, so that a
+        dead or frozen stage does not keep the ones after it holding the session (its own go
+        when it has been idle for a while)."""
+        alive = self.membership.alive_nodes()
+        for node_id in order.route.nodes:
+            if node_id == self.node_id:
+                self.worker.close_session(sid)
+            elif node_id in alive:
+                link = await self.worker.links.get(node_id, order.addresses[node_id])
+                layer = order.hops_of(node_id)[0].layers.first
+                await link.send({"kind": "close", "sid": sid, "layer": layer, "plan": order.plan_version})

@@ -1,0 +1,73 @@
+"""The public API's errors on a live model, in the OpenAI shape ({"error": {"message", "type",
+"param", "code"}}), on two in-process agents serving the tiny model: on the orchestrator and
+through the agent that passes requests on to it. What `test_bad_input.py` (unreadable bodies),
+`test_access.py` (401), `test_admission.py` (429), the router tests (503 model_capacity, 409
+model_busy) and the orchestrator tests (an error inside a stream) leave out: unknown models,
+requests a loaded model cannot take, the model management endpoints' refusals; and the agents
+serve on afterwards."""
+
+from __future__ import annotations
+
+import asyncio
+
+
+from agent.service_keys import ADMIN_TOKEN, ROUTER
+from tests.agent.inprocess import call
+from tests.agent.tiny import TINY, tiny_cluster
+
+B = "tiny-b"
+CONTEXT = 32
+CHAT = [{"role": "user", "content": "w7 w8"}]
+LONG_PROMPT = " ".join(f"w{10 + i}" for i in range(CONTEXT + 4))  # one word, one token: beyond the context
+# (path, body, status, code, param, a part of the message)
+CASES = [
+    ("/v1/chat/completions", {"model": "gpt-9", "messages": CHAT}, 404, "model_not_found", "model",
+     "model 'gpt-9' does not exist; known models: tiny, tiny-b"),
+    ("/v1/completions", {"model": "gpt-9", "prompt": "w7"}, 404, "model_not_found", "model", "known models: tiny, tiny-b"),
+    ("/v1/completions?autoload=false", {"model": B, "prompt": "w7"}, 400, "model_not_loaded", "model",
+     "is not loaded (unloaded) and autoload is off"),
+    ("/v1/completions?autoload=perhaps", {"model": TINY, "prompt": "w7"}, 400, None, "autoload", "true or false"),
+    ("/v1/completions", {"model": TINY, "prompt": LONG_PROMPT}, 400, "context_length_exceeded", "prompt",
+     f"the context holds {CONTEXT}; shorten it"),
+    ("/v1/chat/completions", {"model": TINY, "messages": [{"role": "user", "content": LONG_PROMPT}]}, 400,
+     "context_length_exceeded", "messages", f"the context holds {CONTEXT}"),
+    ("/v1/chat/completions", {"model": TINY, "messages": CHAT, "temperature": 7}, 400, None, "temperature", ""),
+    ("/v1/chat/completions", {"model": TINY, "messages": CHAT, "n": 3}, 400, None, "n", ""),
+    ("/v1/chat/completions", {"model": TINY, "messages": CHAT, "max_tokens": -1}, 400, None, "max_tokens", ""),
+    ("/v1/chat/completions", {"model": TINY, "messages": [{"role": "wizard", "content": "w7"}]}, 400, None,
+     "messages[0].role", ""),
+    ("/v1/chat/completions", {"model": TINY, "messages": []}, 400, None, "messages", ""),
+    ("/models/load", {"model": "gpt-9"}, 404, "model_not_found", "model", "known models: tiny, tiny-b"),
+    ("/models/load", {"modle": TINY}, 400, None, "model", '{"model": "<name or alias>"}'),
+    ("/models/sleep", {"model": B}, 400, "model_not_loaded", "model", "only a ready model can sleep"),
+]
+
+
+def openai_error(answer: dict, status: int, code: str | None, param: str | None, message: str) -> None:
+    assert set(answer) == {"error"} and set(answer["error"]) == {"message", "type", "param", "code"}, answer
+    error = answer["error"]
+    assert error["type"] == {400: "invalid_request_error", 404: "invalid_request_error", 409: "invalid_request_error",
+                             503: "service_unavailable"}[status], error
+    assert error["param"] == param and message in error["message"], error
+    if code is not None:
+        assert error["code"] == code, error
+
+
+def test_requests_a_live_model_cannot_take_get_4xx_in_the_openai_shape_on_every_agent(tmp_path):
+    async def scenario() -> None:
+        async with tiny_cluster(tmp_path, 2, names=(TINY, B), max_context=CONTEXT, prefill_chunk=CONTEXT) \
+                as (leader, others):
+            admin = {"Authorization": f"Bearer {leader.app[ADMIN_TOKEN]}"}
+            for agent in (leader, *others):
+                for path, body, status, code, param, message in CASES:
+                    got, answer = await call("POST", agent.url + path, body, headers=admin)
+                    assert got == status, (agent.node_id, path, body, answer)
+                    openai_error(answer, status, code, param, message)
+            # nothing was loaded or changed by them, and the agents serve on
+            assert leader.app[ROUTER].registry.entries[B].state == "unloaded"
+            for agent in (leader, *others):
+                status, body = await call("POST", agent.url + "/v1/chat/completions", {
+                    "model": TINY, "messages": CHAT, "max_tokens": 3, "temperature": 0})
+                assert status == 200 and body["usage"]["completion_tokens"] == 3, body
+
+    asyncio.run(scenario())
