@@ -579,6 +579,11 @@ async def _generate(request: web.Request, parsed: ChatRequest, deployment: Deplo
         payload = {"error": {"message": without_addresses(str(error)), "type": "service_unavailable",
                              "param": None, "code": getattr(error, "code", "cluster_unavailable")}}
         await response.write(b"data: " + json.dumps(payload).encode() + b"\n\n")
+    except Exception as error:  # noqa: BLE001 - a bug ends the stream with an error event, never silently
+        log.exception("completion %s failed", ident)
+        payload = {"error": {"message": f"internal error ({type(error).__name__}); the orchestrator's log has the details",
+                             "type": "server_error", "param": None, "code": "internal_error"}}
+        await response.write(b"data: " + json.dumps(payload).encode() + b"\n\n")
     finally:
         await events.aclose()
     await response.write_eof()

@@ -11,12 +11,14 @@ from agent.weights import WeightTransferError
 from shards.errors import ShardsError
 
 # What a public error must not show: URLs, and IPv4 / IPv6 addresses with a port.
-_ADDRESS = re.compile(r"\b[a-z][a-z0-9+.-]*://[^\s,;'\"()]+|\b\d{1,3}(?:\.\d{1,3}){3}:\d+\b|\[[0-9a-fA-F:]+\]:\d+")
+_ADDRESS = re.compile(r"\b[a-z][a-z0-9+.-]*://[^\s,;'\"()]+|\b\d{1,3}(?:\.\d{1,3}){3}:\d+\b|\[[0-9a-fA-F:]+\]:\d+"
+                      r"|\('[0-9a-fA-F.:]+', \d+\)")  # also Python's (host, port) tuples
+_TLS_CONTEXT = re.compile(r" ?ssl:<[^>]*>")  # aiohttp's connection errors show the TLS context object
 
 
 def without_addresses(text: str) -> str:
     """``text`` without the network addresses of nodes (what a public error must not show)."""
-    return _ADDRESS.sub("(a node)", text)
+    return _ADDRESS.sub("(a node)", _TLS_CONTEXT.sub("", text))
 
 
 def public_reason(error: BaseException) -> str:

@@ -50,8 +50,8 @@ from agent.peer_client import PeerClient
 from agent.router import ModelRouter
 from agent.sd_notify import SystemdNotifier, format_status, run_watchdog, watchdog_interval_s
 from agent.service_keys import (
-    ADMIN_TOKEN, CLIENT, CONFIG, DATA_PLANE_SOCKETS, EVENTS, INVITES, LIFECYCLE, LINKS, MEMBERSHIP, METRICS, NODE_ID,
-    ORCHESTRATOR, REPLAY_GUARD, ROUTER, STORE, WORKER, Lifecycle,
+    ADMIN_TOKEN, CLIENT, CONFIG, DATA_PLANE_SOCKETS, DRAIN_TIMEOUT_S, EVENTS, INVITES, LIFECYCLE, LINKS, MEMBERSHIP,
+    METRICS, NODE_ID, ORCHESTRATOR, REPLAY_GUARD, ROUTER, STORE, WORKER, Lifecycle,
 )
 from agent.tls import TLS_DIR, TlsFiles, issue_node_files
 from agent.weights import complete_models, describe_model_files, resolve_model_file
@@ -366,7 +366,8 @@ async def close_data_plane(app: web.Application) -> None:
 
 # --- the application -------------------------------------------------------------------------------
 def build_app(config: AgentConfig, *, node_id: str, store: ModelStore, api_port: int, peer_port: int, key: bytes,
-              tls: TlsFiles) -> web.Application:
+              tls: TlsFiles, drain_timeout_s: float = SHUTDOWN_TIMEOUT_S) -> web.Application:
+    """The agent; ``drain_timeout_s``: how long a stopping agent lets the requests it runs finish."""
     app = web.Application(middlewares=[ollama.error_shape, count_requests, peer_auth, access, api.openai_errors],
                           client_max_size=16 * 1024 * 1024)
     app[CONFIG] = config
@@ -377,6 +378,7 @@ def build_app(config: AgentConfig, *, node_id: str, store: ModelStore, api_port:
     app[LIFECYCLE] = Lifecycle(asyncio.Event())
     app[INVITES] = InviteStore(config.state_dir)
     app[DATA_PLANE_SOCKETS] = set()
+    app[DRAIN_TIMEOUT_S] = drain_timeout_s
     app[EVENTS] = EventLog()
     app[METRICS] = Metrics()
     app[EVENTS].listen(app[METRICS].count_event)
@@ -485,7 +487,20 @@ class _ShapedErrorServer(web.Server):
 
 
 class AgentRunner(web.AppRunner):
-    """The application runner of an agent: parse-level refusals in the OpenAI error shape."""
+    """The application runner of an agent: parse-level refusals in the OpenAI error shape, and
+    a stop that lets the requests this node runs as orchestrator finish first."""
+
+    async def cleanup(self) -> None:
+        """Stop listening, let the requests this node orchestrates finish (up to the drain
+        timeout: its connections, its links and the data plane it serves as a stage stay up
+        meanwhile), then shut the application down."""
+        for site in list(self.sites):
+            await site.stop()
+        app = self.app
+        if ORCHESTRATOR in app and not await app[ORCHESTRATOR].requests.drained(app[DRAIN_TIMEOUT_S]):
+            log.warning("stopping with requests in flight after %g s: they go on on the next orchestrator",
+                        app[DRAIN_TIMEOUT_S])
+        await super().cleanup()
 
     async def _make_server(self) -> web.Server:
         server = await super()._make_server()
@@ -504,7 +519,7 @@ async def start_agent(config: AgentConfig, *, node_id: str, store: ModelStore, k
     except OSError as error:
         raise ConfigError(f"cannot listen on {config.host}:{config.peer_port}: {error.strerror}") from None
     app = build_app(config, node_id=node_id, store=store, api_port=config.port,
-                    peer_port=peer_socket.getsockname()[1], key=key, tls=tls)
+                    peer_port=peer_socket.getsockname()[1], key=key, tls=tls, drain_timeout_s=shutdown_timeout_s)
     # handler_cancellation: a client that disconnects cancels its request (a waiting request
     # leaves the model queue, a generation stops) also when it came through another agent.
     runner = AgentRunner(app, shutdown_timeout=shutdown_timeout_s, access_log=None, handler_cancellation=True)

@@ -24,6 +24,7 @@ DATA_PLANE_SOCKETS = web.AppKey("data_plane_sockets", set)
 INVITES = web.AppKey("invites", "InviteStore")
 EVENTS = web.AppKey("events", "EventLog")
 METRICS = web.AppKey("metrics", "Metrics")
+DRAIN_TIMEOUT_S = web.AppKey("drain_timeout_s", float)  # a stopping agent lets its requests finish this long
 
 
 @dataclass

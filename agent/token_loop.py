@@ -55,6 +55,19 @@ class TokenLoop:
         self.membership = membership
         self.worker = worker
         self._recover = recover
+        self._running = 0
+        self._none_running = asyncio.Event()
+        self._none_running.set()
+
+    async def drained(self, timeout_s: float) -> bool:
+        """Wait until no request runs here (an agent that stops lets them finish); False when
+        some still ran after ``timeout_s``."""
+        try:
+            async with timeout(timeout_s):
+                await self._none_running.wait()
+        except asyncio.TimeoutError:
+            return False
+        return True
 
     async def _step(self, order: RoutingOrder, header: dict[str, Any], tensor: np.ndarray, timeout_s: float) -> int | None:
         head = order.route.hops[0].node_id
@@ -97,6 +110,8 @@ class TokenLoop:
         unsent: list[int] = []  # sampled ids whose text has not gone out yet
         recoveries = 0
         sid = uuid.uuid4().hex
+        self._running += 1
+        self._none_running.clear()
         try:
             token = None
             while True:
@@ -137,6 +152,9 @@ class TokenLoop:
                     sid = uuid.uuid4().hex
                     token = None  # replay everything so far on the new route
         finally:
+            self._running -= 1
+            if not self._running:
+                self._none_running.set()
             await self._close(deployment.order, sid)
 
     async def _close(self, order: RoutingOrder, sid: str) -> None:

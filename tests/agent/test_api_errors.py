@@ -9,9 +9,12 @@ serve on afterwards."""
 from __future__ import annotations
 
 import asyncio
+import json
+import time
 
+import aiohttp
 
-from agent.service_keys import ADMIN_TOKEN, ROUTER
+from agent.service_keys import ADMIN_TOKEN, ORCHESTRATOR, ROUTER
 from tests.agent.inprocess import call
 from tests.agent.tiny import TINY, tiny_cluster
 
@@ -69,5 +72,38 @@ def test_requests_a_live_model_cannot_take_get_4xx_in_the_openai_shape_on_every_
                 status, body = await call("POST", agent.url + "/v1/chat/completions", {
                     "model": TINY, "messages": CHAT, "max_tokens": 3, "temperature": 0})
                 assert status == 200 and body["usage"]["completion_tokens"] == 3, body
+
+    asyncio.run(scenario())
+
+
+def test_a_failure_of_the_orchestrator_itself_mid_stream_ends_the_stream_with_an_error_event(tmp_path):
+    """A bug in the orchestrator after the headers went out (here: its generation raises after
+    the first piece) ends the stream with one error event in the OpenAI shape, at once, also
+    through the agent that passed the request on (which does not wait for another orchestrator)."""
+    async def scenario() -> None:
+        async with tiny_cluster(tmp_path, 2) as (leader, others):
+            orchestrator = leader.app[ORCHESTRATOR]
+            complete = orchestrator.complete
+
+            async def broken(*args, **kwargs):
+                async for event in complete(*args, **kwargs):
+                    yield event
+                    raise RuntimeError("a bug")
+
+            orchestrator.complete = broken  # fault injection: the API's handling is what is tested
+            for agent in (leader, others[0]):
+                started = time.monotonic()
+                events = []
+                async with aiohttp.ClientSession() as session, session.post(agent.url + "/v1/completions", json={
+                        "model": TINY, "prompt": "w7 w8", "max_tokens": 8, "stream": True}) as response:
+                    assert response.status == 200
+                    async for raw in response.content:
+                        if raw.startswith(b"data: "):
+                            events.append(raw[6:].strip())
+                assert time.monotonic() - started < 10
+                assert events[-1] != b"[DONE]", events
+                error = json.loads(events[-1])["error"]
+                assert error == {"message": "internal error (RuntimeError); the orchestrator's log has the details",
+                                 "type": "server_error", "param": None, "code": "internal_error"}, error
 
     asyncio.run(scenario())

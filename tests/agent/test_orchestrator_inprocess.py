@@ -17,6 +17,7 @@ it goes, like a device that dies during a step); everything else is the real pat
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -113,7 +114,8 @@ class Frozen:
     surely in the middle of its generation, waiting on this stage. Once released (after the
     agent was stopped) the held step fails: its answer never comes, like a dead device's."""
 
-    def __init__(self, agent: LocalAgent, at: int) -> None:
+    def __init__(self, agent: LocalAgent, at: int, *, dies: bool = True) -> None:
+        """``dies``: the held step fails once released; else it runs then, as a slow one would."""
         self.reached = asyncio.Event()
         self._released = asyncio.Event()
         worker = agent.app[WORKER]
@@ -126,7 +128,8 @@ class Frozen:
             if count == at:
                 self.reached.set()
                 await self._released.wait()
-                raise ConnectionResetError("the device died during this step")
+                if dies:
+                    raise ConnectionResetError("the device died during this step")
             return await step(header, tensor)
 
         worker.step = held  # type: ignore[method-assign]
@@ -311,5 +314,38 @@ def test_without_fallback_a_lost_layer_ends_the_stream_with_an_error_and_the_mod
             status_code, body = await call("POST", leader.url + "/v1/completions", {
                 "model": TINY, "prompt": PROMPT, "max_tokens": 4, "temperature": 0})
             assert status_code == 200 and body["model"] == TINY, body
+
+    asyncio.run(scenario())
+
+
+def test_an_orchestrator_that_stops_lets_the_requests_it_runs_finish_first(tmp_path):
+    """The orchestrator (node-0) is stopped normally (as by SIGTERM) while a streamed request
+    that entered at node-2 waits on a slow step of the head: it stops listening at once, lets
+    the request finish through the stages, and only then closes its links; the client gets
+    the whole undisturbed answer."""
+
+    async def scenario() -> None:
+        store_fallback(tmp_path)
+        async with tiny_cluster(tmp_path, 3, **CHAOS) as (leader, others):
+            head, middle = others
+            expected = (await reference(leader.url))["choices"][0]["text"]
+            slow = Frozen(head, at=6, dies=False)
+            request = asyncio.create_task(stream(middle.url))
+            await eventually(slow.reached.is_set, timeout_s=20, what="the request to reach the slow step")
+            stopping = asyncio.create_task(leader.runner.cleanup())
+
+            async def refused() -> bool:
+                with contextlib.suppress(aiohttp.ClientError):
+                    async with aiohttp.ClientSession() as session, session.get(leader.url + "/health"):
+                        return False
+                return True
+
+            await eventually(refused, timeout_s=10, what="the stopping orchestrator to stop listening")
+            assert not request.done()
+            slow.release()
+            answer = await asyncio.wait_for(request, timeout=30)
+            await stopping
+            assert answer.errors == [] and answer.done, answer
+            assert answer.text == expected and answer.usage["completion_tokens"] == TOKENS
 
     asyncio.run(scenario())

@@ -26,11 +26,7 @@ from typing import Any
 
 import pytest
 
-from agent.core.errors import ClusterError
-from agent.peer_client import PeerError
-from agent.public_errors import public_reason
 from agent.service_keys import ROUTER
-from agent.weights import WeightTransferError
 from tests.agent.agents import ADMIN, FALLBACK, REPO, Agent, ModelEvents, linked_copy, make_agents, shut_down, wait_for
 from tests.agent.inprocess import SseEvents, call, eventually
 from tests.agent.test_admission import Gate, complete
@@ -354,20 +350,6 @@ def test_a_failed_load_tells_what_to_do_without_internal_addresses(tmp_path):
             assert gone["state"] == "failed" and "://" not in gone["reason"]
 
     asyncio.run(scenario())
-
-
-def test_public_reasons_carry_no_address_or_peer_answer():
-    raw = '{"error": {"message": "no model gone", "type": "invalid_request_error"}}'
-    for error in (PeerError("https://127.0.0.1:41234", f"HTTP 404: {raw}", 404),
-                  WeightTransferError(f"no peer could provide model 'gone': https://10.0.0.7:40123: HTTP 404: {raw}")):
-        reason = public_reason(error)
-        assert "://" not in reason and "127.0.0.1" not in reason and "10.0.0.7" not in reason and "{" not in reason
-        assert "log" in reason
-    assert public_reason(ClusterError("node x at https://10.0.0.7:4000 left")) == "node x at (a node) left"
-    assert public_reason(ClusterError("context 4096 is beyond what gamma was trained for (2048)")) == \
-        "context 4096 is beyond what gamma was trained for (2048)"
-    assert public_reason(RuntimeError("boom at 10.0.0.7:4000")) == \
-        "internal error (RuntimeError; the orchestrator's log has the details)"
 
 
 def test_a_refused_load_is_its_own_event_and_gives_the_real_reason(tmp_path):
