@@ -24,7 +24,7 @@ from agent.config import AgentConfig
 from agent.core.admission import Admission, AdmissionLimits
 from agent.core.errors import ClusterError, PresetError
 from agent.core.model_registry import (
-    MIB, DeviceMemory, ModelLoadError, ModelNotLoadedError, ModelRegistry, RouterError, UnknownModelError,
+    MIB, DeviceMemory, ModelLoadError, ModelNotLoadedError, ModelRegistry, ModelState, RouterError, UnknownModelError,
 )
 from agent.core.presets import ModelPreset
 from agent.events import EventLog
@@ -117,13 +117,13 @@ class ModelRouter:
             entry = self.registry.entries.get(name)
             if entry is None or self.registry.find(name) is not None:
                 continue
-            if entry.state == "ready":
+            if entry.state == ModelState.READY:
                 self._startup.discard(name)
-            elif entry.state in ("unloaded", "failed"):
+            elif entry.state in (ModelState.UNLOADED, ModelState.FAILED):
                 self.scheduler.spawn(self._preload(name), f"preload {name}")
 
     def _adopted(self, name: str, deployment: Deployment) -> None:
-        if name in self.registry.entries and self.registry.entries[name].state != "ready":
+        if name in self.registry.entries and self.registry.entries[name].state != ModelState.READY:
             self.registry.loaded(name, deployment.effective_bytes, now=time.monotonic())
             self.model_events.status_changed(name)
 
@@ -150,7 +150,7 @@ class ModelRouter:
                 self._load_startup_models()
                 self.scheduler.tick()
                 return
-        elif entry.state == "ready":
+        elif entry.state == ModelState.READY:
             self.registry.update_effective(name, deployment.effective_bytes)
         else:
             self._adopted(name, deployment)
@@ -164,7 +164,7 @@ class ModelRouter:
 
     def on_progress(self, name: str, nodes_done: int, nodes: int) -> None:
         entry = self.registry.entries.get(name)
-        if entry is not None and entry.state == "loading":
+        if entry is not None and entry.state == ModelState.LOADING:
             self.scheduler.progressed(name, nodes_done / nodes)
             self.model_events.status_changed(name)
 
@@ -203,7 +203,7 @@ class ModelRouter:
             while True:
                 entry = self.registry.entry(name)
                 deployment = self.orchestrator.deployments.get(name)
-                if entry.state == "ready" and not entry.stopping:
+                if entry.state == ModelState.READY and not entry.stopping:
                     if deployment is not None:
                         return deployment
                     self.registry.failed(name, "its deployment is gone")
@@ -214,7 +214,8 @@ class ModelRouter:
                         raise outcome
                     continue
                 if ticket is None:
-                    if not autoload and entry.state not in ("measuring", "loading", "sleeping", "ready"):
+                    if not autoload and entry.state not in (ModelState.MEASURING, ModelState.LOADING,
+                                                            ModelState.SLEEPING, ModelState.READY):
                         raise ModelNotLoadedError(f"model {name!r} is not loaded ({entry.state}) and autoload is off; "
                                                   f"load it with POST /models/load or pass ?autoload=true")
                     ticket = self.registry.join(name)
@@ -261,11 +262,11 @@ class ModelRouter:
     async def unload(self, name: str) -> dict[str, Any]:
         """`POST /models/unload`: unload an idle model; a busy one is refused (no preemption)."""
         entry = self.registry.entry(name)
-        if entry.state == "sleeping":
+        if entry.state == ModelState.SLEEPING:
             self.orchestrator.forget_plan(name)
             self.registry.unloaded(name)
             self.model_events.status_changed(name, reason="unloaded on request")
-        elif entry.state in ("unloaded", "failed"):
+        elif entry.state in (ModelState.UNLOADED, ModelState.FAILED):
             pass
         elif not self.registry.begin_stop(name):
             raise ModelBusyError(f"model {name!r} is {entry.state} with {entry.active_requests} request(s) in flight"
@@ -278,9 +279,9 @@ class ModelRouter:
         """`POST /models/sleep`: release an idle model's memory now, keeping its plan (the next
         request wakes it without measuring again); a busy one is refused."""
         entry = self.registry.entry(name)
-        if entry.state == "sleeping":
+        if entry.state == ModelState.SLEEPING:
             return self.model_info(name)
-        if entry.state != "ready":
+        if entry.state != ModelState.READY:
             raise ModelNotLoadedError(f"model {name!r} is {entry.state}; only a ready model can sleep")
         if not self.registry.begin_stop(name):
             raise ModelBusyError(f"model {name!r} has {entry.active_requests} request(s) in flight"
@@ -302,7 +303,7 @@ class ModelRouter:
         preset = self.presets.get(name)
         deployment = self.orchestrator.deployments.get(name)
         queued = self.registry.find(name)
-        progress = {"ready": 1.0, "loading": self.scheduler.progress(name)}.get(entry.state)
+        progress = {ModelState.READY: 1.0, ModelState.LOADING: self.scheduler.progress(name)}.get(entry.state)
         info: dict[str, Any] = {"id": name, "object": "model", "owned_by": "ncm", **entry.to_dict(),
                                 "waiters": queued.waiters if queued else 0, "progress": progress,
                                 "requests_in_flight": self.admission.in_flight(name),

@@ -29,6 +29,7 @@ from agent import api, dashboard_page, metrics, ollama
 from agent.compat import TaskGroup, timeout
 from agent.config import CLUSTER_KEY_FILE, AgentConfig, ConfigError
 from agent.core.auth import HEADER_NONCE, ReplayGuard, admin_token, sign_answer, verify
+from agent.core.deployments import ClusterState
 from agent.core.errors import AuthError, StaleRequestError, WireError
 from agent.core.invites import InviteError
 from agent.core.orders import RoutingOrder
@@ -55,7 +56,7 @@ from agent.service_keys import (
 )
 from agent.tls import TLS_DIR, TlsFiles, issue_node_files
 from agent.weights import complete_models, describe_model_files, resolve_model_file
-from agent.worker import StaleOrderError, Worker, failure_cause
+from agent.worker import StaleOrderError, Worker, WorkerState, failure_cause
 from shards.fragment import FRAGMENTS_DIR, sweep_fragments
 from shards.errors import ShardsError
 from shards.store import ModelStore
@@ -446,13 +447,13 @@ def status_line(app: web.Application) -> str:
     orchestrator, worker = app[ORCHESTRATOR], app[WORKER]
     peers = len(app[MEMBERSHIP].alive_nodes()) - 1
     layers = [f["layers"] for f in worker.status()["fragments"]]
-    if worker.state == "ready" and layers:
+    if worker.state == WorkerState.READY and layers:
         span = (min(a for a, _ in layers), max(b for _, b in layers))
-        state = "degraded, serving" if orchestrator.state == "degraded" else "serving"
+        state = "degraded, serving" if orchestrator.state == ClusterState.DEGRADED else "serving"
         return format_status(state, model=worker.current.model if worker.current else None, layers=span, peers=peers)
     if app[MEMBERSHIP].election is None:
         return format_status("discovering", peers=peers)
-    return format_status(worker.state if worker.state != "idle" else "waiting for a plan", peers=peers)
+    return format_status(worker.state if worker.state != WorkerState.IDLE else "waiting for a plan", peers=peers)
 
 
 def sweep_fragment_caches(store: ModelStore) -> None:

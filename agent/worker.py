@@ -33,6 +33,7 @@ import psutil
 from agent.config import AgentConfig
 from agent.core.errors import NcmError
 from agent.core.orders import RoutingOrder
+from agent.core.state_enum import StateEnum
 from agent.dataplane import Links, StageError, error_from_header
 from agent.fragment_cache import FragmentCache, RunnerKey
 from agent.metrics import Metrics
@@ -153,6 +154,18 @@ def _sample(info: _SessionInfo, header: dict[str, Any], output: np.ndarray) -> i
     return int(info.sampler.sample(output[0, -1]))
 
 
+class WorkerState(StateEnum):
+    """What the worker is doing (its status' ``state``)::
+
+        idle --an order is staged--> loading --built--> ready --the next order--> loading
+        loading --it could not be staged (``fault`` says why)--> what it was before
+    """
+
+    IDLE = "idle"
+    LOADING = "loading"
+    READY = "ready"
+
+
 class Worker:
     """Runs the fragments of this node. Compute runs on one thread and fragment builds on another,
     both off the event loop."""
@@ -174,7 +187,7 @@ class Worker:
         self._standby_builds: set[asyncio.Task[None]] = set()  # owned here; cancelled by close()
         self.memory_bytes: dict[str, int] = {}  # router name -> what loading it took (effective)
         self.newest_epoch = 0
-        self.state = "idle"
+        self.state = WorkerState.IDLE
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ncm-compute")
         self.sessions: dict[str, _SessionInfo] = {}
         self._apply_lock = asyncio.Lock()
@@ -211,7 +224,7 @@ class Worker:
             wanted, serving = self._keys(order, with_standby=True), self._keys(order, with_standby=False)
             # A failover waits for nothing but its hops: the standby ranges come after the switch.
             missing = sorted((serving if order.standby_later else wanted) - set(self.fragments.runners))
-            previous_state, self.state = self.state, "loading"
+            previous_state, self.state = self.state, WorkerState.LOADING
             try:
                 if missing:
                     await self.fragments.fetch_weights(order, missing)
@@ -229,7 +242,7 @@ class Worker:
             self.orders[order.plan_version] = order
             self.staged[order.name] = order
             self._retire()  # an older staged order of this model is replaced
-            self.state, self.fault = "ready", None
+            self.state, self.fault = WorkerState.READY, None
             if wanted - set(self.fragments.runners):
                 self._standby_builds.add(asyncio.create_task(self._build_standby(order), name="standby-build"))
             log.info("plan %d (epoch %d) staged: %s layers %s; standby %s", order.plan_version, order.epoch,
