@@ -162,6 +162,9 @@ class Deployer:
         assert election is not None
         scores = {n: s for n, s in plan.scores if n in self.membership.alive_nodes()}
         alive = set(scores)
+        if not set(route.nodes) <= alive:
+            raise ClusterError(f"the route of {name} goes through node(s) no longer alive: "
+                               f"{', '.join(sorted(set(route.nodes) - alive))}")
         self.plan_version = max(self.plan_version, self._newest_worker_plan()) + 1
         order = RoutingOrder(
             epoch=election.epoch, orchestrator=self.node_id, plan_version=self.plan_version, model=model,

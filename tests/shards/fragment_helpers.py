@@ -62,15 +62,22 @@ CHAT_TEMPLATE = ("{{ bos_token }}{% for m in messages %}{{ {'system': 'w3', 'use
                  "{{ m['content'] }} {% endfor %}{% if add_generation_prompt %}w5 {% endif %}")
 
 
-def write_tiny_checkpoint(folder: Path, *, seed: int = 0, layers: int = 2) -> Path:
+def write_tiny_checkpoint(folder: Path, *, seed: int = 0, layers: int = 2, q4_0_grid: bool = False) -> Path:
     """A random llama checkpoint (config.json, model.safetensors, a word-level tokenizer with a
-    chat template) made with numpy alone: no torch, so it is written in milliseconds."""
+    chat template) made with numpy alone: no torch, so it is written in milliseconds.
+    ``q4_0_grid``: the weights lie on GGUF Q4_0 grids, as a Q4_0 file's dequantised weights do."""
     rng = np.random.default_rng(seed)
     hidden, inter, heads, kv_heads = 64, 160, 4, 2
     head_dim = hidden // heads
 
     def weight(*shape: int) -> np.ndarray:
-        return rng.normal(0.0, 0.15, shape).astype(np.float32)
+        w = rng.normal(0.0, 0.15, shape).astype(np.float32)
+        if q4_0_grid:
+            import gguf
+
+            q4_0 = gguf.GGMLQuantizationType.Q4_0
+            w = gguf.quants.dequantize(gguf.quants.quantize(w, q4_0), q4_0).reshape(shape).astype(np.float32)
+        return w
 
     tensors = {"model.embed_tokens.weight": weight(VOCAB, hidden), "model.norm.weight": np.ones(hidden, np.float32)}
     for i in range(layers):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
+import onnx
 import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper, numpy_helper
@@ -11,6 +12,7 @@ from fragment_helpers import SMOLLM2, SMOLLM2_Q4, chain
 from shards.importer import import_model
 from shards.quant import dequantize, quantize_q4, quantize_q8
 from shards.runner import chain_forward
+from shards.store import ModelStore
 
 
 def nbits_matmul(x: np.ndarray, q: dict[str, np.ndarray], bits: int) -> np.ndarray:
@@ -53,6 +55,50 @@ def test_q4_represents_q4_1_blocks_exactly() -> None:
     codes[..., 0], codes[..., 1] = 0, 15  # each block spans its whole grid
     w = (codes * d + m).reshape(8, 128).astype(np.float32)
     np.testing.assert_allclose(dequantize(quantize_q4(w)), w, atol=1e-6)
+
+
+def q4_0_grid(rows: int, cols: int, seed: int = 0) -> np.ndarray:
+    """Float32 weights as a GGUF Q4_0 file holds them (quantised, then dequantised by gguf)."""
+    import gguf
+
+    w = np.random.default_rng(seed).normal(0.0, 0.02, (rows, cols)).astype(np.float32)
+    q = gguf.quants.quantize(w, gguf.GGMLQuantizationType.Q4_0)
+    return gguf.quants.dequantize(q, gguf.GGMLQuantizationType.Q4_0).reshape(rows, cols).astype(np.float32)
+
+
+def test_q4_0_blocks_keep_their_symmetric_grid_with_no_offset() -> None:
+    w = q4_0_grid(64, 256)
+    q = quantize_q4(w)
+    assert not q["offsets"].any()
+    np.testing.assert_array_equal(dequantize(q), w)
+    x = np.random.default_rng(1).standard_normal((3, 256)).astype(np.float32)
+    np.testing.assert_allclose(nbits_matmul(x, q, 4), x @ w.T, atol=1e-4, rtol=1e-4)
+    mixed = w.copy()
+    mixed[5, 40] += 1e-3  # off the grid: that block alone gets an offset
+    q = quantize_q4(mixed)
+    assert np.count_nonzero(q["offsets"]) == 1 and q["offsets"][5, 1] != 0
+    deq, block = dequantize(q), np.s_[5, 32:64]
+    assert np.abs(deq[block] - mixed[block]).max() <= np.ptp(mixed[block]) / 15 / 2 + 1e-7
+    deq[block] = mixed[block]
+    np.testing.assert_array_equal(deq, mixed)  # every other block exactly
+
+
+def test_a_fragment_of_q4_0_weights_has_no_offsets_matmul(tmp_path) -> None:
+    from shards.fragment import build_fragment
+    from tests.shards.fragment_helpers import write_tiny_checkpoint
+
+    source = write_tiny_checkpoint(tmp_path / "checkpoint", q4_0_grid=True)
+    store = ModelStore(tmp_path / "home")
+    import_model(source, name="m", weights="q4", store=store, progress=False)
+    graph = onnx.load(build_fragment(store.model_dir("m"), 0, 1, cache_dir=tmp_path / "cache"), load_external_data=False)
+    names = [i.name for i in graph.graph.initializer]
+    assert any(n.endswith(".qweight") for n in names) and not any(n.endswith(".offsets") for n in names)
+    import_model(source, name="f32", weights="f32", store=store, progress=False)  # the same weights, exactly
+    ids = np.array([1, 7, 8, 9, 10], np.int64)
+    q4_logits = chain_forward(chain(store.model_dir("m"), [(0, 1)], threads=1), "s", ids)
+    f32_logits = chain_forward(chain(store.model_dir("f32"), [(0, 1)], threads=1), "s", ids)
+    assert np.abs(q4_logits - f32_logits).max() <= 0.02 * np.abs(f32_logits).max()  # int8 activations only
+    assert (q4_logits[0].argmax(-1) == f32_logits[0].argmax(-1)).all()
 
 
 def test_degenerate_blocks() -> None:
