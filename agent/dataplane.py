@@ -31,13 +31,14 @@ class StageError(NcmError):
         self.node = node
 
     def to_header(self, request: dict[str, Any]) -> dict[str, Any]:
-        """The error frame answering the step ``request``."""
+        """The error frame answering the step ``request`` (a header: its ``cid`` is answered too)."""
         return {"kind": "error", "sid": request["sid"], "seq": request["seq"], "cid": request.get("cid", 0),
                 "code": self.code, "message": str(self), "node": self.node}
 
-
-def error_from_header(header: dict[str, Any]) -> StageError:
-    return StageError(header["code"], header["message"], header.get("node"))
+    @classmethod
+    def from_header(cls, header: dict[str, Any]) -> StageError:
+        """The error an error frame tells of."""
+        return cls(header["code"], header["message"], header.get("node"))
 
 
 class StageLink:

@@ -1,11 +1,24 @@
-"""The paths agents call on each other: every internal endpoint, in one place.
+"""What agents say to each other: every internal endpoint, and the frames of the data plane.
 
 Internal endpoints answer only over mutual TLS on the peer port, to requests signed with the
 cluster key (`agent/core/auth.py`); their answers are signed too. What they carry is
 validated by the wire schemas of :mod:`agent.core.wire` and :mod:`agent.core.orders`.
+
+The data plane (:data:`STREAM_PATH`, a WebSocket per pair of nodes) carries frames: a
+:class:`StepFrame` (with its tensor: token ids at the head, hidden states after) goes from the
+orchestrator to the head and from each stage to the next; the tail answers with a
+:class:`ResultFrame` (the sampled token), or any stage with an error frame
+(:meth:`agent.dataplane.StageError.to_header`), back along the same links; a
+:class:`CloseFrame` frees a session on a stage; ``busy`` frames say a stage is still working.
+Each frame is a header validated by :data:`agent.core.wire.SCHEMAS` on decode; the link adds
+``cid``, which pairs a result with its step on that link.
 """
 
 from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
+from typing import Any
 
 INTERNAL_PREFIX = "/internal/"
 DESCRIBE_PATH = "/internal/describe"  # membership: a node's advert, extras and the peers it knows
@@ -28,3 +41,67 @@ def model_listing_path(name: str) -> str:
 
 def model_file_path(name: str, relative: str) -> str:
     return MODEL_FILE_PATH.format(name=name, path=relative)
+
+
+@dataclass(frozen=True)
+class StepFrame:
+    """Run the layers from ``layer`` on, for session ``sid`` at positions ``start``...; the
+    tail samples the next token when ``sample`` (with ``params``, sent on a session's first
+    step)."""
+
+    sid: str
+    seq: int
+    layer: int
+    start: int
+    epoch: int
+    plan: int
+    sample: bool
+    params: Mapping[str, Any] | None = None
+
+    def header(self) -> dict[str, Any]:
+        header = {"kind": "step", "sid": self.sid, "seq": self.seq, "layer": self.layer, "start": self.start,
+                  "epoch": self.epoch, "plan": self.plan, "sample": self.sample}
+        if self.params is not None:
+            header["params"] = dict(self.params)
+        return header
+
+    @classmethod
+    def from_header(cls, header: Mapping[str, Any]) -> StepFrame:
+        """The step of a decoded (so validated) header."""
+        return cls(header["sid"], header["seq"], header["layer"], header["start"], header["epoch"], header["plan"],
+                   header["sample"], header.get("params"))
+
+    def at_layer(self, layer: int) -> StepFrame:
+        """The same step, for the stage whose layers start at ``layer``."""
+        return replace(self, layer=layer)
+
+
+@dataclass(frozen=True)
+class ResultFrame:
+    """The tail's answer to a step: the sampled token (None when the step did not sample)."""
+
+    sid: str
+    seq: int
+    token: int | None
+
+    def header(self) -> dict[str, Any]:
+        return {"kind": "result", "sid": self.sid, "seq": self.seq, "token": self.token}
+
+    @classmethod
+    def from_header(cls, header: Mapping[str, Any]) -> ResultFrame:
+        return cls(header["sid"], header["seq"], header["token"])
+
+
+@dataclass(frozen=True)
+class CloseFrame:
+    """Free session ``sid`` on the stage whose layers start at ``layer`` (of plan ``plan``)."""
+
+    sid: str
+    layer: int
+    plan: int
+
+    def header(self) -> dict[str, Any]:
+        return {"kind": "close", "sid": self.sid, "layer": self.layer, "plan": self.plan}
+
+
+BUSY_HEADER: dict[str, Any] = {"kind": "busy"}  # a stage still works on steps sent on this socket

@@ -44,8 +44,8 @@ from agent.metrics import ClusterStateCollector, Metrics, count_requests
 from agent.orchestrator import Orchestrator
 from agent.pairing import InviteStore, join_pending, take_new_key
 from agent.protocol import (
-    ABORT_PATH, COMMIT_PATH, COPY_PATH, DESCRIBE_PATH, INTERNAL_PREFIX, MODEL_FILE_PATH, MODEL_LISTING_PATH, PAIR_PATH,
-    REKEY_PATH, ROUTING_PATH, STATE_PATH, STREAM_PATH, UNLOAD_PATH,
+    ABORT_PATH, BUSY_HEADER, COMMIT_PATH, COPY_PATH, DESCRIBE_PATH, INTERNAL_PREFIX, MODEL_FILE_PATH, MODEL_LISTING_PATH,
+    PAIR_PATH, REKEY_PATH, ROUTING_PATH, STATE_PATH, STREAM_PATH, UNLOAD_PATH, StepFrame,
 )
 from agent.peer_client import PeerClient
 from agent.router import ModelRouter
@@ -312,24 +312,23 @@ async def stream(request: web.Request) -> web.WebSocketResponse:
         in_flight += 1
         working.set()
         try:
-            result, out = await worker.step(header, tensor)
-            result = dict(result, cid=header.get("cid", 0))
+            result = dict((await worker.step(StepFrame.from_header(header), tensor)).header(), cid=header.get("cid", 0))
         except StageError as error:
-            result, out = error.to_header(header), None
+            result = error.to_header(header)
         except Exception as error:  # noqa: BLE001 - one bad step must not take the socket down
             log.exception("step failed")
-            result, out = StageError("internal", f"{type(error).__name__}: {error}", None).to_header(header), None
+            result = StageError("internal", f"{type(error).__name__}: {error}", None).to_header(header)
         finally:
             in_flight -= 1
             if not in_flight:
                 working.clear()
         if not ws.closed:
             with contextlib.suppress(ConnectionError, RuntimeError):
-                await ws.send_bytes(encode_frame(result, out))
+                await ws.send_bytes(encode_frame(result))
 
     async def say_busy() -> None:
         """While steps from this socket run, say so: the sender tells busy from frozen."""
-        busy = encode_frame({"kind": "busy"})
+        busy = encode_frame(BUSY_HEADER)
         while not ws.closed:
             await working.wait()
             await asyncio.sleep(BUSY_INTERVAL_S)

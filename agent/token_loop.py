@@ -23,6 +23,7 @@ from agent.core.orders import RoutingOrder
 from agent.dataplane import StageError
 from agent.deployer import Deployment
 from agent.membership import Membership
+from agent.protocol import CloseFrame, StepFrame
 from agent.worker import Worker
 from shards.generate import FINISH_LENGTH, TextStream
 from shards.sampling import SamplingParams
@@ -69,14 +70,14 @@ class TokenLoop:
             return False
         return True
 
-    async def _step(self, order: RoutingOrder, header: dict[str, Any], tensor: np.ndarray, timeout_s: float) -> int | None:
+    async def _step(self, order: RoutingOrder, step: StepFrame, tensor: np.ndarray, timeout_s: float) -> int | None:
         head = order.route.hops[0].node_id
         try:
             async with timeout(timeout_s):
-                result, _ = await self.worker.forward_to(order, head, header, tensor, timeout_s=timeout_s)
+                result = await self.worker.forward_to(order, head, step, tensor, timeout_s=timeout_s)
         except asyncio.TimeoutError:
             raise StageError("stage_timeout", f"the pipeline did not answer within {timeout_s:g} s", head) from None
-        return result["token"]
+        return result.token
 
     async def _prefill(self, deployment: Deployment, order: RoutingOrder, sid: str, ids: list[int],
                        sampling: dict[str, Any]) -> int:
@@ -84,9 +85,8 @@ class TokenLoop:
         chunk = deployment.settings.prefill_chunk
         token: int | None = None
         for seq, start in enumerate(range(0, len(ids), chunk)):
-            header = {"kind": "step", "sid": sid, "seq": seq, "layer": 0, "start": start, "epoch": order.epoch,
-                      "plan": order.plan_version, "sample": start + chunk >= len(ids), "params": sampling}
-            token = await self._step(order, header, np.asarray([ids[start:start + chunk]], dtype=np.int64), PREFILL_STEP_TIMEOUT_S)
+            step = StepFrame(sid, seq, 0, start, order.epoch, order.plan_version, start + chunk >= len(ids), sampling)
+            token = await self._step(order, step, np.asarray([ids[start:start + chunk]], dtype=np.int64), PREFILL_STEP_TIMEOUT_S)
         assert token is not None
         return token
 
@@ -134,10 +134,9 @@ class TokenLoop:
                         yield Completion(text, served, tokens=tuple(unsent))
                         unsent.clear()
                     context.append(token)
-                    header = {"kind": "step", "sid": sid, "seq": len(context), "layer": 0, "start": len(context) - 1,
-                              "epoch": order.epoch, "plan": order.plan_version, "sample": True}
+                    step = StepFrame(sid, len(context), 0, len(context) - 1, order.epoch, order.plan_version, True)
                     token = None
-                    token = await self._step(order, header, np.asarray([[context[-1]]], dtype=np.int64), DECODE_STEP_TIMEOUT_S)
+                    token = await self._step(order, step, np.asarray([[context[-1]]], dtype=np.int64), DECODE_STEP_TIMEOUT_S)
                 except StageError as error:
                     if error.node is None or error.node == self.node_id or recoveries >= MAX_RECOVERIES_PER_REQUEST:
                         raise
@@ -168,4 +167,4 @@ class TokenLoop:
             elif node_id in alive:
                 link = await self.worker.links.get(node_id, order.addresses[node_id])
                 layer = order.hops_of(node_id)[0].layers.first
-                await link.send({"kind": "close", "sid": sid, "layer": layer, "plan": order.plan_version})
+                await link.send(CloseFrame(sid, layer, order.plan_version).header())

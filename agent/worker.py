@@ -34,11 +34,12 @@ from agent.config import AgentConfig
 from agent.core.errors import NcmError
 from agent.core.orders import RoutingOrder
 from agent.core.state_enum import StateEnum
-from agent.dataplane import Links, StageError, error_from_header
+from agent.dataplane import Links, StageError
 from agent.fragment_cache import FragmentCache, RunnerKey
 from agent.metrics import Metrics
 from agent.peer_client import PeerClient
 from agent.probe import device_memory
+from agent.protocol import ResultFrame, StepFrame
 from agent.weights import StoreWriteError, WeightTransferError
 from agent.whole_copies import WholeCopies
 from shards.errors import CorruptWeightsError, ShardsError
@@ -140,13 +141,13 @@ def _compute(runner: FragmentRunner, sid: str, start: int, x: np.ndarray) -> np.
     return runner.forward(sid, x)
 
 
-def _sample(info: _SessionInfo, header: dict[str, Any], output: np.ndarray) -> int | None:
+def _sample(info: _SessionInfo, step: StepFrame, output: np.ndarray) -> int | None:
     """The token the tail stage picks from ``output`` (None unless the step asks for one); the
     session's sampler is made on its first step, from the step's parameters."""
-    if not header["sample"]:
+    if not step.sample:
         return None
-    if header["start"] == 0 or info.sampler is None:
-        params = {k: v for k, v in (header.get("params") or {}).items() if k in SAMPLING_FIELDS}
+    if step.start == 0 or info.sampler is None:
+        params = {k: v for k, v in (step.params or {}).items() if k in SAMPLING_FIELDS}
         try:
             info.sampler = Sampler(SamplingParams(**params))
         except (ShardsError, TypeError) as error:
@@ -365,16 +366,16 @@ class Worker:
         }
 
     # --- data plane ----------------------------------------------------------------------------
-    async def step(self, header: dict[str, Any], tensor: np.ndarray | None) -> tuple[dict[str, Any], np.ndarray | None]:
-        """Run one step through my hop and everything after it; returns the result frame."""
-        sid, seq = header["sid"], header["seq"]
-        order = self.orders.get(header["plan"])
-        if order is None or header["epoch"] != order.epoch:
-            raise StageError("stale_plan", f"node {self.node_id} does not know plan {header['plan']} of epoch {header['epoch']}", None)
-        hop = order.hop_starting_at(header["layer"])
+    async def step(self, step: StepFrame, tensor: np.ndarray | None) -> ResultFrame:
+        """Run ``step`` through my hop and every stage after it; the tail's result."""
+        sid = step.sid
+        order = self.orders.get(step.plan)
+        if order is None or step.epoch != order.epoch:
+            raise StageError("stale_plan", f"node {self.node_id} does not know plan {step.plan} of epoch {step.epoch}", None)
+        hop = order.hop_starting_at(step.layer)
         runner = self.fragments.runners.get(self._key(order, hop.layers.first, hop.layers.last)) if hop and hop.node_id == self.node_id else None
         if hop is None or runner is None:
-            raise StageError("wrong_stage", f"node {self.node_id} does not serve layers starting at {header['layer']}", None)
+            raise StageError("wrong_stage", f"node {self.node_id} does not serve layers starting at {step.layer}", None)
         if tensor is None:
             raise StageError("bad_request", "step frame without tensor", None)
         info = self.sessions.get(sid)
@@ -384,7 +385,7 @@ class Worker:
         info.last_used = started = time.monotonic()
         try:
             output = await asyncio.get_running_loop().run_in_executor(
-                self.executor, _compute, runner, sid, header["start"], tensor
+                self.executor, _compute, runner, sid, step.start, tensor
             )
             self.metrics.child(self.metrics.stage_compute, order.name).observe(time.monotonic() - started)
         except (StageError, ShardsError) as error:
@@ -398,26 +399,23 @@ class Worker:
             raise StageError("stage_faulty", f"layers {hop.layers} on node {self.node_id} computed NaN or Inf",
                              self.node_id)
         if hop.layers.last == order.total_layers - 1:
-            return {"kind": "result", "sid": sid, "seq": seq, "token": _sample(info, header, output)}, None
+            return ResultFrame(sid, step.seq, _sample(info, step, output))
         next_node = order.next_after(hop.layers.last)
         assert next_node is not None
-        forward = dict(header, layer=hop.layers.last + 1)
-        forward.pop("tensor", None)
-        return await self.forward_to(order, next_node, forward, output)
+        return await self.forward_to(order, next_node, step.at_layer(hop.layers.last + 1), output)
 
-    async def forward_to(
-        self, order: RoutingOrder, node_id: str, header: dict[str, Any], tensor: np.ndarray, *, timeout_s: float = 120.0
-    ) -> tuple[dict[str, Any], np.ndarray | None]:
+    async def forward_to(self, order: RoutingOrder, node_id: str, step: StepFrame, tensor: np.ndarray, *,
+                         timeout_s: float = 120.0) -> ResultFrame:
         """Pass a step to the stage on ``node_id`` (this node: a local call) and return its result."""
         if node_id == self.node_id:
-            return await self.step(header, tensor)
+            return await self.step(step, tensor)
         link = await self.links.get(node_id, order.addresses[node_id])
         started = time.monotonic()
-        result, _ = await link.call(header, tensor, timeout_s=timeout_s)
+        result, _ = await link.call(step.header(), tensor, timeout_s=timeout_s)
         self.metrics.child(self.metrics.hop_latency, node_id).observe(time.monotonic() - started)
         if result["kind"] == "error":
-            raise error_from_header(result)
-        return result, None
+            raise StageError.from_header(result)
+        return ResultFrame.from_header(result)
 
     def _free(self, sid: str) -> None:
         self.sessions.pop(sid, None)

@@ -25,6 +25,7 @@ from typing import Any
 
 import aiohttp
 
+from agent.protocol import StepFrame
 from agent.service_keys import EVENTS, MEMBERSHIP, ORCHESTRATOR, WORKER
 from shards.importer import import_model
 from shards.store import ModelStore
@@ -122,7 +123,7 @@ class Frozen:
         step = worker.step
         count = 0
 
-        async def held(header: dict[str, Any], tensor: Any) -> Any:
+        async def held(frame: StepFrame, tensor: Any) -> Any:
             nonlocal count
             count += 1
             if count == at:
@@ -130,7 +131,7 @@ class Frozen:
                 await self._released.wait()
                 if dies:
                     raise ConnectionResetError("the device died during this step")
-            return await step(header, tensor)
+            return await step(frame, tensor)
 
         worker.step = held  # type: ignore[method-assign]
 

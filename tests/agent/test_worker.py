@@ -16,6 +16,7 @@ from agent.core.plan import LayerRange
 from agent.core.routing import Hop, Route
 from agent.dataplane import Links, StageError
 from agent.peer_client import PeerClient
+from agent.protocol import StepFrame
 from agent.worker import StaleOrderError, Worker
 from shards.manifest import WeightFile
 from shards.store import ModelStore
@@ -32,9 +33,8 @@ def order(version: int, cuts: list[tuple[int, int]], layers: int) -> RoutingOrde
                         route=route, addresses={NODE: "https://127.0.0.1:1"})
 
 
-def step_header(o: RoutingOrder, sid: str) -> dict:
-    return {"kind": "step", "sid": sid, "seq": 0, "layer": 0, "start": 0, "epoch": o.epoch,
-            "plan": o.plan_version, "sample": True, "params": {"temperature": 0}}
+def step_of(o: RoutingOrder, sid: str) -> StepFrame:
+    return StepFrame(sid, 0, 0, 0, o.epoch, o.plan_version, True, {"temperature": 0})
 
 
 async def with_worker(home, body) -> None:
@@ -58,9 +58,9 @@ def test_a_plan_is_served_only_once_committed_and_an_aborted_one_leaves_the_serv
         await worker.stage(second)
         assert worker.serving[MAIN].plan_version == 1 and worker.status()["staged"][MAIN]["plan_version"] == 2
         # Both answer steps meanwhile, with the same token.
-        one, _ = await worker.step(step_header(first, "a"), prompt)
-        two, _ = await worker.step(step_header(second, "b"), prompt)
-        assert one["token"] == two["token"]
+        one = await worker.step(step_of(first, "a"), prompt)
+        two = await worker.step(step_of(second, "b"), prompt)
+        assert one.token == two.token
         await worker.abort(MAIN, 2, 1)
         assert worker.status()["staged"] == {} and sorted(worker.orders) == [1, 2]  # "b" is still open
         worker.close_session("b")
@@ -71,8 +71,8 @@ def test_a_plan_is_served_only_once_committed_and_an_aborted_one_leaves_the_serv
         await worker.commit(MAIN, 2, 1)
         assert worker.serving[MAIN].plan_version == 2
         # The replaced plan still answers the steps already under way, for a grace period.
-        again, _ = await worker.step(step_header(first, "c"), prompt)
-        assert again["token"] == one["token"]
+        again = await worker.step(step_of(first, "c"), prompt)
+        assert again.token == one.token
 
     asyncio.run(with_worker(home, body))
 
@@ -99,7 +99,7 @@ def test_a_fragment_that_computes_nan_is_a_faulty_stage_and_is_dropped(smollm2_s
         o = order(1, [(0, layers - 1)], layers)
         await worker.apply(o)
         with pytest.raises(StageError) as caught:
-            await worker.step(step_header(o, "a"), np.asarray([[1, 2, 3]], dtype=np.int64))
+            await worker.step(step_of(o, "a"), np.asarray([[1, 2, 3]], dtype=np.int64))
         assert caught.value.code == "stage_faulty" and caught.value.node == NODE
         assert worker.fragments.runners == {}  # closed, and its build deleted: the next order builds it again
         assert not list((model_dir / "fragments").glob(f"{MAIN}-000-*"))
