@@ -549,6 +549,12 @@ function addMsg(role, text) {
 }
 function scrollChat() { const l = $("chat-log"); l.scrollTop = l.scrollHeight; }
 function setChatBusy(b) { S.chatBusy = b; $("chat-send").disabled = b; }
+// The temperature field: empty means the API's default (1); 0 answers greedily.
+function chatTemperature() {
+  const raw = $("chat-temperature").value.trim();
+  const t = Number(raw);
+  return raw !== "" && Number.isFinite(t) && t >= 0 && t <= 2 ? { temperature: t } : {};
+}
 async function sendChat() {
   if (S.chatBusy) return;
   const input = $("chat-input");
@@ -575,7 +581,7 @@ async function sendChat() {
     const res = await fetch("/v1/chat/completions", {
       method: "POST", signal: ctrl.signal, cache: "no-store",
       headers: headers({ "Content-Type": "application/json", Accept: "text/event-stream" }),
-      body: JSON.stringify({ model, messages: conv, stream: true, max_tokens: 128 }),
+      body: JSON.stringify({ model, messages: conv, stream: true, max_tokens: 128, ...chatTemperature() }),
     });
     if (!res.ok || !res.body) {
       err = (await errorText(res)) + authHint(res.status);
