@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from fragment_helpers import PROMPT_IDS, SMOLLM2, add_tensors, chain, make_hf_checkpoint
+from fragment_helpers import PROMPT_IDS, SMOLLM2, add_tensors, chain, write_tiny_checkpoint
 from shards.errors import ModelFormatError, TokenizerError, UnmappedTensorError, UnsupportedArchitectureError
 from shards.gguf_import import unpermute_rope_rows
 from shards.importer import default_name, import_model
@@ -134,9 +134,8 @@ def test_gguf_without_tokenizer(tmp_path) -> None:
 
 @pytest.fixture(scope="module")
 def tiny_llama(tmp_path_factory) -> Path:
-    folder = tmp_path_factory.mktemp("tiny") / "llama"
-    make_hf_checkpoint(folder, "llama")
-    return folder
+    """A tied llama checkpoint of 3 layers (numpy-made: no torch to import)."""
+    return write_tiny_checkpoint(tmp_path_factory.mktemp("tiny") / "llama", layers=3)
 
 
 def test_unsupported_hf_architecture(tiny_llama, tmp_path) -> None:
@@ -229,24 +228,17 @@ def test_documented_harmless_extras_are_ignored(tiny_llama, tmp_path) -> None:
     assert m.files == plain.files
 
 
-@pytest.fixture(scope="module")
-def tiny_qwen2(tmp_path_factory) -> Path:
-    folder = tmp_path_factory.mktemp("tiny") / "qwen2"
-    make_hf_checkpoint(folder, "qwen2")
-    return folder
-
-
-def test_tied_lm_head_copy_is_accepted_a_different_one_refused(tiny_qwen2, tmp_path) -> None:
+def test_tied_lm_head_copy_is_accepted_a_different_one_refused(tiny_llama, tmp_path) -> None:
     """A tied checkpoint may also store lm_head.weight: fine when it is the embedding, refused
     (named) when it differs, since the tied model would not use it."""
-    emb = read_tensors(tiny_qwen2 / "model.safetensors", ["model.embed_tokens.weight"])["model.embed_tokens.weight"]
+    emb = read_tensors(tiny_llama / "model.safetensors", ["model.embed_tokens.weight"])["model.embed_tokens.weight"]
     store = ModelStore(tmp_path / "home")
     same = tmp_path / "same"
-    shutil.copytree(tiny_qwen2, same)
+    shutil.copytree(tiny_llama, same)
     add_tensors(same, {"lm_head.weight": emb.copy()})
     assert import_model(same, name="same", store=store, progress=False).tied_embeddings
     other = tmp_path / "other"
-    shutil.copytree(tiny_qwen2, other)
+    shutil.copytree(tiny_llama, other)
     add_tensors(other, {"lm_head.weight": emb * 2})
     with pytest.raises(UnmappedTensorError, match="lm_head.weight"):
         import_model(other, name="other", store=store, progress=False)

@@ -309,6 +309,7 @@ def spm_tok(spm_gguf: Path) -> Tokenizer:
 _SPM_TRANSFORMERS_AGREE = ["hello world", "the world is in", "東京 é ü 🤖", "hello\nworld\t!", "", "a\u2581b"]
 
 
+@pytest.mark.slow  # transformers, the reference, takes seconds to import
 @pytest.mark.parametrize("text", _SPM_TRANSFORMERS_AGREE)
 def test_sentencepiece_gguf_agrees_with_transformers(spm_gguf: Path, spm_tok: Tokenizer, text: str) -> None:
     transformers = pytest.importorskip("transformers")

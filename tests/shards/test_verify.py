@@ -7,7 +7,7 @@ import os
 from pathlib import Path
 
 import pytest
-from fragment_helpers import make_hf_checkpoint
+from fragment_helpers import write_tiny_checkpoint
 
 import shards.verify as verify
 from shards.errors import CorruptWeightsError
@@ -18,9 +18,7 @@ from shards.store import ModelStore
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory) -> Path:
-    folder = tmp_path_factory.mktemp("hf") / "llama"
-    make_hf_checkpoint(folder, "llama")
-    return folder
+    return write_tiny_checkpoint(tmp_path_factory.mktemp("hf") / "llama", layers=3)
 
 
 @pytest.fixture
