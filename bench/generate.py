@@ -2,8 +2,10 @@
 
 Runs each engine in its own child process (so peak RSS is that engine's alone), on the same
 GGUF, the same prompt token ids, the same thread count, and reports prefill and decode
-tokens/s (best of ``--rounds`` x ``--repeats``, engines taking turns), peak RSS, and the
-ratio ncm / llama.cpp from this one run.
+tokens/s (best of ``--rounds`` x ``--repeats``, engines taking turns), peak RSS, the ratio
+ncm / llama.cpp from this one run, and the bytes a decode step reads (every weight, one row of
+an embedding table that is not also the output layer) with the read rate they make at that
+speed, to hold against the machine's memory bandwidth.
 
     python bench/generate.py                      # pulls the default model's GGUF
     python bench/generate.py --gguf model.gguf --threads 4 --prompt-tokens 256
@@ -74,6 +76,9 @@ def run_ncm(model_dir: Path, ids: list[int], decode_tokens: int, threads: int, r
 
     manifest = Manifest.from_json((model_dir / "manifest.json").read_text(encoding="utf-8"))
     runners = open_chain(model_dir, [(0, manifest.n_layers - 1)], threads=threads)
+    # A decode step reads every weight once, but of the embedding table only one row.
+    embed_bytes = manifest.vocab_size * manifest.hidden_size * (4 if manifest.weight_format == "f32" else 2)
+    bytes_per_token = sum(r.memory_bytes() for r in runners) - embed_bytes  # no session open yet: weights
     prompt = np.asarray(ids, dtype=np.int64)
     # warm-up: a short prefill and a few decode steps
     logits = prefill(runners, "warm", prompt[:16], chunk_tokens=len(prompt))
@@ -98,7 +103,18 @@ def run_ncm(model_dir: Path, ids: list[int], decode_tokens: int, threads: int, r
     for r in runners:
         r.close()
     return {"prefill_tokens_per_s": len(ids) / min(prefill_seconds),
-            "decode_tokens_per_s": decode_tokens / min(decode_seconds), "provider": provider}
+            "decode_tokens_per_s": decode_tokens / min(decode_seconds), "provider": provider,
+            "decode_bytes_per_token": bytes_per_token}
+
+
+def gguf_decode_bytes(gguf_path: Path) -> int:
+    """Bytes llama.cpp reads per decode step: every tensor, but of an untied model's embedding
+    table only one row (a tied one is read whole as the output layer)."""
+    import gguf
+
+    tensors = {t.name: int(t.n_bytes) for t in gguf.GGUFReader(gguf_path).tensors}
+    untied = "output.weight" in tensors
+    return sum(tensors.values()) - (tensors.get("token_embd.weight", 0) if untied else 0)
 
 
 def _next_token(llm) -> int:
@@ -230,6 +246,8 @@ def main(argv: list[str] | None = None) -> int:
                 log.info("round %d/%d: measuring %s ...", round_index + 1, args.rounds, engine)
                 results[engine] = best_of(results[engine], spawn(worker_argv))
 
+    if results.get("llama.cpp"):
+        results["llama.cpp"]["decode_bytes_per_token"] = gguf_decode_bytes(gguf_path)
     reference = results.get("llama.cpp")
     report = {"gguf": gguf_path.name, "threads": args.threads, "prompt_tokens": len(ids),
               "decode_tokens": args.decode_tokens, "results": results}
@@ -243,15 +261,17 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{report['gguf']}: {len(ids)} prompt tokens, {args.decode_tokens} decode tokens, "
               f"{args.threads} threads")
         print(f"{'engine':<12} {'prefill tok/s':>14} {'decode tok/s':>13} {'peak RSS MiB':>13} "
-              f"{'prefill ratio':>14} {'decode ratio':>13}  provider")
+              f"{'prefill ratio':>14} {'decode ratio':>13} {'MB/token':>9} {'GB/s':>6}  provider")
         for engine, r in results.items():
             if r is None:
                 print(f"{engine:<12} failed (see the log above)")
                 continue
             ratio_p = f"{r['prefill_vs_llama_cpp']:.2f}" if "prefill_vs_llama_cpp" in r else "-"
             ratio_d = f"{r['decode_vs_llama_cpp']:.2f}" if "decode_vs_llama_cpp" in r else "-"
+            read = r["decode_bytes_per_token"]  # what one decode step reads: weights, one embedding row
             print(f"{engine:<12} {r['prefill_tokens_per_s']:>14.1f} {r['decode_tokens_per_s']:>13.1f} "
-                  f"{r['peak_rss_bytes'] / 2**20:>13.0f} {ratio_p:>14} {ratio_d:>13}  {r['provider']}")
+                  f"{r['peak_rss_bytes'] / 2**20:>13.0f} {ratio_p:>14} {ratio_d:>13} {read / 1e6:>9.0f} "
+                  f"{read * r['decode_tokens_per_s'] / 1e9:>6.1f}  {r['provider']}")
         if reference is None:
             print("llama.cpp: not measured (llama_cpp is not installed; pip install llama-cpp-python)")
     return 0 if all(results.values()) else 1
