@@ -95,7 +95,8 @@ def test_a_failure_of_the_orchestrator_itself_mid_stream_ends_the_stream_with_an
                 started = time.monotonic()
                 events = []
                 async with aiohttp.ClientSession() as session, session.post(agent.url + "/v1/completions", json={
-                        "model": TINY, "prompt": "w7 w8", "max_tokens": 8, "stream": True}) as response:
+                        "model": TINY, "prompt": "w7 w8", "max_tokens": 8, "stream": True,
+                        "temperature": 0}) as response:
                     assert response.status == 200
                     async for raw in response.content:
                         if raw.startswith(b"data: "):
