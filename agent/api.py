@@ -35,7 +35,7 @@ from agent.orchestrator import Completion, Deployment
 from agent.proxy import RESUMABLE_HEADER, RESUME_FIELD, TOKENS_FIELD, ask_orchestrator
 from agent.pairing import join_by_invite, rotate_key, seal
 from agent.protocol import PAIR_PATH
-from agent.public_errors import without_addresses
+from agent.public_errors import public_reason, without_addresses
 from agent.router import ModelBusyError
 from agent.service_keys import (
     CLIENT, CONFIG, EVENTS, INVITES, LIFECYCLE, MEMBERSHIP, METRICS, NODE_ID, ORCHESTRATOR, ROUTER, WORKER,
@@ -581,8 +581,8 @@ async def _generate(request: web.Request, parsed: ChatRequest, deployment: Deplo
         await response.write(b"data: " + json.dumps(payload).encode() + b"\n\n")
     except Exception as error:  # noqa: BLE001 - a bug ends the stream with an error event, never silently
         log.exception("completion %s failed", ident)
-        payload = {"error": {"message": f"internal error ({type(error).__name__}); the orchestrator's log has the details",
-                             "type": "server_error", "param": None, "code": "internal_error"}}
+        payload = {"error": {"message": public_reason(error), "type": "server_error", "param": None,
+                             "code": "internal_error"}}
         await response.write(b"data: " + json.dumps(payload).encode() + b"\n\n")
     finally:
         await events.aclose()

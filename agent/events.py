@@ -11,9 +11,11 @@ import asyncio
 import contextlib
 import time
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, Generic, TypeVar
+
+T = TypeVar("T")
 
 HISTORY_LENGTH = 200
 SUBSCRIBER_QUEUE_LENGTH = 256
@@ -38,13 +40,46 @@ class ClusterEvent:
         return asdict(self)
 
 
+class Fanout(Generic[T]):
+    """Items sent to every subscriber's queue as they come; a subscriber that stops reading (its
+    queue full) is dropped, so a slow reader never holds the sender up."""
+
+    def __init__(self, queue_length: int = SUBSCRIBER_QUEUE_LENGTH) -> None:
+        self._queue_length = queue_length
+        self._subscribers: set[asyncio.Queue[T]] = set()
+
+    def __bool__(self) -> bool:
+        """Whether anyone is subscribed (so a sender can skip building what nobody reads)."""
+        return bool(self._subscribers)
+
+    def send(self, item: T) -> None:
+        for queue in list(self._subscribers):
+            if queue.full():
+                self._subscribers.discard(queue)  # a reader that stopped reading is dropped
+            else:
+                queue.put_nowait(item)
+
+    @contextlib.contextmanager
+    def subscribe(self, backlog: Iterable[T] = ()) -> Iterator[asyncio.Queue[T]]:
+        """A queue of ``backlog``, then of every item sent while subscribed."""
+        first = list(backlog)
+        queue: asyncio.Queue[T] = asyncio.Queue(self._queue_length + len(first))
+        for item in first:
+            queue.put_nowait(item)
+        self._subscribers.add(queue)
+        try:
+            yield queue
+        finally:
+            self._subscribers.discard(queue)
+
+
 class EventLog:
     """The recent events, and queues of the subscribers that read them as they come."""
 
     def __init__(self, clock: Callable[[], float] = time.time) -> None:
         self._clock = clock
         self.history: deque[ClusterEvent] = deque(maxlen=HISTORY_LENGTH)
-        self._subscribers: set[asyncio.Queue[ClusterEvent]] = set()
+        self._subscribers: Fanout[ClusterEvent] = Fanout()
         self._listeners: list[Callable[[ClusterEvent], None]] = []
 
     def listen(self, listener: Callable[[ClusterEvent], None]) -> None:
@@ -57,21 +92,9 @@ class EventLog:
         self.history.append(event)
         for listener in self._listeners:
             listener(event)
-        for queue in list(self._subscribers):
-            if queue.full():
-                self._subscribers.discard(queue)  # a reader that stopped reading is dropped
-            else:
-                queue.put_nowait(event)
+        self._subscribers.send(event)
         return event
 
-    @contextlib.contextmanager
-    def subscribe(self) -> Iterator[asyncio.Queue[ClusterEvent]]:
+    def subscribe(self) -> contextlib.AbstractContextManager[asyncio.Queue[ClusterEvent]]:
         """A queue of the recent history, then of every event recorded while subscribed."""
-        queue: asyncio.Queue[ClusterEvent] = asyncio.Queue(SUBSCRIBER_QUEUE_LENGTH + len(self.history))
-        for event in self.history:
-            queue.put_nowait(event)
-        self._subscribers.add(queue)
-        try:
-            yield queue
-        finally:
-            self._subscribers.discard(queue)
+        return self._subscribers.subscribe(self.history)

@@ -7,10 +7,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 from agent.core.model_registry import ModelRegistry, RouterError
+from agent.events import Fanout
 
 SSE_QUEUE_LENGTH = 256
 
@@ -22,7 +23,7 @@ class ModelEventStream:
         self._registry = registry
         self._model_info = model_info
         self._models = models
-        self._subscribers: set[asyncio.Queue[dict[str, Any]]] = set()
+        self._subscribers: Fanout[dict[str, Any]] = Fanout(SSE_QUEUE_LENGTH)
 
     def status_changed(self, name: str, *, reason: str | None = None) -> None:
         """``name`` changed state (or its view did): send its view."""
@@ -31,7 +32,7 @@ class ModelEventStream:
         event = {"event": "status_change", "model": name, **self._model_info(name)}
         if reason is not None:
             event["detail"] = reason
-        self._send(event)
+        self._subscribers.send(event)
 
     def load_refused(self, name: str, error: RouterError) -> None:
         """A load refused for lack of room is not a change of state: its own event, with the
@@ -41,24 +42,9 @@ class ModelEventStream:
         retry_after_s = getattr(error, "retry_after_s", None)
         event = {"event": "load_refused", "model": name, "state": self._registry.entries[name].state,
                  "detail": str(error), "retry_after_s": retry_after_s}
-        self._send(event)
+        self._subscribers.send(event)
 
-    def _send(self, event: dict[str, Any]) -> None:
-        for queue in list(self._subscribers):
-            if queue.full():
-                self._subscribers.discard(queue)  # a reader that stopped reading is dropped
-            else:
-                queue.put_nowait(event)
-
-    @contextlib.contextmanager
-    def subscribe(self) -> Iterator[asyncio.Queue[dict[str, Any]]]:
+    def subscribe(self) -> contextlib.AbstractContextManager[asyncio.Queue[dict[str, Any]]]:
         """Events of every state change, starting with the state of every model."""
-        models = self._models()
-        queue: asyncio.Queue[dict[str, Any]] = asyncio.Queue(SSE_QUEUE_LENGTH + len(models))
-        for info in models:
-            queue.put_nowait({"event": "status_change", "model": info["id"], **info})
-        self._subscribers.add(queue)
-        try:
-            yield queue
-        finally:
-            self._subscribers.discard(queue)
+        return self._subscribers.subscribe({"event": "status_change", "model": info["id"], **info}
+                                           for info in self._models())

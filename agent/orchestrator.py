@@ -34,7 +34,7 @@ from agent.core.model_registry import MIB
 from agent.core.orders import RoutingOrder
 from agent.core.plan import ShardingPlan, plan_from_dict
 from agent.core.presets import ModelPreset, ModelSettings
-from agent.core.routing import describe_layers, failover
+from agent.core.routing import Route, describe_layers, failover
 from agent.deployer import Deployer, Deployment, PlannedModel
 from agent.events import EventLog
 from agent.membership import Membership
@@ -156,7 +156,7 @@ class Orchestrator:
         self.deployments[deployment.name] = deployment
         self._deployed_members = frozenset(deployment.order.addresses)
 
-    async def _deploy(self, name: str, plan: ShardingPlan, route: Any, model: str, settings: ModelSettings, *,
+    async def _deploy(self, name: str, plan: ShardingPlan, route: Route, model: str, settings: ModelSettings, *,
                       degraded: bool, holdings: dict[str, dict[str, int]], failover: bool = False) -> Deployment:
         return await self.deployer.deploy(name, plan, route, model, settings, degraded=degraded, holdings=holdings,
                                           publish=self._publish, failover=failover)

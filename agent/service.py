@@ -312,7 +312,8 @@ async def stream(request: web.Request) -> web.WebSocketResponse:
         in_flight += 1
         working.set()
         try:
-            result = dict((await worker.step(StepFrame.from_header(header), tensor)).header(), cid=header.get("cid", 0))
+            result = (await worker.step(StepFrame.from_header(header), tensor)).header()
+            result["cid"] = header.get("cid", 0)
         except StageError as error:
             result = error.to_header(header)
         except Exception as error:  # noqa: BLE001 - one bad step must not take the socket down

@@ -104,7 +104,7 @@ def test_a_failure_of_the_orchestrator_itself_mid_stream_ends_the_stream_with_an
                 assert time.monotonic() - started < 10
                 assert events[-1] != b"[DONE]", events
                 error = json.loads(events[-1])["error"]
-                assert error == {"message": "internal error (RuntimeError); the orchestrator's log has the details",
+                assert error == {"message": "internal error (RuntimeError; the orchestrator's log has the details)",
                                  "type": "server_error", "param": None, "code": "internal_error"}, error
 
     asyncio.run(scenario())
