@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import shutil
 import signal
 import socket
@@ -34,15 +35,34 @@ FAST_TIMING = {
 }
 
 
+def _ephemeral_low() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
 def free_ports(count: int) -> list[int]:
-    sockets, ports = [], []
-    for _ in range(count):
-        s = socket.socket()
-        s.bind(("127.0.0.1", 0))
-        sockets.append(s)
-        ports.append(s.getsockname()[1])
-    for s in sockets:
-        s.close()
+    """``count`` free loopback ports below the kernel's ephemeral range: a port the kernel hands
+    out for ``bind(0)`` (an agent's peer port) or an outgoing connection can never be one of
+    them, so an agent started a moment later still finds its port free."""
+    chooser = random.Random()
+    sockets: list[socket.socket] = []
+    ports: list[int] = []
+    try:
+        while len(ports) < count:
+            port = chooser.randrange(10000, _ephemeral_low())
+            s = socket.socket()
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                s.close()
+                continue
+            sockets.append(s)
+            ports.append(port)
+    finally:
+        for s in sockets:
+            s.close()
     return ports
 
 
@@ -68,6 +88,10 @@ def http(method: str, url: str, body: Any = None, *, headers: dict[str, str] | N
         return status, text.decode(errors="replace")
 
 
+class AgentExited(AssertionError):
+    """An agent process the test did not stop has exited: waiting on it any longer is pointless."""
+
+
 def wait_for(condition: Callable[[], Any], *, timeout_s: float, what: str, interval_s: float = 0.1) -> Any:
     """Poll ``condition`` until it returns something truthy, or fail after ``timeout_s``."""
     deadline = time.monotonic() + timeout_s
@@ -77,6 +101,8 @@ def wait_for(condition: Callable[[], Any], *, timeout_s: float, what: str, inter
             value = condition()
             if value:
                 return value
+        except AgentExited:
+            raise
         except Exception as error:  # noqa: BLE001 - retried until the deadline
             last_error = error
         time.sleep(interval_s)
@@ -94,16 +120,27 @@ class Agent:
     env: dict[str, str] = field(default_factory=dict)
     python: str = sys.executable  # another environment's interpreter runs the agent there
     prefix: list[str] = field(default_factory=list)  # runs the agent (e.g. in a mount namespace)
+    stopped_by_test: bool = False
 
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
     def get(self, path: str, **kw: Any) -> tuple[int, Any]:
-        return http("GET", self.url + path, **kw)
+        return self._call("GET", path, None, kw)
 
     def post(self, path: str, body: Any = None, **kw: Any) -> tuple[int, Any]:
-        return http("POST", self.url + path, body, **kw)
+        return self._call("POST", path, body, kw)
+
+    def _call(self, method: str, path: str, body: Any, kw: dict[str, Any]) -> tuple[int, Any]:
+        try:
+            return http(method, self.url + path, body, **kw)
+        except urllib.error.URLError:
+            exited = self.process is not None and self.process.poll() is not None
+            if exited and not self.stopped_by_test:
+                raise AgentExited(f"{self.name} exited with status {self.process.returncode}; "
+                                  f"the end of its log:\n{self.log()[-3000:]}") from None
+            raise
 
     def node_id(self) -> str:
         return self.get("/health", timeout_s=5)[1]["node_id"]
@@ -115,6 +152,7 @@ class Agent:
     def start(self, args: list[str]) -> None:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         log = self.log_path.open("ab")
+        self.stopped_by_test = False
         self.process = subprocess.Popen(
             [*self.prefix, self.python, "-m", "agent.cli", "serve", "--port", str(self.port), *args],
             cwd=REPO, env=self.env, stdout=log, stderr=subprocess.STDOUT,
@@ -123,11 +161,13 @@ class Agent:
 
     def kill(self) -> None:
         """SIGKILL, as when a device loses power."""
+        self.stopped_by_test = True
         if self.process and self.process.poll() is None:
             self.process.send_signal(signal.SIGKILL)
             self.process.wait(timeout=10)
 
     def stop(self) -> None:
+        self.stopped_by_test = True
         if self.process and self.process.poll() is None:
             self.process.terminate()
             try:
