@@ -40,10 +40,10 @@ from agent.metrics import Metrics
 from agent.peer_client import PeerClient
 from agent.probe import device_memory
 from agent.protocol import ResultFrame, StepFrame
+from agent.step_batcher import StepBatcher
 from agent.weights import StoreWriteError, WeightTransferError
 from agent.whole_copies import WholeCopies
 from shards.errors import CorruptWeightsError, ShardsError
-from shards.runner import FragmentRunner
 from shards.sampling import Sampler, SamplingParams
 from shards.store import ModelStore
 
@@ -129,18 +129,6 @@ def _stage_fault(order: RoutingOrder, error: BaseException) -> dict[str, Any]:
     return fault
 
 
-def _compute(runner: FragmentRunner, sid: str, start: int, x: np.ndarray) -> np.ndarray:
-    """Run ``x`` (positions from ``start`` on) through ``runner`` for session ``sid``."""
-    if start == 0 and sid in runner.sessions():
-        runner.close_session(sid)  # a replay from the first token rebuilds the cache
-    if sid not in runner.sessions():
-        runner.open_session(sid)
-    length = runner.session_length(sid)
-    if length != start:
-        raise StageError("session_out_of_sync", f"session {sid} holds {length} positions, step starts at {start}", None)
-    return runner.forward(sid, x)
-
-
 def _sample(info: _SessionInfo, step: StepFrame, output: np.ndarray) -> int | None:
     """The token the tail stage picks from ``output`` (None unless the step asks for one); the
     session's sampler is made on its first step, from the step's parameters."""
@@ -168,8 +156,8 @@ class WorkerState(StateEnum):
 
 
 class Worker:
-    """Runs the fragments of this node. Compute runs on one thread and fragment builds on another,
-    both off the event loop."""
+    """Runs the fragments of this node. Compute runs on one thread (decode steps that queue for
+    it together run as one batch) and fragment builds on another, both off the event loop."""
 
     def __init__(self, node_id: str, config: AgentConfig, store: ModelStore, client: PeerClient, links: Links,
                  metrics: Metrics | None = None, agents_on_host: Callable[[], int] = lambda: 1) -> None:
@@ -190,6 +178,7 @@ class Worker:
         self.newest_epoch = 0
         self.state = WorkerState.IDLE
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ncm-compute")
+        self.batcher = StepBatcher(self.executor)  # decode steps that meet in its queue run as one batch
         self.sessions: dict[str, _SessionInfo] = {}
         self._apply_lock = asyncio.Lock()
 
@@ -362,6 +351,7 @@ class Worker:
             "standby": [r for m in models.values() for r in m["standby"]],
             "models": models,
             "sessions": len(self.sessions),
+            "batches": {"calls": self.batcher.batches, "steps": self.batcher.batched_steps},
             "orders": [order.to_json() for _, order in sorted(self.serving.items())],
         }
 
@@ -384,9 +374,7 @@ class Worker:
             info = self.sessions[sid] = _SessionInfo(order.plan_version, time.monotonic())
         info.last_used = started = time.monotonic()
         try:
-            output = await asyncio.get_running_loop().run_in_executor(
-                self.executor, _compute, runner, sid, step.start, tensor
-            )
+            output = await self.batcher.compute(runner, sid, step.start, tensor)
             self.metrics.child(self.metrics.stage_compute, order.name).observe(time.monotonic() - started)
         except (StageError, ShardsError) as error:
             if fresh:  # a step of a session this node does not hold (a late one, after its close)
@@ -442,5 +430,6 @@ class Worker:
     def close(self) -> None:
         for task in self._standby_builds:
             task.cancel()
+        self.batcher.close()
         self.fragments.close()
         self.executor.shutdown(wait=False, cancel_futures=True)

@@ -1,10 +1,18 @@
 """Decode speed of the default model on 1 agent and on 3 agents on loopback, from one run.
 
     python bench/cluster.py [--tokens 96] [--threads 1] [--spin auto|on|off]
+    python bench/cluster.py --streams 8 [--shape llama-1b] [--nodes 1,3]
 
 Prints decode tokens/s for each cluster size, their ratio (aim >= 0.9), the per-hop overhead
 derived from the two (extra time per token / extra network hops per token), and the raw
 round trip of one data-plane hop (a decode-size hidden state over a WebSocket on loopback).
+
+With ``--streams N``: per cluster size, N greedy streams (each its own prompt) one after the
+other and then all at once; prints one stream's decode tokens/s, the aggregate of the N
+together (the tokens that arrive while all of them decode: after the last stream's first
+token and up to the first stream's last), their ratio (aim >= 2.0 on one agent, >= 1.5 on three), and whether every stream's
+text was the same both ways. ``--shape llama-1b`` serves the random-weight 1B-shaped model
+(bench/model_shapes.py; imported once into the bench cache) instead of the default one.
 """
 
 from __future__ import annotations
@@ -16,6 +24,7 @@ import sys
 import tempfile
 import time
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -25,6 +34,63 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from agent.demo import _ensure_model, start_local_cluster, stop_processes, wait_ready  # noqa: E402
 
 PROMPT = "Write a long story about a lighthouse keeper who finds a map."
+
+
+def stream_completion(url: str, model: str, prompt: str, tokens: int) -> tuple[str, list[float]]:
+    """The text of one streamed greedy completion and the arrival time of each of its chunks."""
+    body = json.dumps({"model": model, "prompt": prompt, "temperature": 0, "max_tokens": tokens,
+                       "stream": True}).encode()
+    request = urllib.request.Request(url + "/v1/completions", data=body, headers={"Content-Type": "application/json"})
+    pieces, stamps = [], []
+    with urllib.request.urlopen(request, timeout=1800) as response:
+        for line in response:
+            if line.startswith(b"data: {"):
+                choices = json.loads(line[len(b"data: "):]).get("choices") or []
+                if choices and choices[0].get("text") is not None:
+                    pieces.append(choices[0]["text"])
+                    stamps.append(time.perf_counter())
+    return "".join(pieces), stamps
+
+
+def measure_streams(nodes: int, port: int, streams: int, tokens: int, threads: int, model: str,
+                    home: Path | None) -> dict:
+    """One stream's decode rate and the aggregate of ``streams`` concurrent ones, on ``nodes`` agents."""
+    prompts = [f"{PROMPT} Chapter {i + 1}, told by voice number {3 * i + 2}:" for i in range(streams)]
+    env = {"NCM_THREADS": str(threads), "NCM_MAX_REQUESTS_IN_FLIGHT": str(max(streams, 4))}
+    with tempfile.TemporaryDirectory(prefix="ncm-bench-") as base:
+        processes = start_local_cluster(nodes, port, Path(base), model, env=env, log_dir=Path(base) / "logs",
+                                        node_env=[{"NCM_HOME": str(home)}] if home else None)
+        try:
+            wait_ready(f"http://127.0.0.1:{port}", processes, 1800)
+            url = f"http://127.0.0.1:{port}"
+            stream_completion(url, model, PROMPT, 8)  # warm-up
+            alone = [stream_completion(url, model, p, tokens) for p in prompts]
+            with ThreadPoolExecutor(max_workers=streams) as pool:
+                together = list(pool.map(lambda p: stream_completion(url, model, p, tokens), prompts))
+            with urllib.request.urlopen(url + "/cluster/nodes", timeout=30) as response:
+                nodes_seen = json.loads(response.read())["nodes"]
+            batches = [(n.get("worker") or {}).get("batches") for n in nodes_seen]
+        finally:
+            stop_processes(processes)
+    single = sum(len(st) - 1 for _, st in alone) / sum(st[-1] - st[0] for _, st in alone)
+    # while every stream decodes: after the last one's first token, before the first one's last
+    begin, end = max(st[0] for _, st in together), min(st[-1] for _, st in together)
+    aggregate = sum(sum(begin < t <= end for t in st) for _, st in together) / (end - begin)
+    return {"nodes": nodes, "streams": streams, "single_tok_per_s": single, "aggregate_tok_per_s": aggregate,
+            "identical": [a[0] for a in alone] == [t[0] for t in together], "batches": batches}
+
+
+def bench_home(shape: str) -> tuple[str, Path]:
+    """The model name and a store holding the ``shape`` model (q4), imported once into the bench cache."""
+    from bench.model_shapes import cache_dir, shape_gguf
+    from shards.importer import import_model
+    from shards.store import ModelStore
+
+    name, home = f"bench-{shape}", cache_dir() / "home"
+    store = ModelStore(home)
+    if name not in {m.name for m in store.list()}:
+        import_model(shape_gguf(shape), name=name, weights="q4", store=store, progress=False)
+    return name, home
 
 
 def stream_timings(url: str, tokens: int) -> tuple[int, float]:
@@ -108,7 +174,22 @@ def main() -> None:
     parser.add_argument("--spin", choices=("auto", "on", "off"), default="auto",
                         help="the agents' spin setting (auto: off when agents share the host, as here)")
     parser.add_argument("--port", type=int, default=18600)
+    parser.add_argument("--streams", type=int, default=0, help="measure this many concurrent streams instead")
+    parser.add_argument("--shape", help="with --streams: serve the random-weight model of this shape")
+    parser.add_argument("--nodes", default="1,3", help="with --streams: the cluster sizes (comma separated)")
     args = parser.parse_args()
+    if args.streams:
+        model, home = bench_home(args.shape) if args.shape else ("smollm2-135m", None)
+        if home is None:
+            _ensure_model(model)
+        for index, nodes in enumerate(int(n) for n in args.nodes.split(",")):
+            row = measure_streams(nodes, args.port + 10 * index, args.streams, args.tokens, args.threads, model, home)
+            print(f"{nodes} agent(s), {model}: 1 stream {row['single_tok_per_s']:6.1f} tok/s, {args.streams} streams "
+                  f"{row['aggregate_tok_per_s']:6.1f} tok/s together: "
+                  f"{row['aggregate_tok_per_s'] / row['single_tok_per_s']:.2f}x; "
+                  f"same text per stream: {row['identical']}; batched calls/steps per agent: "
+                  + ", ".join(f"{b['calls']}/{b['steps']}" for b in row["batches"] if b))
+        return
     _ensure_model("smollm2-135m")
     one = measure(1, args.port, args.tokens, args.threads, args.spin)
     three = measure(3, args.port + 10, args.tokens, args.threads, args.spin)

@@ -8,12 +8,17 @@ its own inputs, so chains of any split give the same logits as the whole model.
 Flavours (one logical model, several graphs):
 
 - ``"cpu"``: dynamic shapes, fused ``com.microsoft`` ops (GroupQueryAttention with rotary,
-  SkipSimplifiedLayerNormalization, MatMulNBits for q4). Inputs ``input_ids`` int64 [1, T]
-  or ``hidden_states`` float32 [1, T, hidden], ``past_key.L`` / ``past_value.L`` float32
-  [1, kv_heads, P, head_dim]; outputs ``logits`` [1, T, vocab] or ``hidden_states_out``, plus
-  ``present_key.L`` / ``present_value.L`` [1, kv_heads, P + T, head_dim].
-- ``"portable"``: the same inputs/outputs as "cpu" but plain opset-17 ops only (MatMulNBits
-  stays for q4): for GPU providers that lack the fused float32 kernels.
+  SkipSimplifiedLayerNormalization, MatMulNBits for q4), a KV cache written in place and
+  batches of rows. Inputs ``input_ids`` int64 [B, T] or ``hidden_states`` float32
+  [B, T, hidden], ``past_length`` int64 [B] (positions each row holds already) and
+  ``past_key.L`` / ``past_value.L`` float32 [B, kv_heads, C, head_dim], a buffer of capacity
+  C >= past_length + T; outputs ``logits`` [B, T, vocab] or ``hidden_states_out``, plus
+  ``present_key.L`` / ``present_value.L`` [B, kv_heads, C, head_dim]. Bound (IOBinding) to
+  the same buffer as the past, the present is that buffer with the T new positions written at
+  past_length: nothing else is copied.
+- ``"portable"``: plain opset-17 ops only (MatMulNBits stays for q4), for GPU providers that
+  lack the fused float32 kernels: inputs as "cpu" but batch 1, no ``past_length`` and a past
+  of exactly P positions; the present is a new [1, kv_heads, P + T, head_dim] tensor.
 - ``"static"``: plain opset-17 ops and fixed shapes for NPUs: T == prefill_chunk, the KV
   inputs have max_context positions, plus ``past_length`` int64 [1]; outputs ``new_key.L`` /
   ``new_value.L`` [1, kv_heads, T, head_dim] (the caller writes them into its fixed cache).
@@ -48,7 +53,7 @@ from shards.verify import verify_weight_files
 
 log = logging.getLogger(__name__)
 FLAVOURS = ("cpu", "portable", "static")
-BUILDER_VERSION = 10
+BUILDER_VERSION = 11
 RMS_SCALE_FLOOR = 1e-3  # the static flavour's RMS norms divide a row by its largest |x|, at least this
 ONNX_FILE = "fragment.onnx"
 FRAGMENTS_DIR = "fragments"  # the default cache, inside the model's directory
@@ -264,17 +269,20 @@ class _Builder:
         return self.rms(s, w, label), s
 
     # --- prologue ---------------------------------------------------------------------------
-    def prologue_cpu(self, x: str, past0: str) -> dict[str, str]:
+    def prologue_cpu(self, x: str) -> dict[str, str]:
+        """Per row b: positions past_length[b] .. past_length[b] + T - 1 (rows of a batch may hold
+        different lengths; GroupQueryAttention reads each row's from ``seqlens``)."""
         g = self.g
         t_len = g.op1("Shape", [x], start=1, end=2)
-        p_len = g.op1("Shape", [past0], start=2, end=3)
-        total = g.op1("Add", [p_len, t_len])
+        total = g.op1("Add", ["past_length", t_len])
         one = g.const("one_i64", np.array([1], np.int64))
         seqlens = g.op1("Cast", [g.op1("Sub", [total, one])], to=TensorProto.INT32)
-        total_s = g.op1("Cast", [g.op1("Squeeze", [total])], to=TensorProto.INT32)
-        pos = g.op1("Range", [g.op1("Squeeze", [p_len]), g.op1("Squeeze", [total]),
-                              g.const("one_s_i64", np.array(1, np.int64))])
-        pos = g.op1("Unsqueeze", [pos, g.const("zero_ax", np.array([0], np.int64))])
+        longest = g.op1("ReduceMax", [total], keepdims=0)
+        total_s = g.op1("Cast", [longest], to=TensorProto.INT32)
+        steps = g.op1("Range", [g.const("zero_s_i64", np.array(0, np.int64)), g.op1("Squeeze", [t_len]),
+                                g.const("one_s_i64", np.array(1, np.int64))])
+        pos = g.op1("Add", [g.op1("Unsqueeze", ["past_length", g.const("one_ax", np.array([1], np.int64))]),
+                            g.op1("Unsqueeze", [steps, g.const("zero_ax", np.array([0], np.int64))])])
         cos, sin = rope_tables(self.m, self.s.max_context)
         return {"seqlens": seqlens, "total": total_s, "pos": pos,
                 "cos": g.const("rope.cos", cos), "sin": g.const("rope.sin", sin)}
@@ -393,27 +401,30 @@ class _Builder:
         g, m, s = self.g, self.m, self.s
         static = s.flavour == "static"
         head, tail = s.first_layer == 0, s.last_layer == m.n_layers - 1
+        fused = s.flavour == "cpu"
+        b_dim: int | str = "B" if fused else 1
         t_dim: int | str = s.prefill_chunk if static else "T"
-        kv_len: int | str = s.max_context if static else "P"
-        kv_shape = [1, m.n_kv_heads, kv_len, m.head_dim]
+        kv_len: int | str = s.max_context if static else ("C" if fused else "P")
+        kv_shape = [b_dim, m.n_kv_heads, kv_len, m.head_dim]
         inputs, outputs = [], []
         if head:
-            inputs.append(helper.make_tensor_value_info("input_ids", TensorProto.INT64, [1, t_dim]))
+            inputs.append(helper.make_tensor_value_info("input_ids", TensorProto.INT64, [b_dim, t_dim]))
             emb = self._load("embed")["embed"]
             x = g.op1("Gather", [g.const("embed", emb), "input_ids"], axis=0)
             if emb.dtype != np.float32:
                 x = g.op1("Cast", [x], to=TensorProto.FLOAT)
             del emb
         else:
-            inputs.append(helper.make_tensor_value_info("hidden_states", TensorProto.FLOAT, [1, t_dim, m.hidden_size]))
+            inputs.append(helper.make_tensor_value_info("hidden_states", TensorProto.FLOAT, [b_dim, t_dim, m.hidden_size]))
             x = "hidden_states"
+        if static or fused:
+            inputs.append(helper.make_tensor_value_info("past_length", TensorProto.INT64, [b_dim]))
         if static:
-            inputs.append(helper.make_tensor_value_info("past_length", TensorProto.INT64, [1]))
             pro = self.prologue_static()
-        elif s.flavour == "portable":
-            pro = self.prologue_portable(x, f"past_key.{s.first_layer}")
+        elif fused:
+            pro = self.prologue_cpu(x)
         else:
-            pro = self.prologue_cpu(x, f"past_key.{s.first_layer}")
+            pro = self.prologue_portable(x, f"past_key.{s.first_layer}")
         if "mask" in pro:  # rows of grouped query heads repeat the mask grp times
             tile = g.const("mask_tile", np.array([m.group_size, 1], np.int64))
             pro["mask_grouped"] = g.op1("Tile", [pro["mask"], tile])
@@ -438,20 +449,20 @@ class _Builder:
                 o = self.add_bias(o, t, ["o_bias"], f"l{li}.o_proj")
             xn2, residual = self.add_rms(o, residual, t["post_norm"], f"l{li}.post_norm")
             pending = self.mlp(xn2, t, li)
-            new_len: int | str = s.prefill_chunk if static else "P_plus_T"
+            new_len: int | str = s.prefill_chunk if static else ("C" if fused else "P_plus_T")
             for kind, name in (("key", k_out), ("value", v_out)):
                 outputs.append(helper.make_tensor_value_info(name, TensorProto.FLOAT,
-                                                             [1, m.n_kv_heads, new_len, m.head_dim]))
+                                                             [b_dim, m.n_kv_heads, new_len, m.head_dim]))
         if tail:
             h = self._load("head")
             normed, _ = self.add_rms(pending, residual, h["norm"], "final_norm")
             logits = self.linear(normed, h, ["lm_head"], "lm_head")
             g.op("Identity", [logits], out=["logits"])
-            outputs.insert(0, helper.make_tensor_value_info("logits", TensorProto.FLOAT, [1, t_dim, m.vocab_size]))
+            outputs.insert(0, helper.make_tensor_value_info("logits", TensorProto.FLOAT, [b_dim, t_dim, m.vocab_size]))
         else:
             g.op("Add", [pending, residual], out=["hidden_states_out"])
             outputs.insert(0, helper.make_tensor_value_info("hidden_states_out", TensorProto.FLOAT,
-                                                            [1, t_dim, m.hidden_size]))
+                                                            [b_dim, t_dim, m.hidden_size]))
         graph = helper.make_graph(g.nodes, f"ncm_{m.name}_{s.first_layer}_{s.last_layer}_{s.flavour}",
                                   inputs, outputs, initializer=g.inits)
         opsets = [helper.make_opsetid("", 17), helper.make_opsetid(MS, 1)]

@@ -19,6 +19,7 @@ import numpy as np
 from shards.backends import Backend, backend_chain, detect_platform
 from shards.errors import RunnerError
 from shards.fragment import build_fragment, load_manifest
+from shards.kv_pool import KvPool
 from shards.rknn import RKNN, RknnSession
 
 log = logging.getLogger(__name__)
@@ -51,6 +52,15 @@ class FragmentRunner(abc.ABC):
         """Run ``x`` (token ids [1, T] at the head, hidden states [1, T, hidden] elsewhere),
         append its T positions to the session's cache; return logits or hidden states."""
 
+    def forward_batch(self, session_ids: Sequence[str], x: np.ndarray) -> np.ndarray:
+        """One decode step of several sessions: row i of ``x`` ([B, 1] token ids or [B, 1,
+        hidden] hidden states) belongs to ``session_ids[i]``; returns the rows' outputs. Runners
+        that cannot batch run the rows one by one."""
+        if len(set(session_ids)) != len(session_ids) or len(session_ids) != len(x):
+            raise RunnerError(f"a batch needs one row per distinct session, got {len(x)} rows "
+                              f"for {len(session_ids)} sessions")
+        return np.concatenate([self.forward(sid, x[i:i + 1]) for i, sid in enumerate(session_ids)])
+
     @abc.abstractmethod
     def session_length(self, session_id: str) -> int:
         """Positions cached for ``session_id``."""
@@ -76,8 +86,13 @@ class FragmentRunner(abc.ABC):
         return {"provider": self.provider}
 
 
+# The "cpu" flavour's KV buffers grow by doubling, from at least this many positions.
+KV_GROWTH_POSITIONS = 256
+
+
 class _Session:
-    """KV cache of one session: per layer key/value arrays (numpy or OrtValue) and the cached length."""
+    """KV cache of one session: per layer key/value arrays (numpy or OrtValue; none for the
+    "cpu" flavour, whose sessions are rows of the runner's KvPool) and the cached length."""
 
     def __init__(self, kv: dict[str, Any]) -> None:
         self.kv = kv
@@ -98,9 +113,10 @@ class OrtFragmentRunner(FragmentRunner):
     logged as a warning and kept in :attr:`fallbacks`. The flavour is the backend's unless
     ``flavour`` is given: "cpu" (fused, dynamic shapes), "static" (plain ops, fixed shapes:
     ``max_context`` KV slots and ``prefill_chunk`` tokens per run, inputs padded) for NPUs,
-    "portable" (plain ops, dynamic shapes) elsewhere. With dynamic flavours on GPU providers
-    the KV cache stays on the device as OrtValues bound with IOBinding (``io_binding`` forces
-    it on or off; on CPU plain numpy is faster).
+    "portable" (plain ops, dynamic shapes) elsewhere. The "cpu" flavour keeps each session
+    as a row of a :class:`~shards.kv_pool.KvPool` that each step writes into in place, and
+    runs the decode steps of several sessions as one batch (:meth:`forward_batch`). With the portable flavour on GPU providers the KV cache stays on the device
+    as OrtValues bound with IOBinding (``io_binding`` forces it on or off).
     """
 
     def __init__(self, model_dir: Path, first_layer: int, last_layer: int, *,
@@ -139,11 +155,15 @@ class OrtFragmentRunner(FragmentRunner):
         self.fallbacks = tuple(failures)
         if io_binding is None:
             io_binding = self.provider in _DEVICES
-        self._io_device = _DEVICES.get(self.provider, "cpu") if io_binding and self.flavour != "static" else None
+        self._io_device = _DEVICES.get(self.provider, "cpu") if io_binding and self.flavour == "portable" else None
         self._in_name = "input_ids" if self.is_head else "hidden_states"
         self._out_names = [o.name for o in self._sess.get_outputs()]
         self._layers = list(range(self.first_layer, self.last_layer + 1))
         self._sessions: dict[str, _Session] = {}
+        m = self.manifest
+        self._pool = KvPool([f"past_{kind}.{li}" for li in self._layers for kind in ("key", "value")],
+                            kv_heads=m.n_kv_heads, head_dim=m.head_dim, max_context=self.max_context,
+                            growth_positions=KV_GROWTH_POSITIONS) if self.flavour == "cpu" else None
         self._lock = threading.Lock()
         log.info("fragment %d-%d on %s (%s, %s flavour)", self.first_layer, self.last_layer, self.backend.name,
                  self.provider, self.flavour)
@@ -188,6 +208,10 @@ class OrtFragmentRunner(FragmentRunner):
                 raise RunnerError("runner is closed")
             if session_id in self._sessions:
                 raise RunnerError(f"session {session_id!r} is already open")
+            if self._pool is not None:
+                self._pool.add(session_id)
+                self._sessions[session_id] = _Session({})
+                return
             shape = self._kv_shape()
             names = [f"past_{kind}.{li}" for li in self._layers for kind in ("key", "value")]
             if self._io_device is not None:
@@ -212,32 +236,38 @@ class OrtFragmentRunner(FragmentRunner):
         with self._lock:
             self._get(session_id)
             del self._sessions[session_id]
+            if self._pool is not None:
+                self._pool.remove(session_id)
 
     def sessions(self) -> list[str]:
         return list(self._sessions)
 
     def memory_bytes(self) -> int:
-        return self._weight_bytes + sum(s.nbytes() for s in list(self._sessions.values()))
+        pool = self._pool.nbytes() if self._pool is not None else 0
+        return self._weight_bytes + pool + sum(s.nbytes() for s in list(self._sessions.values()))
 
     def close(self) -> None:
         with self._lock:
-            self._sessions.clear()
+            for session_id in list(self._sessions):
+                del self._sessions[session_id]
+                if self._pool is not None:
+                    self._pool.remove(session_id)
             if isinstance(self._sess, RknnSession):
                 self._sess.close()  # its worker process or NPU context
             self._sess = None
 
     # --- forward -----------------------------------------------------------------------------
-    def _check(self, x: np.ndarray) -> np.ndarray:
+    def _check(self, x: np.ndarray, rows: int = 1) -> np.ndarray:
         x = np.asarray(x)
         if self.is_head:
-            if x.ndim != 2 or x.shape[0] != 1 or x.shape[1] < 1 or not np.issubdtype(x.dtype, np.integer):
-                raise RunnerError(f"head fragment wants int token ids [1, T], got {x.dtype} {x.shape}")
+            if x.ndim != 2 or x.shape[0] != rows or x.shape[1] < 1 or not np.issubdtype(x.dtype, np.integer):
+                raise RunnerError(f"head fragment wants int token ids [{rows}, T], got {x.dtype} {x.shape}")
             if x.min() < 0 or x.max() >= self.manifest.vocab_size:
                 raise RunnerError(f"token id out of range 0..{self.manifest.vocab_size - 1}")
             return x.astype(np.int64, copy=False)
         h = self.manifest.hidden_size
-        if x.ndim != 3 or x.shape[0] != 1 or x.shape[1] < 1 or x.shape[2] != h or x.dtype != np.float32:
-            raise RunnerError(f"fragment wants float32 hidden states [1, T, {h}], got {x.dtype} {x.shape}")
+        if x.ndim != 3 or x.shape[0] != rows or x.shape[1] < 1 or x.shape[2] != h or x.dtype != np.float32:
+            raise RunnerError(f"fragment wants float32 hidden states [{rows}, T, {h}], got {x.dtype} {x.shape}")
         return x
 
     def forward(self, session_id: str, x: np.ndarray) -> np.ndarray:
@@ -251,6 +281,8 @@ class OrtFragmentRunner(FragmentRunner):
                 raise RunnerError(f"context overflow: {s.length} + {t} positions > max_context {self.max_context}")
             if self.flavour == "static":
                 return self._forward_static(s, x)
+            if self._pool is not None:
+                return self._forward_rows([session_id], x)
             if self._io_device is not None:
                 return self._forward_bound(s, x)
             feeds: dict[str, Any] = {self._in_name: x, **s.kv}
@@ -259,6 +291,51 @@ class OrtFragmentRunner(FragmentRunner):
                 s.kv[name.replace("present_", "past_")] = val
             s.length += t
             return outs[0]
+
+    def forward_batch(self, session_ids: Sequence[str], x: np.ndarray) -> np.ndarray:
+        if self._pool is None:
+            return super().forward_batch(session_ids, x)
+        with self._lock:
+            if self._sess is None:
+                raise RunnerError("runner is closed")
+            if len(set(session_ids)) != len(session_ids) or not session_ids:
+                raise RunnerError(f"a batch needs distinct sessions, got {list(session_ids)}")
+            x = self._check(x, len(session_ids))
+            if x.shape[1] != 1:
+                raise RunnerError(f"a batch runs one position per session, got {x.shape[1]}")
+            for sid in session_ids:
+                if self._get(sid).length + 1 > self.max_context:
+                    raise RunnerError(f"context overflow: session {sid!r} holds max_context {self.max_context}")
+            return self._forward_rows(session_ids, x)
+
+    def _forward_rows(self, session_ids: Sequence[str], x: np.ndarray) -> np.ndarray:
+        """Run row i of ``x`` for ``session_ids[i]`` over the consecutive pool rows that hold
+        them; the rows between that are not in the batch get a dummy input at their own next
+        position (their next step overwrites it). The "cpu" flavour's present is bound to its
+        past, so the run writes the new positions into the pool in place."""
+        pool, t = self._pool, x.shape[1]
+        assert pool is not None
+        first, end = pool.span(session_ids)
+        lengths = np.zeros(end - first, np.int64)
+        for slot, sid in pool.sessions_in(first, end).items():  # a full session's last position is spent
+            lengths[slot - first] = min(self._sessions[sid].length, self.max_context - t)
+        rows = [pool.slot_of[sid] - first for sid in session_ids]
+        lengths[rows] = [self._sessions[sid].length for sid in session_ids]
+        pool.reserve(int(lengths.max()) + t)
+        if rows == list(range(end - first)):
+            feed = x
+        else:
+            feed = np.zeros((end - first, *x.shape[1:]), x.dtype)
+            feed[rows] = x
+        io = pool.binding(self._sess, first, end, self._out_names[0])
+        io.bind_cpu_input(self._in_name, feed)
+        io.bind_cpu_input("past_length", lengths)
+        self._sess.run_with_iobinding(io)
+        for sid in session_ids:
+            self._sessions[sid].length += t
+        out = io.get_outputs()[0].numpy()
+        io.bind_output(self._out_names[0], "cpu")  # lets go of this run's output: the next gets a new one
+        return out if feed is x else out[rows]
 
     def _forward_bound(self, s: _Session, x: np.ndarray) -> np.ndarray:
         """Dynamic flavour with IOBinding: the KV cache never leaves the device."""

@@ -40,8 +40,8 @@ def test_session_lifecycle_and_memory(small) -> None:
     h = head.forward("a", PROMPT_IDS[None, :])
     assert h.shape == (1, len(PROMPT_IDS), 576) and h.dtype == np.float32
     assert head.session_length("a") == len(PROMPT_IDS)
-    kv = 2 * 2 * 3 * 64 * 4 * len(PROMPT_IDS)  # 2 layers x (k, v) x kv_heads x head_dim x f32
-    assert head.memory_bytes() == base + kv
+    kv = 2 * 2 * 3 * 64 * 4 * 32  # 2 layers x (k, v) x kv_heads x head_dim x f32 x max_context
+    assert head.memory_bytes() == base + kv  # the buffer's first size is capped at max_context
     assert head.sessions() == ["a"]
     head.close_session("a")
     assert head.memory_bytes() == base and head.sessions() == []
@@ -125,8 +125,9 @@ def test_sessions_are_independent(model_dir) -> None:
 
 
 def test_io_binding_keeps_kv_as_ortvalues(model_dir) -> None:
-    r = OrtFragmentRunner(model_dir, 2, 3, max_context=32, threads=1, io_binding=True)
-    plain = OrtFragmentRunner(model_dir, 2, 3, max_context=32, threads=1)
+    """The portable flavour (GPU providers) keeps its KV as OrtValues on the device."""
+    r = OrtFragmentRunner(model_dir, 2, 3, max_context=32, threads=1, io_binding=True, flavour="portable")
+    plain = OrtFragmentRunner(model_dir, 2, 3, max_context=32, threads=1, flavour="portable")
     base = r.memory_bytes()
     x = np.random.default_rng(0).standard_normal((1, 5, 576)).astype(np.float32)
     for runner in (r, plain):

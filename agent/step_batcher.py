@@ -1,0 +1,187 @@
+"""A worker's compute queue: steps run one call at a time on the worker's compute thread, and
+the decode steps (one position each) of different sessions on the same fragment that wait
+while that thread is busy run together as one batched call.
+
+Batches form by themselves: the steps that arrive while the thread is busy run together next.
+Only one thing waits: when the first decode step of a new round arrives while sessions of
+the fragment's previous batch (still open) have not sent theirs, it waits for them up to
+:data:`GATHER_S`, so a round does not split into one step alone and the rest after it (the
+sessions come back together, a round trip of the chain later). A step whose session is out
+of step, or whose batch fails, gets its own error: the other rows run alone.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import weakref
+from collections import deque
+from concurrent.futures import Executor
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from agent.dataplane import StageError
+from shards.errors import ShardsError
+from shards.runner import FragmentRunner
+
+log = logging.getLogger(__name__)
+MAX_BATCH_ROWS = 32  # decode steps one call runs at most
+GATHER_S = 0.003  # how long a decode step waits for the rest of its fragment's previous batch
+
+
+@dataclass
+class _Pending:
+    runner: FragmentRunner
+    sid: str
+    start: int  # the position the step starts at
+    x: np.ndarray
+    future: asyncio.Future[np.ndarray] = field(repr=False)
+    arrived_s: float = 0.0  # event-loop time
+
+    @property
+    def decode(self) -> bool:
+        return self.x.shape[1] == 1
+
+
+def _prepare(runner: FragmentRunner, sid: str, start: int) -> None:
+    """Open ``sid`` on ``runner`` where needed; a step from position 0 (a replay) starts its
+    cache anew. StageError if the cache does not end where the step starts."""
+    if start == 0 and sid in runner.sessions():
+        runner.close_session(sid)
+    if sid not in runner.sessions():
+        runner.open_session(sid)
+    length = runner.session_length(sid)
+    if length != start:
+        raise StageError("session_out_of_sync", f"session {sid} holds {length} positions, step starts at {start}", None)
+
+
+def run_batch(runner: FragmentRunner, steps: list[tuple[str, int, np.ndarray]]) -> list[np.ndarray | BaseException]:
+    """Run ``steps`` ((session, start, input) each) on ``runner``: one batched call for the
+    rows that are ready, each row alone if that call fails. Per step its output or its error."""
+    results: list[np.ndarray | BaseException | None] = [None] * len(steps)
+    ready = []
+    for index, (sid, start, _) in enumerate(steps):
+        try:
+            _prepare(runner, sid, start)
+            ready.append(index)
+        except (StageError, ShardsError) as error:
+            results[index] = error
+    if len(ready) > 1:
+        try:
+            out = runner.forward_batch([steps[i][0] for i in ready], np.concatenate([steps[i][2] for i in ready]))
+            for row, index in enumerate(ready):
+                results[index] = out[row:row + 1]
+            ready = []
+        except ShardsError as error:
+            log.warning("a batch of %d steps failed, running them one by one: %s", len(ready), error)
+    for index in ready:
+        sid, _, x = steps[index]
+        try:
+            results[index] = runner.forward(sid, x)
+        except (StageError, ShardsError) as error:
+            results[index] = error
+    return results  # type: ignore[return-value]
+
+
+class StepBatcher:
+    """Queues steps for the compute thread (``executor``, one worker) and batches decode steps."""
+
+    def __init__(self, executor: Executor) -> None:
+        self.executor = executor
+        self._queue: deque[_Pending] = deque()
+        self._busy = False
+        # per fragment, the sessions of its last decode batch: the next round waits for them
+        self._last_batch: weakref.WeakKeyDictionary[FragmentRunner, set[str]] = weakref.WeakKeyDictionary()
+        self._timer: asyncio.TimerHandle | None = None
+        self.batches = 0  # calls that ran more than one step
+        self.batched_steps = 0  # steps that ran in those calls
+
+    async def compute(self, runner: FragmentRunner, sid: str, start: int, x: np.ndarray) -> np.ndarray:
+        """Run ``x`` (positions from ``start`` on) through ``runner`` for session ``sid``."""
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[np.ndarray] = loop.create_future()
+        self._queue.append(_Pending(runner, sid, start, x, future, loop.time()))
+        self._next()
+        return await future
+
+    def _missing(self, runner: FragmentRunner) -> set[str]:
+        """Sessions of ``runner``'s last decode batch, still open, with no step queued."""
+        expected = self._last_batch.get(runner, set()) & set(runner.sessions())
+        return expected - {p.sid for p in self._queue if p.runner is runner}
+
+    def _wake(self) -> None:
+        self._timer = None
+        self._next()
+
+    def _take(self) -> list[_Pending]:
+        """The oldest step, and when it is a decode step every queued decode step of another
+        session on the same fragment (up to :data:`MAX_BATCH_ROWS`)."""
+        first = self._queue.popleft()
+        batch = [first]
+        if not first.decode:
+            return batch
+        sids = {first.sid}
+        for pending in list(self._queue):
+            if len(batch) >= MAX_BATCH_ROWS:
+                break
+            if pending.runner is first.runner and pending.decode and pending.sid not in sids:
+                batch.append(pending)
+                sids.add(pending.sid)
+                self._queue.remove(pending)
+        return batch
+
+    def _next(self) -> None:
+        while self._queue and self._queue[0].future.done():  # its caller left
+            self._queue.popleft()
+        if self._busy or not self._queue:
+            return
+        first, loop = self._queue[0], asyncio.get_running_loop()
+        wait_s = first.arrived_s + GATHER_S - loop.time()
+        if first.decode and wait_s > 0 and self._missing(first.runner):
+            if self._timer is None:
+                self._timer = loop.call_later(wait_s, self._wake)
+            return
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        batch = [p for p in self._take() if not p.future.done()]
+        if not batch:
+            self._next()
+            return
+        self._busy = True
+        if batch[0].decode:
+            self._last_batch[batch[0].runner] = {p.sid for p in batch}
+        if len(batch) > 1:
+            self.batches += 1
+            self.batched_steps += len(batch)
+        work = asyncio.get_running_loop().run_in_executor(
+            self.executor, run_batch, batch[0].runner, [(p.sid, p.start, p.x) for p in batch])
+        work.add_done_callback(lambda done: self._finish(batch, done))
+
+    def _finish(self, batch: list[_Pending], done: asyncio.Future[list[np.ndarray | BaseException]]) -> None:
+        self._busy = False
+        if done.cancelled():  # the executor shut down
+            results: list[np.ndarray | BaseException | None] = [None] * len(batch)
+        elif done.exception() is not None:  # a bug: every caller of the batch hears it
+            results = [done.exception()] * len(batch)
+        else:
+            results = list(done.result())
+        for pending, result in zip(batch, results):
+            if pending.future.done():
+                continue
+            if result is None:
+                pending.future.cancel()
+            elif isinstance(result, BaseException):
+                pending.future.set_exception(result)
+            else:
+                pending.future.set_result(result)
+        self._next()
+
+    def close(self) -> None:
+        """Cancel the steps still queued (the agent is stopping)."""
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        while self._queue:
+            self._queue.popleft().future.cancel()

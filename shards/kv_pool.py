@@ -1,0 +1,111 @@
+"""The KV cache of a "cpu"-flavour runner: per layer and kind one float32 buffer
+[slots, kv_heads, capacity, head_dim], a row (slot) per session.
+
+The fragment writes a step's keys and values into the rows in place (its present is bound to
+its past), so a step copies nothing that is already cached. Any run of consecutive rows is one
+contiguous view, which is what lets decode steps of several sessions run as one batch: the
+rows between them that are not in the batch ride along with a dummy input whose one garbage
+position lands where their own next step will write (at their current length). Capacity and
+slots grow by doubling; growing copies the cached positions once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from shards.errors import RunnerError
+
+
+class KvPool:
+    """Rows of KV buffers for the sessions of one fragment; lengths are the caller's."""
+
+    def __init__(self, names: Sequence[str], *, kv_heads: int, head_dim: int, max_context: int,
+                 growth_positions: int) -> None:
+        self.names = list(names)
+        self.kv_heads, self.head_dim = kv_heads, head_dim
+        self.max_context, self.growth_positions = max_context, growth_positions
+        self.arrays: dict[str, np.ndarray] = {n: self._empty(0, 0) for n in self.names}
+        self.slot_of: dict[str, int] = {}
+        # (first row, end row) -> an IOBinding over their views, with the OrtValues it binds
+        self._bindings: dict[tuple[int, int], tuple[Any, list[Any]]] = {}
+
+    def _empty(self, slots: int, capacity: int) -> np.ndarray:
+        return np.zeros((slots, self.kv_heads, capacity, self.head_dim), np.float32)
+
+    @property
+    def slots(self) -> int:
+        return int(self.arrays[self.names[0]].shape[0]) if self.names else 0
+
+    @property
+    def capacity(self) -> int:
+        return int(self.arrays[self.names[0]].shape[2]) if self.names else 0
+
+    def nbytes(self) -> int:
+        """The buffers' size: slots x capacity, whatever the sessions hold."""
+        return sum(a.nbytes for a in self.arrays.values()) if self.slot_of else 0
+
+    def add(self, session_id: str) -> int:
+        """Give ``session_id`` a free row (more rows when none is free); returns it."""
+        used = set(self.slot_of.values())
+        slot = next((s for s in range(self.slots) if s not in used), None)
+        if slot is None:
+            slot = self.slots
+            self._resize(max(1, 2 * self.slots), self.capacity)
+        self.slot_of[session_id] = slot
+        return slot
+
+    def remove(self, session_id: str) -> None:
+        """Free the session's row; the buffers go when the last session does."""
+        del self.slot_of[session_id]
+        if not self.slot_of:
+            self._resize(0, 0)
+
+    def reserve(self, positions: int) -> None:
+        """Room for ``positions`` in every row (doubling, in steps of ``growth_positions``, up
+        to max_context)."""
+        if positions <= self.capacity:
+            return
+        if positions > self.max_context:
+            raise RunnerError(f"context overflow: {positions} positions > max_context {self.max_context}")
+        grown = max(positions, 2 * self.capacity, self.growth_positions)
+        step = self.growth_positions
+        self._resize(self.slots, min(-(-grown // step) * step, self.max_context))
+
+    def _resize(self, slots: int, capacity: int) -> None:
+        rows, keep = min(slots, self.slots), min(capacity, self.capacity)
+        for name, old in self.arrays.items():
+            new = self._empty(slots, capacity)
+            new[:rows, :, :keep] = old[:rows, :, :keep]
+            self.arrays[name] = new
+        self._bindings.clear()
+
+    def span(self, session_ids: Sequence[str]) -> tuple[int, int]:
+        """The consecutive rows [first, end) that hold every one of ``session_ids``."""
+        slots = [self.slot_of[s] for s in session_ids]
+        return min(slots), max(slots) + 1
+
+    def sessions_in(self, first: int, end: int) -> dict[int, str]:
+        """Row -> session for the occupied rows of [first, end)."""
+        return {slot: sid for sid, slot in self.slot_of.items() if first <= slot < end}
+
+    def binding(self, session: Any, first: int, end: int, logits_name: str) -> Any:
+        """An IOBinding of ``session`` (an onnxruntime InferenceSession) whose past and present
+        are rows [first, end) of the buffers; its first output is ``logits_name``, which the
+        caller binds anew after reading it. Kept until the buffers are resized."""
+        key = (first, end)
+        if key not in self._bindings:
+            import onnxruntime as ort
+
+            io = session.io_binding()
+            io.bind_output(logits_name, "cpu")  # first: get_outputs() keeps binding order
+            values = []
+            for name, array in self.arrays.items():
+                value = ort.OrtValue.ortvalue_from_numpy(array[first:end])
+                io.bind_ortvalue_input(name, value)
+                io.bind_ortvalue_output(name.replace("past_", "present_"), value)
+                values.append(value)
+            self._bindings[key] = (io, values)
+        return self._bindings[key][0]

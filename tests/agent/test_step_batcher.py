@@ -1,0 +1,80 @@
+"""The worker's compute queue on a real fragment of the tiny model: decode steps that wait for
+the compute thread run as one batch with each session's own output; a step out of step gets
+its own error and the others still run; a prefill runs alone. Then on in-process agents:
+concurrent greedy requests are batched at every stage and each gets the text it gets alone."""
+
+from __future__ import annotations
+
+import asyncio
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import pytest
+
+from agent.dataplane import StageError
+from agent.service_keys import WORKER
+from agent.step_batcher import StepBatcher
+from shards.runner import OrtFragmentRunner
+from tests.agent.inprocess import call
+from tests.agent.tiny import TINY, store_tiny_models, tiny_cluster
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return store_tiny_models(tmp_path_factory.mktemp("batcher")).model_dir(TINY)
+
+
+def prompts(count: int) -> list[np.ndarray]:
+    rng = np.random.default_rng(11)
+    return [rng.integers(3, 90, size=(1, 2 + 3 * i)) for i in range(count)]
+
+
+def test_waiting_decode_steps_run_as_one_batch_with_each_sessions_output(model_dir, tmp_path) -> None:
+    runner = OrtFragmentRunner(model_dir, 0, 1, threads=1, cache_dir=tmp_path)
+    alone = OrtFragmentRunner(model_dir, 0, 1, threads=1, cache_dir=tmp_path)
+    starts = prompts(5)
+    for i, ids in enumerate(starts):
+        for r in (runner, alone):
+            r.open_session(f"s{i}")
+            r.forward(f"s{i}", ids)
+    steps = np.arange(10, 15)[:, None]
+
+    async def scenario() -> list[np.ndarray | BaseException]:
+        with ThreadPoolExecutor(max_workers=1) as executor:
+            batcher = StepBatcher(executor)
+            calls = [batcher.compute(runner, f"s{i}", ids.shape[1], steps[i:i + 1]) for i, ids in enumerate(starts)]
+            calls.append(batcher.compute(runner, "s0", 0, starts[0]))  # a replay of s0: runs alone, after
+            bad = batcher.compute(runner, "s3", 99, steps[3:4])  # out of step (s3 is stepped too)
+            outputs = await asyncio.gather(*calls, bad, return_exceptions=True)
+            # the first step ran alone (the thread was idle); the others waited and met
+            assert (batcher.batches, batcher.batched_steps) == (1, 4)
+            return outputs
+
+    outputs = asyncio.run(scenario())
+    for i, ids in enumerate(starts):
+        np.testing.assert_allclose(outputs[i], alone.forward(f"s{i}", steps[i:i + 1]), atol=1e-4, rtol=0)
+    assert isinstance(outputs[-1], StageError) and outputs[-1].code == "session_out_of_sync"
+    alone.close_session("s0")
+    alone.open_session("s0")
+    np.testing.assert_allclose(outputs[5], alone.forward("s0", starts[0]), atol=1e-4, rtol=0)
+    assert runner.session_length("s0") == starts[0].shape[1]
+
+
+def test_concurrent_greedy_requests_are_batched_and_each_gets_its_own_text(tmp_path) -> None:
+    questions = [f"w{7 + i} w{20 + 2 * i} w{40 + i}" for i in range(6)]
+
+    async def ask(url: str, prompt: str) -> str:
+        status, body = await call("POST", url + "/v1/completions",
+                                  {"model": TINY, "prompt": prompt, "max_tokens": 24, "temperature": 0}, timeout_s=60)
+        assert status == 200, body
+        return body["choices"][0]["text"]
+
+    async def scenario() -> None:
+        async with tiny_cluster(tmp_path, 2, layers=4, max_requests_in_flight=8) as (leader, others):
+            alone = [await ask(leader.url, q) for q in questions]
+            together = await asyncio.gather(*(ask(leader.url, q) for q in questions))
+            assert together == alone
+            batched = [a.app[WORKER].status()["batches"] for a in (leader, *others)]
+            assert all(b["calls"] > 0 and b["steps"] >= 2 * b["calls"] for b in batched), batched
+
+    asyncio.run(scenario())
