@@ -48,6 +48,7 @@ class AgentConfig:
     port: int = 8080
     peer_port: int = 0  # TLS port of the internal endpoints; 0: any free port (peers learn it)
     advertise_host: str = ""
+    advertise_peer_port: int = 0  # the peer port peers should use (a forwarded one); 0: peer_port's
     peers: tuple[str, ...] = ()
     state_dir: Path = field(default_factory=default_state_dir)
     model: str = "smollm2-135m"
@@ -92,8 +93,9 @@ class AgentConfig:
             raise ConfigError(f"cluster_name must be 1-63 letters, digits, '-' or '_', got {self.cluster_name!r}")
         if self.cluster_key and len(self.cluster_key) < MIN_CLUSTER_KEY_LENGTH:
             raise ConfigError(f"cluster_key must be at least {MIN_CLUSTER_KEY_LENGTH} characters")
-        if not 0 <= self.port <= 65535 or not 0 <= self.peer_port <= 65535:
-            raise ConfigError(f"port and peer_port must be in 0-65535, got {self.port} and {self.peer_port}")
+        if not all(0 <= p <= 65535 for p in (self.port, self.peer_port, self.advertise_peer_port)):
+            raise ConfigError(f"port, peer_port and advertise_peer_port must be in 0-65535, got {self.port}, "
+                              f"{self.peer_port} and {self.advertise_peer_port}")
         for peer in self.peers:
             parts = urlsplit(peer)
             if parts.scheme not in ("http", "https") or not parts.hostname:
@@ -155,7 +157,7 @@ class AgentConfig:
 
 _FIELD_TYPES: dict[str, str] = {
     "cluster_name": "str", "cluster_key": "str", "host": "str", "port": "int", "peer_port": "int",
-    "advertise_host": "str",
+    "advertise_host": "str", "advertise_peer_port": "int",
     "peers": "list", "state_dir": "path", "model": "str", "orchestrator": "bool", "api_token": "str",
     "api_keys": "list",
     "mdns": "bool", "interfaces": "list", "npu_tops": "float?", "vram_gib": "float?", "ram_gib": "float?", "providers": "list", "threads": "int", "spin": "str",

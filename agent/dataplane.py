@@ -1,5 +1,6 @@
 """Persistent stage-to-stage links: one WebSocket per (this node, next node), frames in
-both directions, many requests multiplexed by (session id, step number)."""
+both directions, many requests multiplexed by (session id, step number); and the results a
+tail sends straight to the orchestrator (:class:`Replies`)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from agent.compat import timeout
 from agent.core.errors import NcmError, WireError
 from agent.core.wire import decode_frame, encode_frame
 from agent.peer_client import PeerClient, PeerError
-from agent.protocol import STREAM_PATH
+from agent.protocol import STREAM_PATH, ResultFrame
 
 log = logging.getLogger(__name__)
 CONNECT_TIMEOUT_S = 5.0
@@ -120,7 +121,7 @@ class StageLink:
                 future.cancel()
 
     async def send(self, header: dict[str, Any]) -> None:
-        """Fire-and-forget frame (close)."""
+        """Fire-and-forget frame (a close, a result sent straight to the orchestrator)."""
         try:
             ws = await self._connection()
             await ws.send_bytes(encode_frame(header))
@@ -136,6 +137,30 @@ class StageLink:
                 await self._reader
             except (asyncio.CancelledError, Exception):  # noqa: BLE001 - shutting down
                 pass
+
+
+class Replies:
+    """The steps this node (as orchestrator) awaits a direct result for: a future per
+    (session, step), resolved by the first result frame a tail sends for it."""
+
+    def __init__(self) -> None:
+        self._waiting: dict[tuple[str, int], asyncio.Future[ResultFrame]] = {}
+
+    def expect(self, sid: str, seq: int) -> asyncio.Future[ResultFrame]:
+        future: asyncio.Future[ResultFrame] = asyncio.get_running_loop().create_future()
+        self._waiting[(sid, seq)] = future
+        return future
+
+    def deliver(self, result: ResultFrame) -> None:
+        """A tail's result: it settles the step awaiting it; one nobody awaits is dropped."""
+        future = self._waiting.pop((result.sid, result.seq), None)
+        if future is not None and not future.done():
+            future.set_result(result)
+
+    def forget(self, sid: str, seq: int) -> None:
+        future = self._waiting.pop((sid, seq), None)
+        if future is not None:
+            future.cancel()
 
 
 class Links:

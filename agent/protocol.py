@@ -8,8 +8,11 @@ The data plane (:data:`STREAM_PATH`, a WebSocket per pair of nodes) carries fram
 :class:`StepFrame` (with its tensor: token ids at the head, hidden states after) goes from the
 orchestrator to the head and from each stage to the next; the tail answers with a
 :class:`ResultFrame` (the sampled token), or any stage with an error frame
-(:meth:`agent.dataplane.StageError.to_header`), back along the same links; a
-:class:`CloseFrame` frees a session on a stage; ``busy`` frames say a stage is still working.
+(:meth:`agent.dataplane.StageError.to_header`), back along the same links. A step that
+names a ``reply`` node has the tail send its result frame straight to that node as well (on
+the tail's own link to it): the orchestrator takes whichever copy comes first, so a token
+crosses each link once on its way. A :class:`CloseFrame` frees a session on a stage;
+``busy`` frames say a stage is still working.
 Each frame is a header validated by :data:`agent.core.wire.SCHEMAS` on decode; the link adds
 ``cid``, which pairs a result with its step on that link.
 """
@@ -47,7 +50,9 @@ def model_file_path(name: str, relative: str) -> str:
 class StepFrame:
     """Run the layers from ``layer`` on, for session ``sid`` at positions ``start``...; the
     tail samples the next token when ``sample`` (with ``params``, sent on a session's first
-    step)."""
+    step). With ``reply`` (a node id, reached at ``reply_url``) the tail also sends its
+    result straight to that node, the orchestrator, which need not wait for the answer to
+    come back through every stage."""
 
     sid: str
     seq: int
@@ -57,19 +62,27 @@ class StepFrame:
     plan: int
     sample: bool
     params: Mapping[str, Any] | None = None
+    reply: str | None = None
+    reply_url: str | None = None
 
     def header(self) -> dict[str, Any]:
         header = {"kind": "step", "sid": self.sid, "seq": self.seq, "layer": self.layer, "start": self.start,
                   "epoch": self.epoch, "plan": self.plan, "sample": self.sample}
         if self.params is not None:
             header["params"] = dict(self.params)
+        if self.reply is not None and self.reply_url is not None:
+            header["reply"], header["reply_url"] = self.reply, self.reply_url
         return header
 
     @classmethod
     def from_header(cls, header: Mapping[str, Any]) -> StepFrame:
         """The step of a decoded (so validated) header."""
         return cls(header["sid"], header["seq"], header["layer"], header["start"], header["epoch"], header["plan"],
-                   header["sample"], header.get("params"))
+                   header["sample"], header.get("params"), header.get("reply"), header.get("reply_url"))
+
+    def replying_to(self, node_id: str, url: str) -> StepFrame:
+        """The same step, its result sent straight to ``node_id`` (at ``url``) too."""
+        return replace(self, reply=node_id, reply_url=url)
 
     def at_layer(self, layer: int) -> StepFrame:
         """The same step, for the stage whose layers start at ``layer``."""

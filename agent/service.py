@@ -45,7 +45,7 @@ from agent.orchestrator import Orchestrator
 from agent.pairing import InviteStore, join_pending, take_new_key
 from agent.protocol import (
     ABORT_PATH, BUSY_HEADER, COMMIT_PATH, COPY_PATH, DESCRIBE_PATH, INTERNAL_PREFIX, MODEL_FILE_PATH, MODEL_LISTING_PATH,
-    PAIR_PATH, REKEY_PATH, ROUTING_PATH, STATE_PATH, STREAM_PATH, UNLOAD_PATH, StepFrame,
+    PAIR_PATH, REKEY_PATH, ROUTING_PATH, STATE_PATH, STREAM_PATH, UNLOAD_PATH, ResultFrame, StepFrame,
 )
 from agent.peer_client import PeerClient
 from agent.router import ModelRouter
@@ -352,6 +352,8 @@ async def stream(request: web.Request) -> web.WebSocketResponse:
                 steps.create_task(run_step(header, tensor))
             elif header["kind"] == "close":
                 worker.close_session(header["sid"])
+            elif header["kind"] == "result":  # a tail's result, sent straight to this orchestrator
+                worker.replies.deliver(ResultFrame.from_header(header))
         busy_task.cancel()
     sockets.discard(ws)
     return ws
@@ -520,7 +522,8 @@ async def start_agent(config: AgentConfig, *, node_id: str, store: ModelStore, k
     except OSError as error:
         raise ConfigError(f"cannot listen on {config.host}:{config.peer_port}: {error.strerror}") from None
     app = build_app(config, node_id=node_id, store=store, api_port=config.port,
-                    peer_port=peer_socket.getsockname()[1], key=key, tls=tls, drain_timeout_s=shutdown_timeout_s)
+                    peer_port=config.advertise_peer_port or peer_socket.getsockname()[1], key=key, tls=tls,
+                    drain_timeout_s=shutdown_timeout_s)
     # handler_cancellation: a client that disconnects cancels its request (a waiting request
     # leaves the model queue, a generation stops) also when it came through another agent.
     runner = AgentRunner(app, shutdown_timeout=shutdown_timeout_s, access_log=None, handler_cancellation=True)

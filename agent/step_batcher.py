@@ -5,8 +5,10 @@ while that thread is busy run together as one batched call.
 Batches form by themselves: the steps that arrive while the thread is busy run together next.
 Only one thing waits: when the first decode step of a new round arrives while sessions of
 the fragment's previous batch (still open) have not sent theirs, it waits for them up to
-:data:`GATHER_S`, so a round does not split into one step alone and the rest after it (the
-sessions come back together, a round trip of the chain later). A step whose session is out
+:data:`GATHER_S`, and never longer than :data:`GATHER_SHARE` of that batch's compute time,
+so a round does not split into one step alone and the rest after it (the sessions come back
+together, a round trip of the chain later) and a session that stalls (its client reads
+slowly) costs the others little. A step whose session is out
 of step, or whose batch fails, gets its own error: the other rows run alone.
 """
 
@@ -28,6 +30,7 @@ from shards.runner import FragmentRunner
 log = logging.getLogger(__name__)
 MAX_BATCH_ROWS = 32  # decode steps one call runs at most
 GATHER_S = 0.003  # how long a decode step waits for the rest of its fragment's previous batch
+GATHER_SHARE = 0.25  # ... and never more than this share of that batch's compute time
 
 
 @dataclass
@@ -93,6 +96,7 @@ class StepBatcher:
         self._busy = False
         # per fragment, the sessions of its last decode batch: the next round waits for them
         self._last_batch: weakref.WeakKeyDictionary[FragmentRunner, set[str]] = weakref.WeakKeyDictionary()
+        self._last_compute_s: weakref.WeakKeyDictionary[FragmentRunner, float] = weakref.WeakKeyDictionary()
         self._timer: asyncio.TimerHandle | None = None
         self.batches = 0  # calls that ran more than one step
         self.batched_steps = 0  # steps that ran in those calls
@@ -137,7 +141,8 @@ class StepBatcher:
         if self._busy or not self._queue:
             return
         first, loop = self._queue[0], asyncio.get_running_loop()
-        wait_s = first.arrived_s + GATHER_S - loop.time()
+        gather_s = min(GATHER_S, GATHER_SHARE * self._last_compute_s.get(first.runner, 0.0))
+        wait_s = first.arrived_s + gather_s - loop.time()
         if first.decode and wait_s > 0 and self._missing(first.runner):
             if self._timer is None:
                 self._timer = loop.call_later(wait_s, self._wake)
@@ -155,12 +160,15 @@ class StepBatcher:
         if len(batch) > 1:
             self.batches += 1
             self.batched_steps += len(batch)
-        work = asyncio.get_running_loop().run_in_executor(
-            self.executor, run_batch, batch[0].runner, [(p.sid, p.start, p.x) for p in batch])
-        work.add_done_callback(lambda done: self._finish(batch, done))
+        started_s = loop.time()
+        work = loop.run_in_executor(self.executor, run_batch, batch[0].runner, [(p.sid, p.start, p.x) for p in batch])
+        work.add_done_callback(lambda done: self._finish(batch, done, started_s))
 
-    def _finish(self, batch: list[_Pending], done: asyncio.Future[list[np.ndarray | BaseException]]) -> None:
+    def _finish(self, batch: list[_Pending], done: asyncio.Future[list[np.ndarray | BaseException]],
+                started_s: float) -> None:
         self._busy = False
+        if batch[0].decode:
+            self._last_compute_s[batch[0].runner] = asyncio.get_running_loop().time() - started_s
         if done.cancelled():  # the executor shut down
             results: list[np.ndarray | BaseException | None] = [None] * len(batch)
         elif done.exception() is not None:  # a bug: every caller of the batch hears it

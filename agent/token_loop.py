@@ -32,6 +32,7 @@ log = logging.getLogger(__name__)
 PREFILL_STEP_TIMEOUT_S = 300.0
 DECODE_STEP_TIMEOUT_S = 60.0
 MAX_RECOVERIES_PER_REQUEST = 4
+TRAILING_WAIT_S = 2.0  # how long a finished request waits for answers still coming back along the chain
 
 
 @dataclass(frozen=True)
@@ -70,23 +71,59 @@ class TokenLoop:
             return False
         return True
 
-    async def _step(self, order: RoutingOrder, step: StepFrame, tensor: np.ndarray, timeout_s: float) -> int | None:
+    async def _step(self, order: RoutingOrder, step: StepFrame, tensor: np.ndarray, timeout_s: float,
+                    trailing: set[asyncio.Task[Any]]) -> int | None:
+        """Send ``step`` to the head and return the tail's token. The tail sends its result
+        straight here as well as back along the chain: the first copy settles the step (one
+        network trip per hop), and the answer still on its way back joins ``trailing`` (the
+        request awaits those when it ends). Failures come back along the chain, each stage
+        watching the next, as before."""
         head = order.route.hops[0].node_id
+        # the address the order gives this node (the one stage links use), else the current one
+        url = order.addresses.get(self.node_id) or self.membership.peer_address_of(self.node_id)
+        step = step.replying_to(self.node_id, url)
+        direct = self.worker.replies.expect(step.sid, step.seq)
+        chain = asyncio.ensure_future(self.worker.forward_to(order, head, step, tensor, timeout_s=timeout_s))
+        for task in [t for t in trailing if t.done()]:
+            trailing.discard(task)
+            if not task.cancelled():
+                task.exception()  # retrieved: an answer that failed after its token came
         try:
             async with timeout(timeout_s):
-                result = await self.worker.forward_to(order, head, step, tensor, timeout_s=timeout_s)
-        except asyncio.TimeoutError:
-            raise StageError("stage_timeout", f"the pipeline did not answer within {timeout_s:g} s", head) from None
-        return result.token
+                await asyncio.wait((direct, chain), return_when=asyncio.FIRST_COMPLETED)
+        except BaseException as error:
+            chain.cancel()
+            trailing.add(chain)
+            if isinstance(error, asyncio.TimeoutError):
+                raise StageError("stage_timeout", f"the pipeline did not answer within {timeout_s:g} s", head) from None
+            raise
+        finally:
+            self.worker.replies.forget(step.sid, step.seq)
+        if direct.done() and not direct.cancelled():
+            trailing.add(chain)
+            return direct.result().token
+        return chain.result().token
+
+    @staticmethod
+    async def _settle(trailing: set[asyncio.Task[Any]]) -> None:
+        """Let the answers still coming back along the chain arrive (briefly), then stop them."""
+        if not trailing:
+            return
+        _, late = await asyncio.wait(trailing, timeout=TRAILING_WAIT_S)
+        for task in late:
+            task.cancel()
+        await asyncio.gather(*trailing, return_exceptions=True)
+        trailing.clear()
 
     async def _prefill(self, deployment: Deployment, order: RoutingOrder, sid: str, ids: list[int],
-                       sampling: dict[str, Any]) -> int:
+                       sampling: dict[str, Any], trailing: set[asyncio.Task[Any]]) -> int:
         """Feed ``ids`` from position 0 in chunks; the last chunk samples the next token."""
         chunk = deployment.settings.prefill_chunk
         token: int | None = None
         for seq, start in enumerate(range(0, len(ids), chunk)):
             step = StepFrame(sid, seq, 0, start, order.epoch, order.plan_version, start + chunk >= len(ids), sampling)
-            token = await self._step(order, step, np.asarray([ids[start:start + chunk]], dtype=np.int64), PREFILL_STEP_TIMEOUT_S)
+            token = await self._step(order, step, np.asarray([ids[start:start + chunk]], dtype=np.int64),
+                                     PREFILL_STEP_TIMEOUT_S, trailing)
         assert token is not None
         return token
 
@@ -109,6 +146,7 @@ class TokenLoop:
         context = [*prompt_ids, *generated]  # every token whose KV the stages must hold before the next step
         unsent: list[int] = []  # sampled ids whose text has not gone out yet
         recoveries = 0
+        trailing: set[asyncio.Task[Any]] = set()  # answers coming back after their token came straight here
         sid = uuid.uuid4().hex
         self._running += 1
         self._none_running.clear()
@@ -119,7 +157,7 @@ class TokenLoop:
                 served = order.model if order.degraded else order.name
                 try:
                     if token is None:
-                        token = await self._prefill(deployment, order, sid, context, sampling)
+                        token = await self._prefill(deployment, order, sid, context, sampling, trailing)
                     text = stream.push(token)
                     unsent.append(token)
                     if stream.done:
@@ -136,7 +174,8 @@ class TokenLoop:
                     context.append(token)
                     step = StepFrame(sid, len(context), 0, len(context) - 1, order.epoch, order.plan_version, True)
                     token = None
-                    token = await self._step(order, step, np.asarray([[context[-1]]], dtype=np.int64), DECODE_STEP_TIMEOUT_S)
+                    token = await self._step(order, step, np.asarray([[context[-1]]], dtype=np.int64),
+                                             DECODE_STEP_TIMEOUT_S, trailing)
                 except StageError as error:
                     if error.node is None or error.node == self.node_id or recoveries >= MAX_RECOVERIES_PER_REQUEST:
                         raise
@@ -151,10 +190,13 @@ class TokenLoop:
                     sid = uuid.uuid4().hex
                     token = None  # replay everything so far on the new route
         finally:
-            self._running -= 1
-            if not self._running:
-                self._none_running.set()
-            await self._close(deployment.order, sid)
+            try:
+                await self._settle(trailing)
+            finally:
+                self._running -= 1
+                if not self._running:
+                    self._none_running.set()
+                await self._close(deployment.order, sid)
 
     async def _close(self, order: RoutingOrder, sid: str) -> None:
         """Free ``sid`` on every stage of ``order``'s route: each is told directly, so that a

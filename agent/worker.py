@@ -34,7 +34,7 @@ from agent.config import AgentConfig
 from agent.core.errors import NcmError
 from agent.core.orders import RoutingOrder
 from agent.core.state_enum import StateEnum
-from agent.dataplane import Links, StageError
+from agent.dataplane import Links, Replies, StageError
 from agent.fragment_cache import FragmentCache, RunnerKey
 from agent.metrics import Metrics
 from agent.peer_client import PeerClient
@@ -179,6 +179,7 @@ class Worker:
         self.state = WorkerState.IDLE
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ncm-compute")
         self.batcher = StepBatcher(self.executor)  # decode steps that meet in its queue run as one batch
+        self.replies = Replies()  # results tails send straight here, for the requests this node orchestrates
         self.sessions: dict[str, _SessionInfo] = {}
         self._apply_lock = asyncio.Lock()
 
@@ -387,7 +388,13 @@ class Worker:
             raise StageError("stage_faulty", f"layers {hop.layers} on node {self.node_id} computed NaN or Inf",
                              self.node_id)
         if hop.layers.last == order.total_layers - 1:
-            return ResultFrame(sid, step.seq, _sample(info, step, output))
+            result = ResultFrame(sid, step.seq, _sample(info, step, output))
+            if step.reply == self.node_id:
+                self.replies.deliver(result)
+            elif step.reply is not None and step.reply_url is not None:
+                link = await self.links.get(step.reply, step.reply_url)
+                await link.send(result.header())  # the answer still goes back along the chain too
+            return result
         next_node = order.next_after(hop.layers.last)
         assert next_node is not None
         return await self.forward_to(order, next_node, step.at_layer(hop.layers.last + 1), output)

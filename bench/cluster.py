@@ -2,10 +2,18 @@
 
     python bench/cluster.py [--tokens 96] [--threads 1] [--spin auto|on|off]
     python bench/cluster.py --streams 8 [--shape llama-1b] [--nodes 1,3]
+    python bench/cluster.py --delays 0,1,2,5
 
 Prints decode tokens/s for each cluster size, their ratio (aim >= 0.9), the per-hop overhead
 derived from the two (extra time per token / extra network hops per token), and the raw
 round trip of one data-plane hop (a decode-size hidden state over a WebSocket on loopback).
+
+With ``--delays``: 3 agents behind a simulated LAN, a userland proxy in front of each agent's
+peer port (the port its peers reach it on: ``advertise_peer_port``) that holds every chunk for
+the given one-way delay in milliseconds, in each direction. Per delay it prints decode
+ms/token, what it would be if each token crossed each link once (the 0 ms figure plus one
+delay per crossing: orchestrator to head, stage to stage, tail back to the orchestrator) and
+what it would be if the answer came back through every stage (two crossings per link).
 
 With ``--streams N``: per cluster size, N greedy streams (each its own prompt) one after the
 other and then all at once; prints one stream's decode tokens/s, the aggregate of the N
@@ -20,8 +28,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import socket
 import sys
 import tempfile
+import threading
 import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
@@ -106,20 +116,90 @@ def stream_timings(url: str, tokens: int) -> tuple[int, float]:
     return len(stamps), stamps[-1] - stamps[0]
 
 
-def measure(nodes: int, port: int, tokens: int, threads: int, spin: str = "auto") -> dict:
+class SimulatedLan:
+    """Userland TCP proxies (front port -> real port on loopback), each holding every chunk
+    for ``delay_s`` in each direction, on an event loop of their own in a thread."""
+
+    def __init__(self, links: list[tuple[int, int]], delay_s: float) -> None:
+        self.delay_s = delay_s
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+        self.servers = [asyncio.run_coroutine_threadsafe(self._serve(front, real), self.loop).result(timeout=10)
+                        for front, real in links]
+
+    async def _serve(self, front: int, real: int) -> asyncio.AbstractServer:
+        async def accept(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            try:
+                up_reader, up_writer = await asyncio.open_connection("127.0.0.1", real)
+            except OSError:
+                writer.close()
+                return
+            await asyncio.gather(self._pipe(reader, up_writer), self._pipe(up_reader, writer), return_exceptions=True)
+
+        return await asyncio.start_server(accept, "127.0.0.1", front)
+
+    async def _pipe(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        """Copy ``reader`` to ``writer``, each chunk ``delay_s`` after it came, in order."""
+        queue: asyncio.Queue[tuple[float, bytes]] = asyncio.Queue()
+
+        async def deliver() -> None:
+            while True:
+                due, data = await queue.get()
+                await asyncio.sleep(max(0.0, due - self.loop.time()))
+                if not data:
+                    writer.close()
+                    return
+                writer.write(data)
+                await writer.drain()
+
+        sender = asyncio.ensure_future(deliver())
+        try:
+            while True:
+                data = await reader.read(1 << 16)
+                queue.put_nowait((self.loop.time() + self.delay_s, data))
+                if not data:
+                    break
+            await sender
+        finally:
+            sender.cancel()
+
+    def close(self) -> None:
+        for server in self.servers:
+            self.loop.call_soon_threadsafe(server.close)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(timeout=10)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def measure(nodes: int, port: int, tokens: int, threads: int, spin: str = "auto", delay_ms: float | None = None) -> dict:
+    """Decode speed of one stream on ``nodes`` agents; with ``delay_ms``, behind a SimulatedLan."""
+    node_env, lan = None, None
+    if delay_ms is not None:
+        fronts = [(free_port(), free_port()) for _ in range(nodes)]
+        node_env = [{"NCM_PEER_PORT": str(real), "NCM_ADVERTISE_PEER_PORT": str(front)} for front, real in fronts]
+        lan = SimulatedLan(fronts, delay_ms / 1000)
     with tempfile.TemporaryDirectory(prefix="ncm-bench-") as base:
         processes = start_local_cluster(nodes, port, Path(base), "smollm2-135m", env={"NCM_THREADS": str(threads), "NCM_SPIN": spin},
-                                        log_dir=Path(base) / "logs")
+                                        log_dir=Path(base) / "logs", node_env=node_env)
         try:
             status = wait_ready(f"http://127.0.0.1:{port}", processes, 600)
             url = f"http://127.0.0.1:{port}"
             stream_timings(url, 8)  # warm-up
             count, seconds = stream_timings(url, tokens)
             hops = len(status["route"]) - 1 + (status["orchestrator"] != status["route"][0]["node"])
+            back = int(status["orchestrator"] != status["route"][-1]["node"])  # the tail's result to the orchestrator
             return {"nodes": nodes, "tokens": count, "tok_per_s": (count - 1) / seconds,
-                    "ms_per_token": 1000 * seconds / (count - 1), "hops": hops}
+                    "ms_per_token": 1000 * seconds / (count - 1), "hops": hops, "back": back}
         finally:
             stop_processes(processes)
+            if lan is not None:
+                lan.close()
 
 
 async def hop_round_trip_ms(rounds: int = 2000, *, tls: bool) -> float:
@@ -177,7 +257,20 @@ def main() -> None:
     parser.add_argument("--streams", type=int, default=0, help="measure this many concurrent streams instead")
     parser.add_argument("--shape", help="with --streams: serve the random-weight model of this shape")
     parser.add_argument("--nodes", default="1,3", help="with --streams: the cluster sizes (comma separated)")
+    parser.add_argument("--delays", help="one-way delays in ms of a simulated LAN between 3 agents (e.g. 0,1,2,5)")
     args = parser.parse_args()
+    if args.delays:
+        _ensure_model("smollm2-135m")
+        rows = [measure(3, args.port + 10 * i, args.tokens, args.threads, args.spin, float(d))
+                for i, d in enumerate(args.delays.split(","))]
+        base = rows[0]
+        for d, row in zip(args.delays.split(","), rows):
+            once = base["ms_per_token"] + (row["hops"] + row["back"]) * float(d)
+            twice = base["ms_per_token"] + 2 * row["hops"] * float(d)
+            print(f"{float(d):4g} ms per link: {row['ms_per_token']:7.2f} ms/token ({row['tok_per_s']:6.1f} tok/s); "
+                  f"each link crossed once: {once:7.2f} ({row['ms_per_token'] / once:.2f}x of it), "
+                  f"the answer back through every stage: {twice:7.2f}; {row['hops']} hop(s) out, {row['back']} back")
+        return
     if args.streams:
         model, home = bench_home(args.shape) if args.shape else ("smollm2-135m", None)
         if home is None:

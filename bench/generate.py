@@ -199,7 +199,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--decode-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3, help="measurements per worker, best kept (default 3)")
     parser.add_argument("--rounds", type=int, default=2, help="workers per engine, taking turns (default 2)")
-    parser.add_argument("--formats", default="f32,q4", help="ncm weight formats to measure (comma separated)")
+    parser.add_argument("--formats", default="f32,q4", help="ncm weight formats to measure (comma separated; "
+                        "q4-lm4: q4 with a 4-bit lm_head)")
     parser.add_argument("--json", action="store_true", help="print the results as JSON")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--worker-model-dir", help=argparse.SUPPRESS)
@@ -233,7 +234,9 @@ def main(argv: list[str] | None = None) -> int:
         workers: dict[str, list[str]] = {}
         for fmt in [f.strip() for f in args.formats.split(",") if f.strip()]:
             name = f"bench-{fmt}"
-            import_model(gguf_path, name=name, weights=fmt, store=store, progress=False)
+            weights, _, head = fmt.partition("-lm")  # "q4-lm4": q4 weights, a 4-bit lm_head
+            import_model(gguf_path, name=name, weights=weights, store=store, progress=False,
+                         lm_head_bits=int(head or 8))
             workers[f"ncm {fmt}"] = ["--worker", "ncm", "--worker-model-dir", str(store.model_dir(name)), *common]
         if llama_cpp_available():
             workers["llama.cpp"] = ["--worker", "llama.cpp", *common]

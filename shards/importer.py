@@ -8,7 +8,9 @@ Weights are stored per layer (``weights/layer_NNN.safetensors``) plus ``weights/
   cast them to float32 when built, so compute is float32 and only disk/transfer size halves.
 - ``q4``: the layers' linear weights as 4-bit blocks for ``MatMulNBits`` (see
   :mod:`shards.quant`), quantised from the dequantised float32 weights; lm_head as 8-bit
-  blocks (the logits are the most sensitive matrix); the embedding table as float16.
+  blocks (the logits are the most sensitive matrix), or 4-bit ones when asked
+  (``lm_head_bits=4``: fewer bytes read per token, logits a little further from the source);
+  the embedding table as float16.
 
 Every tensor of the checkpoint is used or the import is refused (UnmappedTensorError, naming
 them): a tensor the importer does not map would be a weight silently dropped. Each source
@@ -88,13 +90,14 @@ def default_name(path: Path) -> str:
     return clean.lower()[:100]
 
 
-def convert_tensors(tensors: dict[str, np.ndarray], weights: str) -> dict[str, np.ndarray]:
+def convert_tensors(tensors: dict[str, np.ndarray], weights: str, lm_head_bits: int = 8) -> dict[str, np.ndarray]:
     """Canonical float32 tensors -> the stored form for ``weights`` (pure)."""
     out: dict[str, np.ndarray] = {}
     for name, arr in tensors.items():
         if name in LINEAR or name == "lm_head":
             if weights == "q4":
-                for part, val in (quantize_q8(arr) if name == "lm_head" else quantize_q4(arr)).items():
+                eight = name == "lm_head" and lm_head_bits == 8
+                for part, val in (quantize_q8(arr) if eight else quantize_q4(arr)).items():
                     out[f"{name}.{part}"] = val
             elif weights == "f16":
                 out[name] = arr.astype(np.float16)
@@ -149,14 +152,17 @@ def _estimated_bytes(embed_bytes: int, layer_bytes: int, n_layers: int) -> int:
 
 
 def import_model(path: Path | str, *, name: str | None = None, weights: str = "f32",
-                 store: ModelStore | None = None, progress: bool = True) -> Manifest:
+                 store: ModelStore | None = None, progress: bool = True, lm_head_bits: int = 8) -> Manifest:
     """Import a GGUF file or HF folder as model ``name``; returns its manifest.
+    ``lm_head_bits``: 8, or 4 for a 4-bit lm_head (q4 weights only).
 
     Raises UnsupportedArchitectureError, UnmappedTensorError (a tensor the import would not
     use), ModelFormatError or TokenizerError; on any error nothing is left in the store.
     """
     if weights not in WEIGHT_FORMATS:
         raise ModelFormatError(f"unknown weight format {weights!r} (use one of {', '.join(WEIGHT_FORMATS)})")
+    if lm_head_bits not in (4, 8) or (lm_head_bits != 8 and weights != "q4"):
+        raise ModelFormatError(f"lm_head_bits must be 8, or 4 with q4 weights; got {lm_head_bits} with {weights}")
     store = store or ModelStore()
     path = Path(path)
     src = open_source(path)
@@ -193,7 +199,7 @@ def import_model(path: Path | str, *, name: str | None = None, weights: str = "f
             head = src.head()
             if head["lm_head"].shape != (params["vocab_size"], params["hidden_size"]):
                 raise ModelFormatError(f"lm_head has shape {head['lm_head'].shape}")
-            files["head"] = _write(tmp, f"{WEIGHTS_DIR}/head.safetensors", convert_tensors(head, weights))
+            files["head"] = _write(tmp, f"{WEIGHTS_DIR}/head.safetensors", convert_tensors(head, weights, lm_head_bits))
             bar.update(files["head"].bytes)
             bar.total = bar.n
             refuse_unused(path.name, everything - src.consumed - ignored)  # what was actually read

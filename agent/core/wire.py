@@ -38,7 +38,7 @@ TENSOR_KINDS = frozenset({"step"})
 # "cid" correlates a result with its step on one link (a node may appear twice on a route,
 # so the same session and step can cross one link twice, nested).
 OPTIONAL_FIELDS: dict[str, dict[str, str]] = {
-    "step": {"params": _MAP, "cid": _INT},
+    "step": {"params": _MAP, "cid": _INT, "reply": _STR, "reply_url": _STR},
     "result": {"cid": _INT},
     "error": {"cid": _INT},
     "close": {"plan": _INT},

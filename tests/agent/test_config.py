@@ -30,6 +30,7 @@ def test_file_then_environment_then_flags(tmp_path):
         ("peers = ['ftp://x']\n", "peers: 'ftp://x' is not an http"),
         ("cluster_key = 'short'\n", "cluster_key must be at least 16"),
         ("failure_threshold = 0\n", "failure_threshold must be >= 1"),
+        ("advertise_peer_port = 70000\n", "port, peer_port and advertise_peer_port must be in 0-65535"),
         ("port = [\n", "not valid TOML"),
     ],
 )

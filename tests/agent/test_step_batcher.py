@@ -6,6 +6,7 @@ concurrent greedy requests are batched at every stage and each gets the text it 
 from __future__ import annotations
 
 import asyncio
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -58,6 +59,46 @@ def test_waiting_decode_steps_run_as_one_batch_with_each_sessions_output(model_d
     alone.open_session("s0")
     np.testing.assert_allclose(outputs[5], alone.forward("s0", starts[0]), atol=1e-4, rtol=0)
     assert runner.session_length("s0") == starts[0].shape[1]
+
+
+class SlowDevice(OrtFragmentRunner):
+    """The tiny fragment on a device that takes 20 ms a call (a 1B-class model's decode)."""
+
+    def forward(self, session_id, x):
+        time.sleep(0.02)
+        return super().forward(session_id, x)
+
+    def forward_batch(self, session_ids, x):
+        time.sleep(0.02)
+        return super().forward_batch(session_ids, x)
+
+
+def test_a_round_waits_briefly_for_the_rest_of_the_last_batch_and_not_for_a_stalled_session(model_dir, tmp_path) -> None:
+    runner = SlowDevice(model_dir, 0, 1, threads=1, cache_dir=tmp_path)
+    for sid in ("a", "b", "x"):
+        runner.open_session(sid)
+
+    async def scenario() -> None:
+        with ThreadPoolExecutor(max_workers=1) as executor:
+            batcher = StepBatcher(executor)
+            step = {"a": 0, "b": 0}
+
+            def decode(sid: str) -> asyncio.Future:
+                step[sid] += 1
+                return asyncio.ensure_future(batcher.compute(runner, sid, step[sid] - 1, np.array([[5 + step[sid]]])))
+
+            busy = asyncio.ensure_future(batcher.compute(runner, "x", 0, np.arange(3, 9)[None]))  # a prefill
+            await asyncio.sleep(0)
+            await asyncio.gather(busy, decode("a"), decode("b"))  # a and b waited for it: one batch
+            assert batcher.batches == 1
+            first = decode("a")  # the thread is idle, but b (of the last batch) has not come yet
+            await asyncio.sleep(0)
+            await asyncio.gather(first, decode("b"))
+            assert batcher.batches == 2  # a waited the moment it took b to come
+            await decode("a")  # b stalls: a waits no more than GATHER_S, then runs alone
+            assert batcher.batches == 2 and runner.session_length("a") == 3
+
+    asyncio.run(scenario())
 
 
 def test_concurrent_greedy_requests_are_batched_and_each_gets_its_own_text(tmp_path) -> None:

@@ -134,3 +134,26 @@ def test_q4_top1_agrees_with_fp32(smollm2_store, smollm2_gguf, smollm2_tokenizer
         total += len(pred)
     assert total == 300
     assert agree / total >= 0.95, agree / total
+
+
+def test_a_4_bit_lm_head_reads_half_the_bytes_and_picks_the_same_tokens(tmp_path) -> None:
+    from shards.errors import ModelFormatError
+    from shards.tensorfile import read_tensors
+    from tests.shards.fragment_helpers import write_tiny_checkpoint
+
+    source = write_tiny_checkpoint(tmp_path / "checkpoint", q4_0_grid=True)  # lm_head: the tied embedding
+    store = ModelStore(tmp_path / "home")
+    import_model(source, name="lm8", weights="q4", store=store, progress=False)
+    import_model(source, name="lm4", weights="q4", store=store, progress=False, lm_head_bits=4)
+    import_model(source, name="f32", weights="f32", store=store, progress=False)
+    heads = {n: read_tensors(store.model_dir(n) / "weights" / "head.safetensors") for n in ("lm8", "lm4")}
+    assert heads["lm4"]["lm_head.qweight"].shape[-1] == 16 and heads["lm8"]["lm_head.qweight"].shape[-1] == 32
+    assert heads["lm4"]["lm_head.qweight"].nbytes * 2 == heads["lm8"]["lm_head.qweight"].nbytes
+    ids = np.array([1, 7, 8, 9, 10], np.int64)
+    logits = {n: chain_forward(chain(store.model_dir(n), [(0, 1)], threads=1), "s", ids) for n in ("lm4", "f32")}
+    # the lm_head lies on Q4_0 grids, which 4-bit blocks hold exactly: int8 activations are the only error
+    assert np.abs(logits["lm4"] - logits["f32"]).max() <= 0.02 * np.abs(logits["f32"]).max()
+    assert (logits["lm4"][0].argmax(-1) == logits["f32"][0].argmax(-1)).all()
+    for weights, bits in (("f32", 4), ("q4", 6)):
+        with pytest.raises(ModelFormatError, match="lm_head_bits must be 8, or 4 with q4 weights"):
+            import_model(source, name="bad", weights=weights, store=store, progress=False, lm_head_bits=bits)
