@@ -8,8 +8,8 @@ the fragment's previous batch (still open) have not sent theirs, it waits for th
 :data:`GATHER_S`, and never longer than :data:`GATHER_SHARE` of that batch's compute time,
 so a round does not split into one step alone and the rest after it (the sessions come back
 together, a round trip of the chain later) and a session that stalls (its client reads
-slowly) costs the others little. A step whose session is out
-of step, or whose batch fails, gets its own error: the other rows run alone.
+slowly) costs the others little. A step whose session is out of step, or whose batch fails,
+gets its own error: the other rows run alone.
 """
 
 from __future__ import annotations
