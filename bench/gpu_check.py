@@ -1,7 +1,10 @@
 """The GPU check: run it on a machine with an NVIDIA GPU and onnxruntime-gpu (a few minutes).
 
 1. Fidelity: the default model on the GPU backend against the CPU provider: last-position
-   logits of a prompt (within --tolerance, 2e-2 by default) and --tokens greedy tokens.
+   logits of a prompt (within --tolerance) and --tokens greedy tokens. CUDA runs the "gpu"
+   flavour (float16 weights and products): on the CPU provider's float16 kernels the same
+   graph is 2.2e-2 from the float32 logits of SmolLM2 (whose logits span about 38), so the
+   default tolerance is 5e-2.
 2. Speed: decode and prefill tokens/s of the same fragment on the GPU backend and the CPU
    (bench/backends.py's measurement); llama.cpp on the same GGUF when llama-cpp-python is
    installed (bench/generate.py), else it says so.
@@ -122,7 +125,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--backend", default="cuda")
     parser.add_argument("--tokens", type=int, default=32)
-    parser.add_argument("--tolerance", type=float, default=2e-2)
+    parser.add_argument("--tolerance", type=float, default=5e-2)
     parser.add_argument("--threads", type=int, default=4)
     parser.add_argument("--port", type=int, default=18900)
     args = parser.parse_args()

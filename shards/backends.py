@@ -26,10 +26,12 @@ from shards.rknn import RKNN, RknnSession, board_target, converter_python, lite_
 log = logging.getLogger(__name__)
 
 CPU = "CPUExecutionProvider"
+CUDA = "CUDAExecutionProvider"
+TENSORRT = "TensorrtExecutionProvider"
 OPENVINO = "OpenVINOExecutionProvider"
 QNN = "QNNExecutionProvider"
 KINDS = ("gpu", "npu", "cpu")
-FLAVOURS = ("cpu", "portable", "static")
+FLAVOURS = ("cpu", "gpu", "portable", "static")
 
 
 @dataclass(frozen=True)
@@ -39,7 +41,7 @@ class Backend:
     name: str  # "cuda", "openvino-npu", "qnn-htp", "cpu", ...
     provider: str  # onnxruntime execution provider
     kind: str  # "gpu", "npu" or "cpu": what the capacity score credits it to
-    flavour: str  # fragment flavour: "cpu" (fused), "portable" (plain ops), "static" (fixed shapes)
+    flavour: str  # fragment flavour: "cpu" (fused), "gpu" (fused, float16), "portable" (plain ops), "static" (fixed shapes)
     options: tuple[tuple[str, str], ...] = ()
 
     def __post_init__(self) -> None:
@@ -50,7 +52,8 @@ class Backend:
         """What onnxruntime is given: this provider, then the CPU for the nodes it lacks."""
         if self.provider == CPU:
             return [CPU]
-        return [(self.provider, dict(self.options)), CPU]
+        helper = [(CUDA, dict(self.options))] if self.provider == TENSORRT else []  # the ops TensorRT lacks (attention)
+        return [(self.provider, dict(self.options)), *helper, CPU]
 
     def describe(self) -> dict[str, object]:
         return {"backend": self.name, "provider": self.provider, "kind": self.kind, "options": dict(self.options)}
@@ -113,9 +116,9 @@ def backend_chain(platform: Platform, forced: Sequence[str] = ()) -> tuple[list[
             usable.append(rknn_backend(platform.rknn_target))
         else:
             unusable.append(Unusable("rknn-npu", RKNN, platform.rknn_problem))
-    for provider, name in (("TensorrtExecutionProvider", "tensorrt"), ("CUDAExecutionProvider", "cuda")):
+    for provider, name in ((TENSORRT, "tensorrt"), (CUDA, "cuda")):
         if provider in available:
-            usable.append(Backend(name, provider, "gpu", "portable", (("device_id", "0"),)))
+            usable.append(Backend(name, provider, "gpu", "gpu", (("device_id", "0"),)))
     if QNN in available:
         if platform.qnn_htp_library:
             usable.append(Backend("qnn-htp", QNN, "npu", "static", (("backend_path", platform.qnn_htp_library),)))

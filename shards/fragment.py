@@ -16,6 +16,11 @@ Flavours (one logical model, several graphs):
   ``present_key.L`` / ``present_value.L`` [B, kv_heads, C, head_dim]. Bound (IOBinding) to
   the same buffer as the past, the present is that buffer with the T new positions written at
   past_length: nothing else is copied.
+- ``"gpu"``: the "cpu" flavour's graph and contract in mixed precision, for CUDA (whose
+  GroupQueryAttention kernel takes float16 only): weights, matrix products, attention and the
+  KV buffers (float16 [B, kv_heads, C, head_dim]) are half precision; the residual stream and
+  its norms stay float32 (as in llama.cpp), and so do ``hidden_states`` in and out and
+  ``logits``, so its fragments chain with any other flavour's.
 - ``"portable"``: plain opset-17 ops only (MatMulNBits stays for q4), for GPU providers that
   lack the fused float32 kernels: inputs as "cpu" but batch 1, no ``past_length`` and a past
   of exactly P positions; the present is a new [1, kv_heads, P + T, head_dim] tensor.
@@ -52,8 +57,9 @@ from shards.tensorfile import read_tensors
 from shards.verify import verify_weight_files
 
 log = logging.getLogger(__name__)
-FLAVOURS = ("cpu", "portable", "static")
-BUILDER_VERSION = 11
+FLAVOURS = ("cpu", "gpu", "portable", "static")
+FUSED_FLAVOURS = ("cpu", "gpu")  # GroupQueryAttention, the KV pool, batches of rows
+BUILDER_VERSION = 12
 RMS_SCALE_FLOOR = 1e-3  # the static flavour's RMS norms divide a row by its largest |x|, at least this
 ONNX_FILE = "fragment.onnx"
 FRAGMENTS_DIR = "fragments"  # the default cache, inside the model's directory
@@ -204,6 +210,10 @@ class _Builder:
     def __init__(self, model_dir: Path, m: Manifest, spec: FragmentSpec, g: _Graph) -> None:
         self.dir, self.m, self.s, self.g = model_dir, m, spec, g
         self.q4 = m.weight_format == "q4"
+        self.fused = spec.flavour in FUSED_FLAVOURS
+        half = spec.flavour == "gpu"
+        self.dtype = np.float16 if half else np.float32  # what the graph computes in
+        self.elem = TensorProto.FLOAT16 if half else TensorProto.FLOAT
 
     # --- weights ------------------------------------------------------------------------
     def _load(self, key: str) -> dict[str, np.ndarray]:
@@ -214,7 +224,7 @@ class _Builder:
         g = self.g
         if self.q4:
             return self._linear_nbits(x, t, names, label)
-        w = np.concatenate([t[n].astype(np.float32) for n in names], axis=0)
+        w = np.concatenate([t[n].astype(self.dtype) for n in names], axis=0)
         return g.op1("MatMul", [x, g.const(label + ".weight", np.ascontiguousarray(w.T))])
 
     def _linear_nbits(self, x: str, t: dict[str, np.ndarray], names: list[str], label: str) -> str:
@@ -224,17 +234,18 @@ class _Builder:
         sc = np.concatenate([t[f"{n}.scales"] for n in names], axis=0)
         n_out, kb, blob = qw.shape
         bits = blob * 8 // 32
-        ins = [x, g.const(label + ".qweight", qw), g.const(label + ".scales", sc.reshape(-1))]
+        ins = [x, g.const(label + ".qweight", qw), g.const(label + ".scales", sc.reshape(-1).astype(self.dtype))]
         if bits == 8:
             zp = np.concatenate([t[f"{n}.zeros"] for n in names], axis=0)
             ins.append(g.const(label + ".zeros", zp.reshape(-1)))
         y = g.op1("MatMulNBits", ins, domain=MS, K=kb * 32, N=n_out, bits=bits, block_size=32,
-                  accuracy_level=Q4_ACCURACY_LEVEL)
+                  accuracy_level=0 if self.s.flavour == "gpu" else Q4_ACCURACY_LEVEL)
         off = np.concatenate([t[f"{n}.offsets"] for n in names], axis=0) if bits == 4 else None
         if off is not None and off.any():  # all zero: symmetric blocks (GGUF Q4_0), nothing to add
             xb = g.op1("Reshape", [x, g.const(f"blocks_shape_{kb}", np.array([0, 0, kb, 32], np.int64))])
             bsum = g.op1("ReduceSum", [xb, g.const("axis_last", np.array([-1], np.int64))], keepdims=0)
-            y = g.op1("Add", [y, g.op1("MatMul", [bsum, g.const(label + ".offsets", np.ascontiguousarray(off.T))])])
+            offsets = np.ascontiguousarray(off.T.astype(self.dtype))
+            y = g.op1("Add", [y, g.op1("MatMul", [bsum, g.const(label + ".offsets", offsets)])])
         return y
 
     # --- norms ----------------------------------------------------------------------------
@@ -261,12 +272,21 @@ class _Builder:
     def add_rms(self, x: str, residual: str, w: np.ndarray, label: str) -> tuple[str, str]:
         """(rms(x + residual) * w, x + residual)."""
         g = self.g
-        if self.s.flavour == "cpu":
-            out = g.op("SkipSimplifiedLayerNormalization", [x, residual, g.const(label, w.astype(np.float32))],
+        if self.fused:
+            out = g.op("SkipSimplifiedLayerNormalization", [self.residual_precision(x), residual,
+                                                            g.const(label, w.astype(np.float32))],
                        out=[g.name("skipnorm"), "", "", g.name("resid")], domain=MS, epsilon=float(self.m.rms_norm_eps))
-            return out[0], out[3]
+            return self.compute_precision(out[0]), out[3]
         s = g.op1("Add", [x, residual])
         return self.rms(s, w, label), s
+
+    def residual_precision(self, x: str) -> str:
+        """``x`` (a sublayer's output) in the residual stream's float32."""
+        return x if self.elem == TensorProto.FLOAT else self.g.op1("Cast", [x], to=TensorProto.FLOAT)
+
+    def compute_precision(self, x: str) -> str:
+        """``x`` (float32) in the precision the matrix products run in."""
+        return x if self.elem == TensorProto.FLOAT else self.g.op1("Cast", [x], to=self.elem)
 
     # --- prologue ---------------------------------------------------------------------------
     def prologue_cpu(self, x: str) -> dict[str, str]:
@@ -285,7 +305,7 @@ class _Builder:
                             g.op1("Unsqueeze", [steps, g.const("zero_ax", np.array([0], np.int64))])])
         cos, sin = rope_tables(self.m, self.s.max_context)
         return {"seqlens": seqlens, "total": total_s, "pos": pos,
-                "cos": g.const("rope.cos", cos), "sin": g.const("rope.sin", sin)}
+                "cos": g.const("rope.cos", cos.astype(self.dtype)), "sin": g.const("rope.sin", sin.astype(self.dtype))}
 
     def prologue_static(self) -> dict[str, str]:
         g, c, mc = self.g, self.s.prefill_chunk, self.s.max_context
@@ -380,8 +400,8 @@ class _Builder:
         return o, k_out, v_out
 
     def add_bias(self, y: str, t: dict[str, np.ndarray], names: list[str], label: str) -> str:
-        """y + concat(t[names]) (float32, whatever the weight format)."""
-        b = np.concatenate([t[n].astype(np.float32) for n in names])
+        """y + concat(t[names]) (in the graph's precision, whatever the weight format)."""
+        b = np.concatenate([t[n].astype(self.dtype) for n in names])
         return self.g.op1("Add", [y, self.g.const(label + ".bias", b)])
 
     def mlp(self, xn: str, t: dict[str, np.ndarray], li: int) -> str:
@@ -401,7 +421,7 @@ class _Builder:
         g, m, s = self.g, self.m, self.s
         static = s.flavour == "static"
         head, tail = s.first_layer == 0, s.last_layer == m.n_layers - 1
-        fused = s.flavour == "cpu"
+        fused = self.fused
         b_dim: int | str = "B" if fused else 1
         t_dim: int | str = s.prefill_chunk if static else "T"
         kv_len: int | str = s.max_context if static else ("C" if fused else "P")
@@ -431,9 +451,9 @@ class _Builder:
         residual, pending = x, None
         for li in range(s.first_layer, s.last_layer + 1):
             for kind in ("key", "value"):
-                inputs.append(helper.make_tensor_value_info(f"past_{kind}.{li}", TensorProto.FLOAT, kv_shape))
+                inputs.append(helper.make_tensor_value_info(f"past_{kind}.{li}", self.elem, kv_shape))
             t = self._load(layer_key(li))
-            if pending is None and s.flavour == "cpu":
+            if pending is None and fused:
                 # Same fused kernel as between layers (skip = 0 is exact): chains stay bit-exact.
                 zeros = g.op1("ConstantOfShape", [g.op1("Shape", [residual])],
                               value=helper.make_tensor("zero", TensorProto.FLOAT, [1], [0.0]))
@@ -442,7 +462,7 @@ class _Builder:
                 xn = self.rms(residual, t["input_norm"], f"l{li}.input_norm")  # plain flavours
             else:
                 xn, residual = self.add_rms(pending, residual, t["input_norm"], f"l{li}.input_norm")
-            att = self.attention_cpu if s.flavour == "cpu" else self.attention_plain
+            att = self.attention_cpu if fused else self.attention_plain
             a, k_out, v_out = att(xn, t, li, pro)
             o = self.linear(a, t, ["o_proj"], f"l{li}.o_proj")
             if m.attention_output_bias:
@@ -451,16 +471,17 @@ class _Builder:
             pending = self.mlp(xn2, t, li)
             new_len: int | str = s.prefill_chunk if static else ("C" if fused else "P_plus_T")
             for kind, name in (("key", k_out), ("value", v_out)):
-                outputs.append(helper.make_tensor_value_info(name, TensorProto.FLOAT,
+                outputs.append(helper.make_tensor_value_info(name, self.elem,
                                                              [b_dim, m.n_kv_heads, new_len, m.head_dim]))
         if tail:
             h = self._load("head")
             normed, _ = self.add_rms(pending, residual, h["norm"], "final_norm")
             logits = self.linear(normed, h, ["lm_head"], "lm_head")
-            g.op("Identity", [logits], out=["logits"])
+            g.op("Identity" if self.elem == TensorProto.FLOAT else "Cast", [logits], out=["logits"],
+                 **({} if self.elem == TensorProto.FLOAT else {"to": TensorProto.FLOAT}))
             outputs.insert(0, helper.make_tensor_value_info("logits", TensorProto.FLOAT, [b_dim, t_dim, m.vocab_size]))
         else:
-            g.op("Add", [pending, residual], out=["hidden_states_out"])
+            g.op("Add", [self.residual_precision(pending), residual], out=["hidden_states_out"])
             outputs.insert(0, helper.make_tensor_value_info("hidden_states_out", TensorProto.FLOAT,
                                                             [b_dim, t_dim, m.hidden_size]))
         graph = helper.make_graph(g.nodes, f"ncm_{m.name}_{s.first_layer}_{s.last_layer}_{s.flavour}",

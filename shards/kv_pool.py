@@ -1,12 +1,14 @@
-"""The KV cache of a "cpu"-flavour runner: per layer and kind one float32 buffer
-[slots, kv_heads, capacity, head_dim], a row (slot) per session.
+"""The KV cache of a fused-flavour runner ("cpu", "gpu"): per layer and kind one buffer
+[slots, kv_heads, capacity, head_dim] (float32, or float16 for "gpu"), a row (slot) per
+session, in host memory or on the fragment's device (a CUDA GPU's: the cache never leaves it).
 
 The fragment writes a step's keys and values into the rows in place (its present is bound to
 its past), so a step copies nothing that is already cached. Any run of consecutive rows is one
 contiguous view, which is what lets decode steps of several sessions run as one batch: the
 rows between them that are not in the batch ride along with a dummy input whose one garbage
 position lands where their own next step will write (at their current length). Capacity and
-slots grow by doubling; growing copies the cached positions once.
+slots grow by doubling; growing copies the cached positions once (through the host for a
+device buffer: growth is rare, steps are not).
 """
 
 from __future__ import annotations
@@ -23,29 +25,49 @@ class KvPool:
     """Rows of KV buffers for the sessions of one fragment; lengths are the caller's."""
 
     def __init__(self, names: Sequence[str], *, kv_heads: int, head_dim: int, max_context: int,
-                 growth_positions: int) -> None:
+                 growth_positions: int, dtype: Any = np.float32, device: str = "cpu") -> None:
         self.names = list(names)
         self.kv_heads, self.head_dim = kv_heads, head_dim
         self.max_context, self.growth_positions = max_context, growth_positions
-        self.arrays: dict[str, np.ndarray] = {n: self._empty(0, 0) for n in self.names}
+        self.dtype, self.device = np.dtype(dtype), device
+        # numpy arrays in host memory; onnxruntime OrtValues on another device
+        self.arrays: dict[str, Any] = {n: self._empty(0, 0) for n in self.names}
         self.slot_of: dict[str, int] = {}
         # (first row, end row) -> an IOBinding over their views, with the OrtValues it binds
         self._bindings: dict[tuple[int, int], tuple[Any, list[Any]]] = {}
 
-    def _empty(self, slots: int, capacity: int) -> np.ndarray:
-        return np.zeros((slots, self.kv_heads, capacity, self.head_dim), np.float32)
+    def _empty(self, slots: int, capacity: int) -> Any:
+        return self._placed(np.zeros((slots, self.kv_heads, capacity, self.head_dim), self.dtype))
+
+    def _placed(self, array: np.ndarray) -> Any:
+        """``array``, or a copy of it on the device."""
+        if self.device == "cpu":
+            return array
+        import onnxruntime as ort
+
+        return ort.OrtValue.ortvalue_from_numpy(array, self.device, 0)
+
+    def _host(self, name: str) -> np.ndarray:
+        buffer = self.arrays[name]
+        return buffer if isinstance(buffer, np.ndarray) else buffer.numpy()
+
+    def _shape(self) -> tuple[int, ...]:
+        buffer = self.arrays[self.names[0]]
+        return tuple(buffer.shape if isinstance(buffer, np.ndarray) else buffer.shape())
 
     @property
     def slots(self) -> int:
-        return int(self.arrays[self.names[0]].shape[0]) if self.names else 0
+        return self._shape()[0] if self.names else 0
 
     @property
     def capacity(self) -> int:
-        return int(self.arrays[self.names[0]].shape[2]) if self.names else 0
+        return self._shape()[2] if self.names else 0
 
     def nbytes(self) -> int:
         """The buffers' size: slots x capacity, whatever the sessions hold."""
-        return sum(a.nbytes for a in self.arrays.values()) if self.slot_of else 0
+        if not self.slot_of:
+            return 0
+        return len(self.names) * int(np.prod(self._shape())) * self.dtype.itemsize
 
     def add(self, session_id: str) -> int:
         """Give ``session_id`` a free row (more rows when none is free); returns it."""
@@ -76,11 +98,12 @@ class KvPool:
 
     def _resize(self, slots: int, capacity: int) -> None:
         rows, keep = min(slots, self.slots), min(capacity, self.capacity)
-        for name, old in self.arrays.items():
-            new = self._empty(slots, capacity)
-            new[:rows, :, :keep] = old[:rows, :, :keep]
-            self.arrays[name] = new
         self._bindings.clear()
+        for name in self.names:
+            new = np.zeros((slots, self.kv_heads, capacity, self.head_dim), self.dtype)
+            if rows and keep:
+                new[:rows, :, :keep] = self._host(name)[:rows, :, :keep]
+            self.arrays[name] = self._placed(new)
 
     def span(self, session_ids: Sequence[str]) -> tuple[int, int]:
         """The consecutive rows [first, end) that hold every one of ``session_ids``."""
@@ -94,18 +117,20 @@ class KvPool:
     def binding(self, session: Any, first: int, end: int, logits_name: str) -> Any:
         """An IOBinding of ``session`` (an onnxruntime InferenceSession) whose past and present
         are rows [first, end) of the buffers; its first output is ``logits_name``, which the
-        caller binds anew after reading it. Kept until the buffers are resized."""
+        caller binds anew after reading it. Kept until the buffers are resized.
+
+        Rows are the outermost dimension, so rows [first, end) are one contiguous piece of a
+        buffer, bound by its address: the same on the host and on a device."""
         key = (first, end)
         if key not in self._bindings:
-            import onnxruntime as ort
-
             io = session.io_binding()
             io.bind_output(logits_name, "cpu")  # first: get_outputs() keeps binding order
-            values = []
-            for name, array in self.arrays.items():
-                value = ort.OrtValue.ortvalue_from_numpy(array[first:end])
-                io.bind_ortvalue_input(name, value)
-                io.bind_ortvalue_output(name.replace("past_", "present_"), value)
-                values.append(value)
-            self._bindings[key] = (io, values)
+            shape = (end - first, *self._shape()[1:])
+            row_bytes = int(np.prod(shape[1:])) * self.dtype.itemsize
+            for name, buffer in self.arrays.items():
+                base = buffer.ctypes.data if isinstance(buffer, np.ndarray) else buffer.data_ptr()
+                address = base + first * row_bytes
+                io.bind_input(name, self.device, 0, self.dtype, shape, address)
+                io.bind_output(name.replace("past_", "present_"), self.device, 0, self.dtype, shape, address)
+            self._bindings[key] = (io, list(self.arrays.values()))  # the buffers live as long as it
         return self._bindings[key][0]

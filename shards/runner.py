@@ -18,7 +18,7 @@ import numpy as np
 
 from shards.backends import Backend, backend_chain, detect_platform
 from shards.errors import RunnerError
-from shards.fragment import build_fragment, load_manifest
+from shards.fragment import FUSED_FLAVOURS, build_fragment, load_manifest
 from shards.kv_pool import KvPool
 from shards.rknn import RKNN, RknnSession
 
@@ -86,13 +86,13 @@ class FragmentRunner(abc.ABC):
         return {"provider": self.provider}
 
 
-# The "cpu" flavour's KV buffers grow by doubling, from at least this many positions.
+# The fused flavours' KV buffers grow by doubling, from at least this many positions.
 KV_GROWTH_POSITIONS = 256
 
 
 class _Session:
     """KV cache of one session: per layer key/value arrays (numpy or OrtValue; none for the
-    "cpu" flavour, whose sessions are rows of the runner's KvPool) and the cached length."""
+    fused flavours, whose sessions are rows of the runner's KvPool) and the cached length."""
 
     def __init__(self, kv: dict[str, Any]) -> None:
         self.kv = kv
@@ -111,12 +111,13 @@ class OrtFragmentRunner(FragmentRunner):
     The fragment runs on the first of ``backends`` (default: :func:`backend_chain` of this
     machine, restricted to ``providers`` when given) that loads it; each one that cannot is
     logged as a warning and kept in :attr:`fallbacks`. The flavour is the backend's unless
-    ``flavour`` is given: "cpu" (fused, dynamic shapes), "static" (plain ops, fixed shapes:
-    ``max_context`` KV slots and ``prefill_chunk`` tokens per run, inputs padded) for NPUs,
-    "portable" (plain ops, dynamic shapes) elsewhere. The "cpu" flavour keeps each session
-    as a row of a :class:`~shards.kv_pool.KvPool` that each step writes into in place, and
-    runs the decode steps of several sessions as one batch (:meth:`forward_batch`). With the portable flavour on GPU providers the KV cache stays on the device
-    as OrtValues bound with IOBinding (``io_binding`` forces it on or off).
+    ``flavour`` is given: "cpu" (fused, dynamic shapes), "gpu" (the same in float16, for
+    CUDA), "static" (plain ops, fixed shapes: ``max_context`` KV slots and ``prefill_chunk``
+    tokens per run, inputs padded) for NPUs, "portable" (plain ops, dynamic shapes) elsewhere.
+    The fused flavours keep each session as a row of a :class:`~shards.kv_pool.KvPool` that
+    each step writes into in place, and run the decode steps of several sessions as one batch
+    (:meth:`forward_batch`). On GPU providers the KV cache stays on the device, bound with
+    IOBinding (``io_binding`` forces that on or off).
     """
 
     def __init__(self, model_dir: Path, first_layer: int, last_layer: int, *,
@@ -155,7 +156,8 @@ class OrtFragmentRunner(FragmentRunner):
         self.fallbacks = tuple(failures)
         if io_binding is None:
             io_binding = self.provider in _DEVICES
-        self._io_device = _DEVICES.get(self.provider, "cpu") if io_binding and self.flavour == "portable" else None
+        device = _DEVICES.get(self.provider, "cpu") if io_binding else "cpu"
+        self._io_device = device if io_binding and self.flavour == "portable" else None
         self._in_name = "input_ids" if self.is_head else "hidden_states"
         self._out_names = [o.name for o in self._sess.get_outputs()]
         self._layers = list(range(self.first_layer, self.last_layer + 1))
@@ -163,7 +165,9 @@ class OrtFragmentRunner(FragmentRunner):
         m = self.manifest
         self._pool = KvPool([f"past_{kind}.{li}" for li in self._layers for kind in ("key", "value")],
                             kv_heads=m.n_kv_heads, head_dim=m.head_dim, max_context=self.max_context,
-                            growth_positions=KV_GROWTH_POSITIONS) if self.flavour == "cpu" else None
+                            growth_positions=KV_GROWTH_POSITIONS,
+                            dtype=np.float16 if self.flavour == "gpu" else np.float32,
+                            device=device) if self.flavour in FUSED_FLAVOURS else None
         self._lock = threading.Lock()
         log.info("fragment %d-%d on %s (%s, %s flavour)", self.first_layer, self.last_layer, self.backend.name,
                  self.provider, self.flavour)
@@ -311,7 +315,7 @@ class OrtFragmentRunner(FragmentRunner):
     def _forward_rows(self, session_ids: Sequence[str], x: np.ndarray) -> np.ndarray:
         """Run row i of ``x`` for ``session_ids[i]`` over the consecutive pool rows that hold
         them; the rows between that are not in the batch get a dummy input at their own next
-        position (their next step overwrites it). The "cpu" flavour's present is bound to its
+        position (their next step overwrites it). A fused flavour's present is bound to its
         past, so the run writes the new positions into the pool in place."""
         pool, t = self._pool, x.shape[1]
         assert pool is not None

@@ -37,6 +37,8 @@ def test_accelerators_come_first_with_the_options_that_reach_their_device():
     assert dict(by_name["openvino-npu"].options)["device_type"] == "NPU" and by_name["openvino-npu"].flavour == "static"
     assert dict(by_name["openvino-gpu"].options)["device_type"] == "GPU" and by_name["openvino-gpu"].kind == "gpu"
     assert by_name["cuda"].providers() == [("CUDAExecutionProvider", {"device_id": "0"}), CPU]
+    assert by_name["cuda"].flavour == by_name["tensorrt"].flavour == "gpu"  # fused, float16: CUDA's attention kernel
+    assert [p[0] for p in by_name["tensorrt"].providers()[:2]] == ["TensorrtExecutionProvider", "CUDAExecutionProvider"]
     assert unusable == []
 
 
