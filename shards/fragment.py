@@ -50,6 +50,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper
 
+from shards.backends import FLAVOURS
 from shards.errors import FragmentError, ModelFormatError
 from shards.manifest import Manifest, layer_key
 from shards.store import MANIFEST_FILE
@@ -57,7 +58,6 @@ from shards.tensorfile import read_tensors
 from shards.verify import verify_weight_files
 
 log = logging.getLogger(__name__)
-FLAVOURS = ("cpu", "gpu", "portable", "static")
 FUSED_FLAVOURS = ("cpu", "gpu")  # GroupQueryAttention, the KV pool, batches of rows
 BUILDER_VERSION = 12
 RMS_SCALE_FLOOR = 1e-3  # the static flavour's RMS norms divide a row by its largest |x|, at least this

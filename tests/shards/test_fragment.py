@@ -160,7 +160,7 @@ def test_sweep_removes_other_builders_and_abandoned_temporary_builds(model_dir, 
 
 
 @pytest.mark.parametrize("args,kw", [
-    ((5, 4), {}), ((0, 30), {}), ((-1, 3), {}), ((0, 1), {"flavour": "gpu"}),
+    ((5, 4), {}), ((0, 30), {}), ((-1, 3), {}), ((0, 1), {"flavour": "tpu"}),
     ((0, 1), {"max_context": 100_000}), ((0, 1), {"flavour": "static", "max_context": 8, "prefill_chunk": 16}),
 ])
 def test_bad_fragment_requests(model_dir, tmp_path, args, kw) -> None:
