@@ -20,8 +20,8 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-from shards.errors import RknnUnavailableError, RunnerError
-from shards.rknn import RKNN, RknnSession, board_target, converter_python, lite_runtime_problem
+from shards.errors import RunnerError
+from shards.rknn import RKNN, RknnSession, board_target, has_converter, lite_runtime_problem
 
 log = logging.getLogger(__name__)
 
@@ -211,16 +211,8 @@ def detect_platform() -> Platform:
         qnn_htp_library=_qnn_htp_library(capi_dir) if QNN in providers else None,
         rknn_target=target,
         rknn_problem=lite_runtime_problem() if target else None,
-        rknn_converter=_has_converter(),
+        rknn_converter=has_converter(),
     )
-
-
-def _has_converter() -> bool:
-    try:
-        converter_python()
-    except RknnUnavailableError:
-        return False
-    return True
 
 
 def _session(backend: Backend, model: Any) -> Any:

@@ -16,9 +16,11 @@ lives on another device:
 from __future__ import annotations
 
 import logging
+import os
 import time
 import uuid
 from collections.abc import Iterator, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -37,6 +39,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 DEFAULT_PREFILL_CHUNK_TOKENS = 256
+MAX_LOAD_PARTS = 4  # LocalModel opens at most this many fragments side by side (one per core)
 FINISH_STOP = "stop"
 FINISH_LENGTH = "length"
 
@@ -290,16 +293,30 @@ def prompt_ids_for(tokenizer: Tokenizer, prompt: str, *, raw: bool = False, syst
 
 
 class LocalModel:
-    """A stored model opened on this machine as one chain of runners, plus its tokenizer."""
+    """A stored model opened on this machine as one chain of runners, plus its tokenizer.
+
+    Without ``cuts`` the layers are cut into ``parts`` even ranges (default: one per core, at
+    most :data:`MAX_LOAD_PARTS`) that open side by side (:func:`~shards.runner.open_chain`),
+    while the tokenizer loads on a thread of its own: the time to a first token is the
+    slowest of them, not their sum.
+    """
 
     def __init__(self, model_dir: Path, manifest: Manifest, *, cuts: Sequence[tuple[int, int]] | None = None,
-                 **runner_kw: Any) -> None:
-        from shards.runner import open_chain
+                 parts: int | None = None, **runner_kw: Any) -> None:
+        from shards.runner import even_cuts, open_chain
 
         self.manifest = manifest
         self.model_dir = Path(model_dir)
-        self.tokenizer = Tokenizer.from_model_dir(model_dir)
-        self.runners = open_chain(model_dir, list(cuts or [(0, manifest.n_layers - 1)]), **runner_kw)
+        if cuts is None:
+            cuts = even_cuts(manifest.n_layers, parts or min(os.cpu_count() or 1, MAX_LOAD_PARTS))
+        with ThreadPoolExecutor(1, thread_name_prefix="ncm-tokenizer") as pool:
+            tokenizer = pool.submit(Tokenizer.from_model_dir, self.model_dir)
+            self.runners = open_chain(self.model_dir, list(cuts), **runner_kw)
+            try:
+                self.tokenizer = tokenizer.result()
+            except BaseException:
+                self.close()
+                raise
 
     @classmethod
     def open(cls, name: str, store: ModelStore | None = None, **kw: Any) -> LocalModel:

@@ -70,6 +70,15 @@ def converter_python() -> str:
                                f"with rknn-toolkit2 (`./dev test` makes {sibling.parent.parent.name})")
 
 
+def has_converter() -> bool:
+    """Whether :func:`converter_python` finds the converter's environment."""
+    try:
+        converter_python()
+    except RknnUnavailableError:
+        return False
+    return True
+
+
 def _check_target(target: str) -> str:
     if target not in TARGETS:
         raise RknnUnavailableError(f"RKNN target {target!r} is not one ncm converts for ({', '.join(TARGETS)})")

@@ -11,6 +11,7 @@ import json
 import logging
 import threading
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor, wait
 from pathlib import Path
 from typing import Any
 
@@ -117,14 +118,17 @@ class OrtFragmentRunner(FragmentRunner):
     The fused flavours keep each session as a row of a :class:`~shards.kv_pool.KvPool` that
     each step writes into in place, and run the decode steps of several sessions as one batch
     (:meth:`forward_batch`). On GPU providers the KV cache stays on the device, bound with
-    IOBinding (``io_binding`` forces that on or off).
+    IOBinding (``io_binding`` forces that on or off). ``spinning`` lets onnxruntime's threads
+    spin (None: its default); ``spin_after_run=False`` stops them when a run returns, for
+    runners that run one after another in one process.
     """
 
     def __init__(self, model_dir: Path, first_layer: int, last_layer: int, *,
                  providers: Sequence[str] | None = None, backends: Sequence[Backend] | None = None,
                  threads: int | None = None, flavour: str | None = None, max_context: int | None = None,
                  prefill_chunk: int | None = None, cache_dir: Path | None = None,
-                 io_binding: bool | None = None, spinning: bool | None = None) -> None:
+                 io_binding: bool | None = None, spinning: bool | None = None,
+                 spin_after_run: bool = True) -> None:
         import onnxruntime as ort
 
         self.model_dir = Path(model_dir)
@@ -140,6 +144,8 @@ class OrtFragmentRunner(FragmentRunner):
             so.intra_op_num_threads = int(threads)
         if spinning is not None:  # None: onnxruntime's default (its threads spin between runs)
             so.add_session_config_entry("session.intra_op.allow_spinning", "1" if spinning else "0")
+        if not spin_after_run:  # threads spin within a run only: the next runner gets the cores
+            so.add_session_config_entry("session.force_spinning_stop", "1")
         so.log_severity_level = 3
         failures: list[str] = []
         for backend in backends:
@@ -375,8 +381,24 @@ class OrtFragmentRunner(FragmentRunner):
         return pieces[0] if len(pieces) == 1 else np.concatenate(pieces, axis=1)
 
 
+def even_cuts(n_layers: int, parts: int) -> list[tuple[int, int]]:
+    """``parts`` contiguous ranges tiling layers 0..n_layers-1, sizes differing by one at most."""
+    if n_layers < 1 or parts < 1:
+        raise RunnerError(f"cannot cut {n_layers} layers into {parts} parts")
+    parts = min(parts, n_layers)
+    bounds = [n_layers * i // parts for i in range(parts + 1)]
+    return [(bounds[i], bounds[i + 1] - 1) for i in range(parts)]
+
+
 def open_chain(model_dir: Path, cuts: list[tuple[int, int]], **kw: Any) -> list[FragmentRunner]:
-    """One OrtFragmentRunner per (first, last) range; the ranges must tile all layers in order."""
+    """One OrtFragmentRunner per (first, last) range; the ranges must tile all layers in order.
+
+    The runners open side by side, one thread each: onnxruntime repacks a session's quantized
+    weights on one core, so a model cut in N ranges loads up to N times faster on N cores.
+    If one cannot open, those that did are closed and its error is raised. Several runners
+    stop their threads' spinning after each run (unless ``spin_after_run`` says otherwise):
+    each one's idle threads would otherwise take the cores from the next in the chain.
+    """
     m = load_manifest(Path(model_dir))
     expect = 0
     for a, b in cuts:
@@ -385,7 +407,19 @@ def open_chain(model_dir: Path, cuts: list[tuple[int, int]], **kw: Any) -> list[
         expect = b + 1
     if expect != m.n_layers:
         raise RunnerError(f"cuts {cuts} do not cover layers 0..{m.n_layers - 1}")
-    return [OrtFragmentRunner(model_dir, a, b, **kw) for a, b in cuts]
+    if len(cuts) == 1:
+        return [OrtFragmentRunner(model_dir, *cuts[0], **kw)]
+    kw.setdefault("spin_after_run", False)
+    with ThreadPoolExecutor(len(cuts), thread_name_prefix="ncm-open") as pool:
+        futures = [pool.submit(OrtFragmentRunner, model_dir, a, b, **kw) for a, b in cuts]
+        wait(futures)
+    failed = [f.exception() for f in futures if f.exception() is not None]
+    if failed:
+        for f in futures:
+            if f.exception() is None:
+                f.result().close()
+        raise failed[0]
+    return [f.result() for f in futures]
 
 
 def chain_forward(runners: Sequence[FragmentRunner], session_id: str, token_ids: np.ndarray) -> np.ndarray:

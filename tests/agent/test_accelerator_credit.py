@@ -24,7 +24,7 @@ import pytest
 from agent import membership
 from agent.core.npu_table import npu_tops_for
 from agent.probe import detect_capacity
-from shards.rknn import RknnUnavailableError, converter_python
+from shards.rknn import has_converter
 from tests.agent.inprocess import LocalAgent, call, eventually
 from tests.agent.tiny import TINY, tiny_cluster
 
@@ -92,16 +92,8 @@ def test_the_operators_word_for_the_same_tops_gives_the_npu_node_the_larger_shar
     run_cluster(tmp_path, [MEMORY[0], {**MEMORY[1], "npu_tops": TABLE_TOPS}], check)
 
 
-def _has_converter() -> bool:
-    try:
-        converter_python()
-    except RknnUnavailableError:
-        return False
-    return True
-
-
 @pytest.mark.slow
-@pytest.mark.skipif(not _has_converter(), reason="no RKNN converter environment (rknn-toolkit2): "
+@pytest.mark.skipif(not has_converter(), reason="no RKNN converter environment (rknn-toolkit2): "
                                                  "`./dev test` makes .venv-rknn")
 def test_an_npu_backend_is_credited_what_it_measured_and_runs_the_nodes_fragment(tmp_path, node_1_on_an_rk3588):
     async def check(orchestrator: LocalAgent, agents: dict[str, LocalAgent]) -> None:
