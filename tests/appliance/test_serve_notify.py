@@ -19,6 +19,7 @@ import pytest
 from tests.appliance.vm import free_port, http_json
 
 REPO = Path(__file__).resolve().parents[2]
+pytestmark = pytest.mark.slow  # a real `ncm serve` process each: the end-to-end layer
 
 
 def _receive_until(sock: socket.socket, wanted: str, deadline_s: float, seen: list[dict[str, str]]) -> dict[str, str]:
