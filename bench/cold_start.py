@@ -131,6 +131,8 @@ def main(argv: list[str] | None = None) -> int:
     for _ in range(args.rounds):
         for engine, argv_ in engines.items():
             best[engine] = min(best.get(engine, float("inf")), first_output_s(argv_, env))
+    if "llama.cpp" in engines:
+        os.unlink(engines["llama.cpp"][1])  # the script written above
 
     spawned = time.time()
     walk = subprocess.run([sys.executable, "-c", PHASES_SCRIPT, str(spawned), str(home), name, str(args.threads),

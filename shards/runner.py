@@ -11,7 +11,7 @@ import json
 import logging
 import threading
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor, wait
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -410,15 +410,15 @@ def open_chain(model_dir: Path, cuts: list[tuple[int, int]], **kw: Any) -> list[
     if len(cuts) == 1:
         return [OrtFragmentRunner(model_dir, *cuts[0], **kw)]
     kw.setdefault("spin_after_run", False)
-    with ThreadPoolExecutor(len(cuts), thread_name_prefix="ncm-open") as pool:
+    with ThreadPoolExecutor(len(cuts), thread_name_prefix="ncm-open") as pool:  # waits for all
         futures = [pool.submit(OrtFragmentRunner, model_dir, a, b, **kw) for a, b in cuts]
-        wait(futures)
-    failed = [f.exception() for f in futures if f.exception() is not None]
-    if failed:
-        for f in futures:
-            if f.exception() is None:
-                f.result().close()
-        raise failed[0]
+    errors = [f.exception() for f in futures]
+    failed = next((e for e in errors if e is not None), None)
+    if failed is not None:
+        for future, error in zip(futures, errors):
+            if error is None:
+                future.result().close()
+        raise failed
     return [f.result() for f in futures]
 
 
