@@ -81,7 +81,7 @@ def run_batch(runner: FragmentRunner, steps: list[tuple[str, int, np.ndarray]]) 
     for index in ready:
         sid, _, x = steps[index]
         try:
-            results[index] = runner.forward(sid, x)
+            results[index] = runner.forward(sid, x, last_only=True)  # a tail's step samples its last row
         except (StageError, ShardsError) as error:
             results[index] = error
     return results  # type: ignore[return-value]

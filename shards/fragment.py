@@ -56,7 +56,7 @@ from shards.verify import verify_weight_files
 
 log = logging.getLogger(__name__)
 FUSED_FLAVOURS = ("cpu", "gpu")  # GroupQueryAttention, the KV pool, batches of rows
-BUILDER_VERSION = 12
+BUILDER_VERSION = 13
 IR_VERSION = 8  # of every fragment written (onnx.ModelProto.ir_version)
 ONNX_FILE = "fragment.onnx"
 FRAGMENTS_DIR = "fragments"  # the default cache, inside the model's directory

@@ -393,10 +393,15 @@ class _Builder:
         if tail:
             h = self._load("head")
             normed, _ = self.add_rms(pending, residual, h["norm"], "final_norm")
+            if fused:  # logits for positions logits_from.. only: a prompt's sampling needs its last row
+                inputs.append(helper.make_tensor_value_info("logits_from", TensorProto.INT64, [1]))
+                normed = g.op1("Slice", [normed, "logits_from", g.const("int64_max", np.array([2**63 - 1], np.int64)),
+                                         g.const("one_ax", np.array([1], np.int64))])
             logits = self.linear(normed, h, ["lm_head"], "lm_head")
             g.op("Identity" if self.elem == TensorProto.FLOAT else "Cast", [logits], out=["logits"],
                  **({} if self.elem == TensorProto.FLOAT else {"to": TensorProto.FLOAT}))
-            outputs.insert(0, helper.make_tensor_value_info("logits", TensorProto.FLOAT, [b_dim, t_dim, m.vocab_size]))
+            rows: int | str = "L" if fused else t_dim
+            outputs.insert(0, helper.make_tensor_value_info("logits", TensorProto.FLOAT, [b_dim, rows, m.vocab_size]))
         else:
             g.op("Add", [self.residual_precision(pending), residual], out=["hidden_states_out"])
             outputs.insert(0, helper.make_tensor_value_info("hidden_states_out", TensorProto.FLOAT,

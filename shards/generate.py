@@ -202,7 +202,7 @@ def prefill(runners: Sequence[FragmentRunner], session_id: str, prompt_ids: np.n
     logits = None
     for start in range(0, len(prompt_ids), chunk_tokens):
         chunk = prompt_ids[start:start + chunk_tokens].reshape(1, -1)
-        logits = chain_forward(runners, session_id, chunk)
+        logits = chain_forward(runners, session_id, chunk, last_only=True)
     return np.asarray(logits)[0, -1]
 
 
@@ -210,7 +210,7 @@ def decode_step(runners: Sequence[FragmentRunner], session_id: str, token_id: in
     """Run one new token through the chain; returns its logits row."""
     from shards.runner import chain_forward
 
-    logits = chain_forward(runners, session_id, np.array([[token_id]], dtype=np.int64))
+    logits = chain_forward(runners, session_id, np.array([[token_id]], dtype=np.int64), last_only=True)
     return np.asarray(logits)[0, -1]
 
 

@@ -49,9 +49,11 @@ class FragmentRunner(abc.ABC):
         """Start an empty KV cache for ``session_id`` (RunnerError if it is already open)."""
 
     @abc.abstractmethod
-    def forward(self, session_id: str, x: np.ndarray) -> np.ndarray:
+    def forward(self, session_id: str, x: np.ndarray, *, last_only: bool = False) -> np.ndarray:
         """Run ``x`` (token ids [1, T] at the head, hidden states [1, T, hidden] elsewhere),
-        append its T positions to the session's cache; return logits or hidden states."""
+        append its T positions to the session's cache; return logits or hidden states. A tail
+        with ``last_only`` returns the last position's logits alone ([1, 1, vocab]): what
+        sampling needs, without the output layer's product for the other T - 1 rows."""
 
     def forward_batch(self, session_ids: Sequence[str], x: np.ndarray) -> np.ndarray:
         """One decode step of several sessions: row i of ``x`` ([B, 1] token ids or [B, 1,
@@ -280,7 +282,7 @@ class OrtFragmentRunner(FragmentRunner):
             raise RunnerError(f"fragment wants float32 hidden states [{rows}, T, {h}], got {x.dtype} {x.shape}")
         return x
 
-    def forward(self, session_id: str, x: np.ndarray) -> np.ndarray:
+    def forward(self, session_id: str, x: np.ndarray, *, last_only: bool = False) -> np.ndarray:
         with self._lock:
             if self._sess is None:
                 raise RunnerError("runner is closed")
@@ -289,18 +291,22 @@ class OrtFragmentRunner(FragmentRunner):
             t = x.shape[1]
             if s.length + t > self.max_context:
                 raise RunnerError(f"context overflow: {s.length} + {t} positions > max_context {self.max_context}")
-            if self.flavour == "static":
-                return self._forward_static(s, x)
-            if self._pool is not None:
-                return self._forward_rows([session_id], x)
-            if self._io_device is not None:
-                return self._forward_bound(s, x)
-            feeds: dict[str, Any] = {self._in_name: x, **s.kv}
-            outs = self._sess.run(self._out_names, feeds)
-            for name, val in zip(self._out_names[1:], outs[1:]):
-                s.kv[name.replace("present_", "past_")] = val
-            s.length += t
-            return outs[0]
+            if self._pool is not None:  # the fused graph computes the logits of the rows asked for
+                return self._forward_rows([session_id], x, t - 1 if last_only else 0)
+            out = self._forward_unpooled(s, x)
+            return out[:, -1:] if last_only and self.is_tail else out
+
+    def _forward_unpooled(self, s: _Session, x: np.ndarray) -> np.ndarray:
+        if self.flavour == "static":
+            return self._forward_static(s, x)
+        if self._io_device is not None:
+            return self._forward_bound(s, x)
+        feeds: dict[str, Any] = {self._in_name: x, **s.kv}
+        outs = self._sess.run(self._out_names, feeds)
+        for name, val in zip(self._out_names[1:], outs[1:]):
+            s.kv[name.replace("present_", "past_")] = val
+        s.length += x.shape[1]
+        return outs[0]
 
     def forward_batch(self, session_ids: Sequence[str], x: np.ndarray) -> np.ndarray:
         if self._pool is None:
@@ -318,11 +324,12 @@ class OrtFragmentRunner(FragmentRunner):
                     raise RunnerError(f"context overflow: session {sid!r} holds max_context {self.max_context}")
             return self._forward_rows(session_ids, x)
 
-    def _forward_rows(self, session_ids: Sequence[str], x: np.ndarray) -> np.ndarray:
+    def _forward_rows(self, session_ids: Sequence[str], x: np.ndarray, logits_from: int = 0) -> np.ndarray:
         """Run row i of ``x`` for ``session_ids[i]`` over the consecutive pool rows that hold
         them; the rows between that are not in the batch get a dummy input at their own next
         position (their next step overwrites it). A fused flavour's present is bound to its
-        past, so the run writes the new positions into the pool in place."""
+        past, so the run writes the new positions into the pool in place. A tail returns the
+        logits of positions ``logits_from`` on."""
         pool, t = self._pool, x.shape[1]
         assert pool is not None
         first, end = pool.span(session_ids)
@@ -340,6 +347,8 @@ class OrtFragmentRunner(FragmentRunner):
         io = pool.binding(self._sess, first, end, self._out_names[0])
         io.bind_cpu_input(self._in_name, feed)
         io.bind_cpu_input("past_length", lengths)
+        if self.is_tail:
+            io.bind_cpu_input("logits_from", np.array([logits_from], np.int64))
         self._sess.run_with_iobinding(io)
         for sid in session_ids:
             self._sessions[sid].length += t
@@ -422,13 +431,15 @@ def open_chain(model_dir: Path, cuts: list[tuple[int, int]], **kw: Any) -> list[
     return [f.result() for f in futures]
 
 
-def chain_forward(runners: Sequence[FragmentRunner], session_id: str, token_ids: np.ndarray) -> np.ndarray:
-    """Run token ids through a chain (opening the session where needed); returns logits [1, T, vocab]."""
+def chain_forward(runners: Sequence[FragmentRunner], session_id: str, token_ids: np.ndarray, *,
+                  last_only: bool = False) -> np.ndarray:
+    """Run token ids through a chain (opening the session where needed); returns logits
+    [1, T, vocab] (with ``last_only``, [1, 1, vocab]: the last position's)."""
     x = np.asarray(token_ids, dtype=np.int64)
     if x.ndim == 1:
         x = x[None, :]
     for r in runners:
         if session_id not in r.sessions():
             r.open_session(session_id)
-        x = r.forward(session_id, x)
+        x = r.forward(session_id, x, last_only=last_only)
     return x

@@ -57,16 +57,17 @@ def test_waiting_decode_steps_run_as_one_batch_with_each_sessions_output(model_d
     assert isinstance(outputs[-1], StageError) and outputs[-1].code == "session_out_of_sync"
     alone.close_session("s0")
     alone.open_session("s0")
-    np.testing.assert_allclose(outputs[5], alone.forward("s0", starts[0]), atol=1e-4, rtol=0)
+    # a tail's step gives the logits its sampling reads: the last position's
+    np.testing.assert_allclose(outputs[5], alone.forward("s0", starts[0])[:, -1:], atol=1e-4, rtol=0)
     assert runner.session_length("s0") == starts[0].shape[1]
 
 
 class SlowDevice(OrtFragmentRunner):
     """The tiny fragment on a device that takes 20 ms a call (a 1B-class model's decode)."""
 
-    def forward(self, session_id, x):
+    def forward(self, session_id, x, *, last_only=False):
         time.sleep(0.02)
-        return super().forward(session_id, x)
+        return super().forward(session_id, x, last_only=last_only)
 
     def forward_batch(self, session_ids, x):
         time.sleep(0.02)

@@ -58,6 +58,25 @@ def test_decoding_across_doublings_gives_the_portable_flavours_logits(model_dir,
     assert in_place.memory_bytes() == base
 
 
+@pytest.mark.parametrize("flavour", ["cpu", "portable"])
+def test_a_tail_asked_for_the_last_row_gives_the_last_row_of_all_of_them(model_dir, tmp_path, flavour) -> None:
+    runner = OrtFragmentRunner(model_dir, 0, 2, threads=1, flavour=flavour, cache_dir=tmp_path)
+    ids = np.random.default_rng(5).integers(3, 90, size=(1, 12))
+    for sid in ("all", "last"):
+        runner.open_session(sid)
+    full = runner.forward("all", ids[:, :9])
+    last = runner.forward("last", ids[:, :9], last_only=True)
+    assert full.shape[:2] == (1, 9) and last.shape == (1, 1, full.shape[2])
+    np.testing.assert_allclose(last[:, 0], full[:, -1], atol=1e-5, rtol=0)
+    # the cache holds all 9 positions either way: the next steps agree row for row
+    np.testing.assert_allclose(runner.forward("last", ids[:, 9:], last_only=True), runner.forward("all", ids[:, 9:])[:, -1:],
+                               atol=1e-5, rtol=0)
+    assert runner.session_length("last") == runner.session_length("all") == 12
+    hidden = OrtFragmentRunner(model_dir, 0, 1, threads=1, flavour=flavour, cache_dir=tmp_path)
+    hidden.open_session("s")
+    assert hidden.forward("s", ids, last_only=True).shape == (1, 12, 64)  # not a tail: every row goes on
+
+
 def test_a_decode_step_writes_into_the_same_buffer(model_dir, tmp_path) -> None:
     runner = OrtFragmentRunner(model_dir, 1, 2, threads=1, cache_dir=tmp_path)
     runner.open_session("s")
