@@ -19,10 +19,11 @@ from agent.core.orders import RoutingOrder
 from agent.core.threads import ThreadPlan, thread_plan
 from agent.peer_client import PeerClient
 from agent.weights import WeightTransferError, ensure_model_files
+from shards.backends import backend_chain, detect_platform
 from shards.errors import CorruptWeightsError
 from shards.fragment import prune_blobs
 from shards.manifest import Manifest
-from shards.runner import FragmentRunner, OrtFragmentRunner
+from shards.runner import MAX_LOAD_PARTS, FragmentRunner, open_range
 from shards.store import ModelStore
 from shards.verify import discard
 
@@ -121,8 +122,8 @@ class FragmentCache:
                      "not spinning" if not plan.spinning else
                      "spinning between runs" if plan.spin_after_run else "spinning within a run only", plan.reason)
             self.thread_plan = plan
-        return OrtFragmentRunner(
-            model_dir, key.first_layer, key.last_layer,
+        return open_range(
+            model_dir, key.first_layer, key.last_layer, self._load_parts(plan),
             providers=list(self.config.providers) or None,
             threads=plan.threads,
             spinning=plan.spinning,
@@ -130,6 +131,15 @@ class FragmentCache:
             max_context=key.max_context,
             prefill_chunk=key.prefill_chunk,
         )
+
+    def _load_parts(self, plan: ThreadPlan) -> int:
+        """How many runners a range opens as, side by side: on the CPU provider, one per core
+        this agent computes on (onnxruntime repacks a session's weights on one core), at most
+        MAX_LOAD_PARTS; an accelerator's range stays one session."""
+        best = backend_chain(detect_platform(), self.config.providers)[0]
+        if not best or best[0].kind != "cpu":
+            return 1
+        return max(1, min(plan.threads or os.cpu_count() or 1, MAX_LOAD_PARTS))
 
     async def drop_faulty(self, key: RunnerKey) -> None:
         """A fragment that computes NaN or Inf is closed and its build deleted: the next order
@@ -139,10 +149,11 @@ class FragmentCache:
             return
         log.error("fragment %d-%d of %s computed NaN or Inf: dropped, with its build",
                   key.first_layer, key.last_layer, key.model)
-        build = getattr(runner, "path", None)
+        builds = [getattr(part, "path", None) for part in getattr(runner, "parts", [runner])]
         runner.close()
-        if isinstance(build, Path):
-            await asyncio.to_thread(_delete_build, build.parent)
+        for build in builds:
+            if isinstance(build, Path):
+                await asyncio.to_thread(_delete_build, build.parent)
 
     def free_session(self, sid: str) -> None:
         """Free the KV cache of session ``sid`` on every runner that holds one."""

@@ -1,10 +1,12 @@
 """Decode speed of the default model on 1 agent and on 3 agents on loopback, from one run.
 
-    python bench/cluster.py [--tokens 96] [--threads 1] [--spin auto|on|off]
+    python bench/cluster.py [--tokens 96] [--threads 1] [--spin auto|on|off] [--rounds 3]
     python bench/cluster.py --streams 8 [--shape llama-1b] [--nodes 1,3]
     python bench/cluster.py --delays 0,1,2,5
 
-Prints decode tokens/s for each cluster size, their ratio (aim >= 0.9), the per-hop overhead
+Both clusters serve side by side and take turns (``--rounds`` streams each, the best kept), so
+a busy moment of a shared machine does not land on one of them alone. Prints decode tokens/s
+for each cluster size, their ratio (aim >= 0.9), the per-hop overhead
 derived from the two (extra time per token / extra network hops per token), and the raw
 round trip of one data-plane hop (a decode-size hidden state over a WebSocket on loopback).
 
@@ -27,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import socket
 import sys
@@ -177,8 +180,10 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def measure(nodes: int, port: int, tokens: int, threads: int, spin: str = "auto", delay_ms: float | None = None) -> dict:
-    """Decode speed of one stream on ``nodes`` agents; with ``delay_ms``, behind a SimulatedLan."""
+@contextlib.contextmanager
+def serving(nodes: int, port: int, threads: int, spin: str = "auto", delay_ms: float | None = None):
+    """``nodes`` agents serving the default model on loopback (with ``delay_ms``, behind a
+    SimulatedLan); yields their status once ready."""
     node_env, lan = None, None
     if delay_ms is not None:
         fronts = [(free_port(), free_port()) for _ in range(nodes)]
@@ -189,17 +194,25 @@ def measure(nodes: int, port: int, tokens: int, threads: int, spin: str = "auto"
                                         log_dir=Path(base) / "logs", node_env=node_env)
         try:
             status = wait_ready(f"http://127.0.0.1:{port}", processes, 600)
-            url = f"http://127.0.0.1:{port}"
-            stream_timings(url, 8)  # warm-up
-            count, seconds = stream_timings(url, tokens)
-            hops = len(status["route"]) - 1 + (status["orchestrator"] != status["route"][0]["node"])
-            back = int(status["orchestrator"] != status["route"][-1]["node"])  # the tail's result to the orchestrator
-            return {"nodes": nodes, "tokens": count, "tok_per_s": (count - 1) / seconds,
-                    "ms_per_token": 1000 * seconds / (count - 1), "hops": hops, "back": back}
+            stream_timings(f"http://127.0.0.1:{port}", 8)  # warm-up
+            yield status
         finally:
             stop_processes(processes)
             if lan is not None:
                 lan.close()
+
+
+def measure(status: dict, port: int, tokens: int) -> dict:
+    """Decode speed of one stream on the cluster ``status`` describes (serving on ``port``)."""
+    count, seconds = stream_timings(f"http://127.0.0.1:{port}", tokens)
+    hops = len(status["route"]) - 1 + (status["orchestrator"] != status["route"][0]["node"])
+    back = int(status["orchestrator"] != status["route"][-1]["node"])  # the tail's result to the orchestrator
+    return {"nodes": len(status["nodes_alive"]), "tokens": count, "tok_per_s": (count - 1) / seconds,
+            "ms_per_token": 1000 * seconds / (count - 1), "hops": hops, "back": back}
+
+
+def faster(old: dict | None, new: dict) -> dict:
+    return new if old is None or new["tok_per_s"] > old["tok_per_s"] else old
 
 
 async def hop_round_trip_ms(rounds: int = 2000, *, tls: bool) -> float:
@@ -254,6 +267,7 @@ def main() -> None:
     parser.add_argument("--spin", choices=("auto", "on", "off"), default="auto",
                         help="the agents' spin setting (auto: within a run only when agents share the host, as here)")
     parser.add_argument("--port", type=int, default=18600)
+    parser.add_argument("--rounds", type=int, default=3, help="streams per cluster size, taking turns; the best is kept")
     parser.add_argument("--streams", type=int, default=0, help="measure this many concurrent streams instead")
     parser.add_argument("--shape", help="with --streams: serve the random-weight model of this shape")
     parser.add_argument("--nodes", default="1,3", help="with --streams: the cluster sizes (comma separated)")
@@ -261,8 +275,10 @@ def main() -> None:
     args = parser.parse_args()
     if args.delays:
         _ensure_model("smollm2-135m")
-        rows = [measure(3, args.port + 10 * i, args.tokens, args.threads, args.spin, float(d))
-                for i, d in enumerate(args.delays.split(","))]
+        rows = []
+        for i, d in enumerate(args.delays.split(",")):
+            with serving(3, args.port + 10 * i, args.threads, args.spin, float(d)) as status:
+                rows.append(measure(status, args.port + 10 * i, args.tokens))
         base = rows[0]
         for d, row in zip(args.delays.split(","), rows):
             once = base["ms_per_token"] + (row["hops"] + row["back"]) * float(d)
@@ -284,8 +300,15 @@ def main() -> None:
                   + ", ".join(f"{b['calls']}/{b['steps']}" for b in row["batches"] if b))
         return
     _ensure_model("smollm2-135m")
-    one = measure(1, args.port, args.tokens, args.threads, args.spin)
-    three = measure(3, args.port + 10, args.tokens, args.threads, args.spin)
+    # Both clusters at once (an idle agent costs nothing), measured in turns, the best of each
+    # kept: a busy moment of this shared machine then hits both rather than one.
+    one = three = None
+    with serving(1, args.port, args.threads, args.spin) as status_one, \
+            serving(3, args.port + 10, args.threads, args.spin) as status_three:
+        for _ in range(args.rounds):
+            one = faster(one, measure(status_one, args.port, args.tokens))
+            three = faster(three, measure(status_three, args.port + 10, args.tokens))
+    assert one is not None and three is not None
     for row in (one, three):
         print(f"{row['nodes']} agent(s): {row['tok_per_s']:6.1f} tok/s  ({row['ms_per_token']:.2f} ms/token, "
               f"{row['tokens']} tokens, {row['hops']} network hop(s) per token)")

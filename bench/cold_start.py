@@ -13,8 +13,14 @@ while the layers, cut in one range per core, open as onnxruntime sessions side b
 sessions repack the 4-bit weights, one core each), the prompt, prefill and first token, and
 the chat template that ``ncm generate`` without ``--raw`` adds.
 
+With ``--agent``: one ``ncm serve`` agent started on the same model (its store holds it, the
+fragments are built): seconds from the spawn until it serves (membership, the plan, the model's
+load: its range opens in one part per core), and from then the first token of a streamed
+request.
+
     python bench/cold_start.py                      # the default model (SmolLM2-135M, q4)
     python bench/cold_start.py --shape llama-1b     # the random-weight Llama-3.2-1B shape (Q4_0)
+    python bench/cold_start.py --shape llama-1b --agent
 """
 
 from __future__ import annotations
@@ -86,6 +92,44 @@ def first_output_s(argv: list[str], env: dict[str, str] | None = None) -> float:
     return elapsed
 
 
+def agent_start(name: str, home: Path, threads: int, port: int = 18650) -> tuple[float, float]:
+    """(seconds from spawning one agent until it serves ``name``, seconds from a streamed
+    request to its first token); the fragment is built by a first start, not counted."""
+    import urllib.error
+    import urllib.request
+
+    from agent.demo import start_local_cluster, stop_processes, wait_ready
+
+    url = f"http://127.0.0.1:{port}"
+    body = json.dumps({"model": name, "prompt": PROMPT, "max_tokens": 1, "temperature": 0, "stream": True}).encode()
+    timings = []
+    for _ in range(2):  # the first start builds the fragments
+        with tempfile.TemporaryDirectory(prefix="ncm-bench-") as base:
+            started = time.perf_counter()
+            processes = start_local_cluster(1, port, Path(base), name, env={"NCM_THREADS": str(threads)},
+                                            node_env=[{"NCM_HOME": str(home)}], log_dir=Path(base) / "logs")
+            try:
+                while True:  # polled more often than wait_ready does
+                    try:
+                        with urllib.request.urlopen(url + "/cluster/status", timeout=5) as response:
+                            if json.loads(response.read()).get("state") == "ok":
+                                break
+                    except (urllib.error.URLError, ConnectionError):
+                        pass
+                    if time.perf_counter() - started > 600:
+                        wait_ready(url, processes, 1)  # raises with the cluster's own message
+                    time.sleep(0.02)
+                ready = time.perf_counter()
+                request = urllib.request.Request(url + "/v1/completions", data=body,
+                                                 headers={"Content-Type": "application/json"})
+                with urllib.request.urlopen(request, timeout=600) as response:
+                    next(line for line in response if line.startswith(b"data: {"))
+                timings.append((ready - started, time.perf_counter() - ready))
+            finally:
+                stop_processes(processes)
+    return timings[-1]
+
+
 def model_store(args: argparse.Namespace) -> tuple[str, Path, Path]:
     """(model name, store root, GGUF path): the bench model imported once into the bench cache."""
     from bench.model_shapes import cache_dir, default_tokenizer_gguf, shape_gguf
@@ -108,9 +152,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--shape", help="a random-weight GGUF of this shape (bench/model_shapes.py)")
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     parser.add_argument("--rounds", type=int, default=3, help="starts per engine, best kept (default 3)")
+    parser.add_argument("--agent", action="store_true", help="also time an agent's start and its first token")
     args = parser.parse_args(argv)
 
     name, home, gguf_path = model_store(args)
+    agent = agent_start(name, home, args.threads) if args.agent else None
     ncm = shutil.which("ncm", path=str(Path(sys.executable).parent)) or shutil.which("ncm")
     if ncm is None:
         raise SystemExit("the ncm command is not installed (pip install -e .)")
@@ -147,6 +193,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  {engine:<14} {seconds:6.2f} s")
     if "llama.cpp" in best:
         print(f"  ratio ncm / llama.cpp: {best['ncm generate'] / best['llama.cpp']:.2f}")
+    if agent is not None:
+        print(f"  ncm serve: serving {agent[0]:.2f} s after the spawn, then the first token of a request "
+              f"in {agent[1]:.2f} s")
     print(f"where ncm's goes ({phases['prompt_tokens']} prompt tokens):")
     for step, seconds in phases["steps"]:
         print(f"  {step:<32} {seconds:6.3f} s")

@@ -39,7 +39,6 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 DEFAULT_PREFILL_CHUNK_TOKENS = 256
-MAX_LOAD_PARTS = 4  # LocalModel opens at most this many fragments side by side (one per core)
 FINISH_STOP = "stop"
 FINISH_LENGTH = "length"
 
@@ -296,14 +295,14 @@ class LocalModel:
     """A stored model opened on this machine as one chain of runners, plus its tokenizer.
 
     Without ``cuts`` the layers are cut into ``parts`` even ranges (default: one per core, at
-    most :data:`MAX_LOAD_PARTS`) that open side by side (:func:`~shards.runner.open_chain`),
+    most :data:`~shards.runner.MAX_LOAD_PARTS`) that open side by side (:func:`~shards.runner.open_chain`),
     while the tokenizer loads on a thread of its own: the time to a first token is the
     slowest of them, not their sum.
     """
 
     def __init__(self, model_dir: Path, manifest: Manifest, *, cuts: Sequence[tuple[int, int]] | None = None,
                  parts: int | None = None, **runner_kw: Any) -> None:
-        from shards.runner import even_cuts, open_chain
+        from shards.runner import MAX_LOAD_PARTS, even_cuts, open_chain
 
         self.manifest = manifest
         self.model_dir = Path(model_dir)

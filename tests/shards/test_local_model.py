@@ -1,10 +1,12 @@
 """A model opened on one machine: its layers cut in ranges that open side by side, the
-tokenizer loading meanwhile, and the same text whatever the cut."""
+tokenizer loading meanwhile, and the same text whatever the cut; a range served as a chain
+of such runners (what an agent opens on the CPU) gives what one runner gives."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -13,7 +15,7 @@ from fragment_helpers import write_tiny_checkpoint
 from shards.errors import CorruptWeightsError, RunnerError
 from shards.generate import LocalModel, prompt_ids_for
 from shards.importer import import_model
-from shards.runner import even_cuts, open_chain
+from shards.runner import RunnerChain, even_cuts, open_chain, open_range
 from shards.sampling import SamplingParams
 from shards.store import ModelStore
 
@@ -22,9 +24,9 @@ LAYERS = 5
 
 @given(n_layers=st.integers(1, 64), parts=st.integers(1, 70))
 def test_even_cuts_tile_the_layers_in_ranges_that_differ_by_one_at_most(n_layers: int, parts: int) -> None:
-    cuts = even_cuts(n_layers, parts)
+    cuts = even_cuts(n_layers, parts, first_layer=7)
     assert len(cuts) == min(parts, n_layers)
-    assert cuts[0][0] == 0 and cuts[-1][1] == n_layers - 1
+    assert cuts[0][0] == 7 and cuts[-1][1] == 7 + n_layers - 1
     assert all(b + 1 == a for (_, b), (a, _) in zip(cuts, cuts[1:]))
     sizes = [b - a + 1 for a, b in cuts]
     assert min(sizes) >= 1 and max(sizes) - min(sizes) <= 1
@@ -66,3 +68,42 @@ def test_a_range_that_cannot_open_fails_the_chain_with_its_own_error(tmp_path: P
     layer.write_bytes(bytes(data))
     with pytest.raises(CorruptWeightsError):
         open_chain(model_dir, [(0, 1), (2, 3), (4, 4)], threads=1)
+
+
+def test_a_range_opened_in_parts_runs_as_one_runner(tmp_path: Path) -> None:
+    store = tiny_store(tmp_path)
+    model_dir = store.model_dir("tiny")
+    whole = open_range(model_dir, 1, 4, 1, threads=1)
+    chain = open_range(model_dir, 1, 4, 3, threads=1)
+    assert isinstance(chain, RunnerChain) and not isinstance(whole, RunnerChain)
+    assert [(p.first_layer, p.last_layer) for p in chain.parts] == [(1, 1), (2, 2), (3, 4)]
+    assert (chain.first_layer, chain.last_layer, chain.is_head, chain.is_tail) == (1, 4, False, True)
+    rng = np.random.default_rng(2)
+    prompts = {sid: rng.standard_normal((1, 3 + i, 64)).astype(np.float32) for i, sid in enumerate("abc")}
+    for sid, x in prompts.items():
+        for runner in (whole, chain):
+            runner.open_session(sid)
+        np.testing.assert_allclose(chain.forward(sid, x, last_only=True), whole.forward(sid, x, last_only=True),
+                                   atol=1e-5, rtol=0)
+    step = rng.standard_normal((3, 1, 64)).astype(np.float32)
+    np.testing.assert_allclose(chain.forward_batch(list("abc"), step), whole.forward_batch(list("abc"), step),
+                               atol=1e-5, rtol=0)
+    assert sorted(chain.sessions()) == ["a", "b", "c"] and chain.session_length("c") == 5 + 1
+    assert chain.memory_bytes() == sum(p.memory_bytes() for p in chain.parts)
+    chain.close_session("a")
+    assert all("a" not in p.sessions() for p in chain.parts)
+    with pytest.raises(RunnerError):
+        chain.close_session("a")
+
+
+def test_a_step_that_fails_past_the_first_part_closes_its_session_in_every_part(tmp_path: Path) -> None:
+    store = tiny_store(tmp_path)
+    chain = open_range(store.model_dir("tiny"), 0, 4, 2, threads=1)
+    chain.open_session("s")
+    chain.forward("s", np.array([[5, 6, 7]]))
+    chain.parts[1].close()  # the second part can no longer run: the first has run the step already
+    with pytest.raises(RunnerError, match="closed"):
+        chain.forward("s", np.array([[8]]))
+    assert "s" not in chain.parts[0].sessions()  # its cache is not left one position ahead
+    with pytest.raises(RunnerError):
+        chain.forward("s", np.array([[8]]))
