@@ -21,6 +21,7 @@ import functools
 import logging
 import socket
 import statistics
+import threading
 import time
 from typing import Any, Callable
 from urllib.parse import urlsplit
@@ -332,7 +333,11 @@ class Membership:
     async def run(self) -> None:
         """Self-test the accelerators, then rounds forever, every health_interval_s (cancelled
         by the owner)."""
-        self.accelerators = await asyncio.to_thread(find_accelerators, self.config.providers)
+        stop = threading.Event()
+        try:
+            self.accelerators = await asyncio.to_thread(find_accelerators, self.config.providers, stop)
+        finally:
+            stop.set()  # cancelled (the agent stops): the self-test ends at its next step, not its last
         log.info("backends: %s%s", ", ".join(c.backend for c in self.accelerators.usable),
                  "".join(f"; {name} unusable: {reason}" for name, reason in self.accelerators.unusable))
         if self.detected.npu_tops and "npu" not in self.accelerators.kinds and self.config.npu_tops is None:

@@ -6,6 +6,7 @@ import ctypes
 import functools
 import logging
 import os
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -120,9 +121,11 @@ class Accelerators:
 CPU_ONLY = Accelerators((), ())
 
 
-def find_accelerators(providers: tuple[str, ...] = ()) -> Accelerators:
+def find_accelerators(providers: tuple[str, ...] = (), stop: threading.Event | None = None) -> Accelerators:
     """Self-test and calibrate every backend of this machine: an onnxruntime session or two
-    each, so once at start and off the event loop."""
+    each, so once at start and off the event loop. Once ``stop`` is set it returns at its next
+    step with what it has (an agent told to stop meanwhile does not wait for the rest: on a
+    slow device that is many seconds)."""
     try:
         chain, unusable = backend_chain(detect_platform(), providers)
     except RunnerError as error:  # the configured providers are not here: the fragments will say so too
@@ -133,10 +136,12 @@ def find_accelerators(providers: tuple[str, ...] = ()) -> Accelerators:
         unusable_reasons = [(u.name, u.reason) for u in unusable]
     usable: list[Calibration] = []
     for backend in chain:
+        if stop is not None and stop.is_set():
+            break
         reason = self_test(backend)
         if reason is None:
             try:
-                usable.append(calibrate(backend))
+                usable.append(calibrate(backend, stop=stop))
                 continue
             except RunnerError as error:
                 reason = str(error)

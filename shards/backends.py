@@ -14,6 +14,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import lru_cache
@@ -295,9 +296,10 @@ CALIBRATION_SHAPE = (1024, 4096)
 CALIBRATION_CHUNK = 64
 
 
-def calibrate(backend: Backend, *, repeats: int = 5) -> Calibration:
+def calibrate(backend: Backend, *, repeats: int = 5, stop: threading.Event | None = None) -> Calibration:
     """Time the built-in block on ``backend``: best of ``repeats`` runs for one token and for a
-    prefill chunk (RunnerError if the backend cannot run it)."""
+    prefill chunk (RunnerError if the backend cannot run it, or once ``stop`` is set: the
+    caller no longer waits, and on a slow device the whole takes many seconds)."""
     import time
 
     import numpy as np
@@ -310,6 +312,8 @@ def calibrate(backend: Backend, *, repeats: int = 5) -> Calibration:
         session.run(None, {"x": x})  # first run: graph compilation and allocation
         best = float("inf")
         for _ in range(repeats):
+            if stop is not None and stop.is_set():
+                raise RunnerError(f"calibration of {backend.name} stopped")
             started = time.perf_counter()
             session.run(None, {"x": x})
             best = min(best, time.perf_counter() - started)

@@ -88,7 +88,7 @@ _calibrations: dict[tuple[str, ...], Accelerators] = {}
 _calibrating = threading.Lock()
 
 
-def calibrated_once(providers: tuple[str, ...] = ()) -> Accelerators:
+def calibrated_once(providers: tuple[str, ...] = (), stop: threading.Event | None = None) -> Accelerators:
     """:func:`agent.probe.find_accelerators` (the backends' self-test and calibration, a second or
     more on a small machine) run once per test process and providers: in-process agents are on one
     machine, so they may share its result. Opt in with :func:`share_calibration`."""

@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
+import threading
+
+import pytest
+
 from agent.probe import find_accelerators
+from shards.backends import CPU_BACKEND, calibrate
+from shards.errors import RunnerError
 
 
 def test_this_machine_has_a_self_tested_and_calibrated_cpu():
@@ -19,3 +25,12 @@ def test_configured_backends_that_are_missing_are_reported_not_fatal():
     assert [c.backend for c in found.usable] == ["cpu"]
     (name, reason), = found.unusable
     assert name == "providers" and "'qnn-htp' is not usable here" in reason
+
+
+def test_a_stopped_probe_returns_at_its_next_step():
+    stop = threading.Event()
+    stop.set()
+    found = find_accelerators(stop=stop)  # the agent stops before the self-test: none runs
+    assert found.usable == () and found.unusable == ()
+    with pytest.raises(RunnerError, match="stopped"):
+        calibrate(CPU_BACKEND, stop=stop)
