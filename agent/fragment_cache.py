@@ -149,11 +149,10 @@ class FragmentCache:
             return
         log.error("fragment %d-%d of %s computed NaN or Inf: dropped, with its build",
                   key.first_layer, key.last_layer, key.model)
-        builds = [getattr(part, "path", None) for part in getattr(runner, "parts", [runner])]
+        builds = runner.builds()
         runner.close()
         for build in builds:
-            if isinstance(build, Path):
-                await asyncio.to_thread(_delete_build, build.parent)
+            await asyncio.to_thread(_delete_build, build.parent)
 
     def free_session(self, sid: str) -> None:
         """Free the KV cache of session ``sid`` on every runner that holds one."""

@@ -10,7 +10,7 @@ import abc
 import json
 import logging
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -87,6 +87,10 @@ class FragmentRunner(abc.ABC):
     def describe(self) -> dict[str, Any]:
         """Where the fragment runs (backend, provider, kind, flavour) and what fell back."""
         return {"provider": self.provider}
+
+    def builds(self) -> list[Path]:
+        """The fragment files this runner opened (deleted when it computes garbage)."""
+        return []
 
 
 # The fused flavours' KV buffers grow by doubling, from at least this many positions.
@@ -204,6 +208,9 @@ class OrtFragmentRunner(FragmentRunner):
             # device or library); that is not the backend that was asked for.
             raise RunnerError(f"onnxruntime could not start {backend.provider} with {dict(backend.options)} "
                               f"(it fell back to {self.provider})")
+
+    def builds(self) -> list[Path]:
+        return [self.path]
 
     def describe(self) -> dict[str, Any]:
         """Where this fragment runs, and the backends that could not load it."""
@@ -476,7 +483,7 @@ class RunnerChain(FragmentRunner):
                 part.close_session(session_id)
             raise
 
-    def _through(self, session_ids: Sequence[str], run: Any) -> np.ndarray:
+    def _through(self, session_ids: Sequence[str], run: Callable[[FragmentRunner, Any], np.ndarray]) -> np.ndarray:
         x = None
         for index, part in enumerate(self.parts):
             try:
@@ -516,6 +523,9 @@ class RunnerChain(FragmentRunner):
     def close(self) -> None:
         for part in self.parts:
             part.close()
+
+    def builds(self) -> list[Path]:
+        return [path for part in self.parts for path in part.builds()]
 
     def describe(self) -> dict[str, Any]:
         return {**self.parts[0].describe(), "parts": [[p.first_layer, p.last_layer] for p in self.parts]}
