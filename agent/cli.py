@@ -6,19 +6,28 @@ import argparse
 import logging
 import sys
 
-from agent import __version__, commands, demo, firstboot, plan_command
+from agent import __version__
 from agent.core.errors import NcmError
 from shards import cli as shards_cli
 from shards.errors import ShardsError
 
 EXIT_USAGE = 2
+# Commands that run on this machine's model store alone: their parser is built without
+# importing the agent's service (a quarter of a second before `ncm generate`'s first token).
+STORE_COMMANDS = frozenset({"pull", "import", "generate"})
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The ``ncm`` parser; for one of :data:`STORE_COMMANDS` it may hold the model commands only."""
     parser = argparse.ArgumentParser(prog="ncm", description="Run language models across the devices you have at home.")
     parser.add_argument("--version", action="version", version=f"ncm {__version__}")
     parser.add_argument("-v", "--verbose", action="store_true", help="log debug messages")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
+    if command in STORE_COMMANDS:
+        shards_cli.register(subparsers)
+        return parser
+    from agent import commands, demo, firstboot, plan_command
+
     commands.add_parsers(subparsers)
     demo.add_parser(subparsers)
     shards_cli.register(subparsers)
@@ -29,7 +38,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
+    argv = sys.argv[1:] if argv is None else argv
+    parser = build_parser(next((a for a in argv if not a.startswith("-")), None))
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     if not hasattr(args, "func"):

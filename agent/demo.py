@@ -22,6 +22,7 @@ from pathlib import Path
 
 from agent.commands import http_json
 from agent.core.errors import NcmError
+from agent.launch import read_thp_mode, runtime_env
 from shards.store import ModelStore, ncm_home
 
 log = logging.getLogger(__name__)
@@ -80,7 +81,8 @@ def ask(url: str, question: str, model: str) -> str:
 def start_local_cluster(nodes: int, port: int, base: Path, model: str, *, env: dict[str, str] | None = None,
                         node_env: list[dict[str, str]] | None = None, log_dir: Path | None = None,
                         first_index: int = 0, extra_peers: tuple[str, ...] = ()) -> list[subprocess.Popen]:
-    """Start ``nodes`` agents on loopback ports port..port+nodes-1, each given the others as peers.
+    """Start ``nodes`` agents on loopback ports port..port+nodes-1, each given the others as peers
+    (in the environment :func:`~agent.launch.runtime_env` gives).
 
     Agent 0 uses the model store the model was pulled into; the others start empty and fetch
     the layers they serve from it. ``env`` applies to all agents, ``node_env[i]`` to agent i;
@@ -89,14 +91,15 @@ def start_local_cluster(nodes: int, port: int, base: Path, model: str, *, env: d
     shared = {"NCM_CLUSTER_KEY": secrets.token_hex(16), **(env or {})}
     ports = [port + i for i in range(nodes)]
     processes = []
+    thp = read_thp_mode()
     for index, own_port in enumerate(ports, start=first_index):
         state_dir = base / f"node-{index}"
-        agent_env = {
+        agent_env = runtime_env({
             **os.environ, "NCM_CLUSTER_NAME": "demo", "NCM_MDNS": "false", "NCM_HOST": "127.0.0.1",
             "NCM_ADVERTISE_HOST": "127.0.0.1", "NCM_MODEL": model, "NCM_DISCOVERY_GRACE_S": "1.0",
             "NCM_STATE_DIR": str(state_dir), "NCM_HOME": str(ncm_home() if index == 0 else state_dir),
             **shared, **(node_env[index] if node_env and index < len(node_env) else {}),
-        }
+        }, thp)
         peers = [f"--peer=http://127.0.0.1:{p}" for p in ports if p != own_port] + [f"--peer={u}" for u in extra_peers]
         output = None
         if log_dir is not None:

@@ -294,20 +294,21 @@ def prompt_ids_for(tokenizer: Tokenizer, prompt: str, *, raw: bool = False, syst
 class LocalModel:
     """A stored model opened on this machine as one chain of runners, plus its tokenizer.
 
-    Without ``cuts`` the layers are cut into ``parts`` even ranges (default: one per core, at
-    most :data:`~shards.runner.MAX_LOAD_PARTS`) that open side by side (:func:`~shards.runner.open_chain`),
+    Without ``cuts`` the layers are cut into ``parts`` ranges that take as long to open
+    (:func:`~shards.runner.load_cuts`; default: one per core, at most
+    :data:`~shards.runner.MAX_LOAD_PARTS`) and open side by side (:func:`~shards.runner.open_chain`),
     while the tokenizer loads on a thread of its own: the time to a first token is the
     slowest of them, not their sum.
     """
 
     def __init__(self, model_dir: Path, manifest: Manifest, *, cuts: Sequence[tuple[int, int]] | None = None,
                  parts: int | None = None, **runner_kw: Any) -> None:
-        from shards.runner import MAX_LOAD_PARTS, even_cuts, open_chain
+        from shards.runner import MAX_LOAD_PARTS, load_cuts, open_chain
 
         self.manifest = manifest
         self.model_dir = Path(model_dir)
         if cuts is None:
-            cuts = even_cuts(manifest.n_layers, parts or min(os.cpu_count() or 1, MAX_LOAD_PARTS))
+            cuts = load_cuts(manifest, 0, manifest.n_layers - 1, parts or min(os.cpu_count() or 1, MAX_LOAD_PARTS))
         with ThreadPoolExecutor(1, thread_name_prefix="ncm-tokenizer") as pool:
             tokenizer = pool.submit(Tokenizer.from_model_dir, self.model_dir)
             self.runners = open_chain(self.model_dir, list(cuts), **runner_kw)

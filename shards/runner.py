@@ -21,6 +21,7 @@ from shards.backends import Backend, backend_chain, detect_platform
 from shards.errors import RunnerError
 from shards.fragment import FUSED_FLAVOURS, build_fragment, load_manifest
 from shards.kv_pool import KvPool
+from shards.manifest import Manifest
 from shards.rknn import RKNN, RknnSession
 
 log = logging.getLogger(__name__)
@@ -400,14 +401,38 @@ class OrtFragmentRunner(FragmentRunner):
 MAX_LOAD_PARTS = 4  # a range opens as at most this many runners side by side (one per core)
 
 
-def even_cuts(n_layers: int, parts: int, first_layer: int = 0) -> list[tuple[int, int]]:
-    """``parts`` contiguous ranges tiling layers first_layer..first_layer + n_layers - 1, sizes
-    differing by one at most."""
-    if n_layers < 1 or parts < 1:
-        raise RunnerError(f"cannot cut {n_layers} layers into {parts} parts")
-    parts = min(parts, n_layers)
-    bounds = [first_layer + n_layers * i // parts for i in range(parts + 1)]
-    return [(bounds[i], bounds[i + 1] - 1) for i in range(parts)]
+def layer_load_costs(m: Manifest) -> list[int]:
+    """What opening each layer costs, in weights onnxruntime repacks (the layer's products; the
+    last layer's session also holds the output layer's): the measure that :func:`balanced_cuts`
+    evens out, since a session's repack of its weights is most of its load."""
+    q, kv = m.n_heads * m.head_dim, m.n_kv_heads * m.head_dim
+    layer = m.hidden_size * (2 * q + 2 * kv) + 3 * m.hidden_size * m.intermediate_size
+    return [layer] * (m.n_layers - 1) + [layer + m.vocab_size * m.hidden_size]
+
+
+def balanced_cuts(costs: Sequence[float], parts: int, first_layer: int = 0) -> list[tuple[int, int]]:
+    """``parts`` contiguous ranges tiling layers first_layer..first_layer + len(costs) - 1 (one
+    cost each), every boundary where the running cost comes nearest to an equal share: a range
+    costs at most a share plus the largest layer's cost. Equal costs give sizes that differ by
+    one at most."""
+    n = len(costs)
+    if n < 1 or parts < 1:
+        raise RunnerError(f"cannot cut {n} layers into {parts} parts")
+    parts = min(parts, n)
+    running = [0.0]
+    for cost in costs:
+        running.append(running[-1] + float(cost))
+    bounds = [0]
+    for i in range(1, parts):
+        share = running[-1] * i / parts
+        bounds.append(min(range(bounds[-1] + 1, n - parts + i + 1), key=lambda b: abs(running[b] - share)))
+    bounds.append(n)
+    return [(first_layer + bounds[i], first_layer + bounds[i + 1] - 1) for i in range(parts)]
+
+
+def load_cuts(m: Manifest, first_layer: int, last_layer: int, parts: int) -> list[tuple[int, int]]:
+    """Layers first_layer..last_layer of ``m`` in ``parts`` ranges that take as long to open."""
+    return balanced_cuts(layer_load_costs(m)[first_layer:last_layer + 1], parts, first_layer)
 
 
 def _open_side_by_side(model_dir: Path, cuts: list[tuple[int, int]], kw: dict[str, Any]) -> list[OrtFragmentRunner]:
@@ -450,9 +475,9 @@ def open_chain(model_dir: Path, cuts: list[tuple[int, int]], **kw: Any) -> list[
 
 def open_range(model_dir: Path, first_layer: int, last_layer: int, parts: int, **kw: Any) -> FragmentRunner:
     """Layers first_layer..last_layer as one runner: an OrtFragmentRunner, or with ``parts`` > 1
-    a :class:`RunnerChain` of that many opened side by side (the range loads up to ``parts``
-    times faster on as many cores, and runs as one)."""
-    cuts = even_cuts(last_layer - first_layer + 1, max(1, parts), first_layer)
+    a :class:`RunnerChain` of that many opened side by side (:func:`load_cuts`: the range loads
+    up to ``parts`` times faster on as many cores, and runs as one)."""
+    cuts = load_cuts(load_manifest(Path(model_dir)), first_layer, last_layer, max(1, parts))
     runners = _open_side_by_side(Path(model_dir), cuts, kw)
     return runners[0] if len(runners) == 1 else RunnerChain(runners)
 

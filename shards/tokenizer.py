@@ -81,8 +81,7 @@ class Tokenizer:
         for value in spec.eos_token_ids:
             if value >= self.vocab_size:
                 raise TokenizerError(f"EOS id {value} is outside the vocabulary of {self.vocab_size}")
-        document = json.loads(spec.tokenizer_json)
-        self._decode_kind, self._strip_first_space, self._byte_fallback = _decoder_kind(document)
+        self._decode_kind, self._strip_first_space, self._byte_fallback = _decoder_kind(spec.document())
         added = self._backend.get_added_tokens_decoder()
         self._added_text: dict[int, str] = {i: token.content for i, token in added.items()}
         self._special_ids: frozenset[int] = frozenset(i for i, token in added.items() if token.special)

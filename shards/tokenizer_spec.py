@@ -103,6 +103,10 @@ class TokenizerSpec:
     unk_token_id: int | None = None
     special_tokens: Mapping[str, str] = field(default_factory=dict)
 
+    def document(self) -> dict[str, Any]:
+        """``tokenizer_json`` parsed (the same dict each call: read it, do not change it)."""
+        return self._document  # type: ignore[attr-defined]
+
     def __post_init__(self) -> None:
         if not isinstance(self.tokenizer_json, str) or not self.tokenizer_json.strip():
             raise TokenizerError("tokenizer_json must be a non-empty JSON string")
@@ -112,6 +116,7 @@ class TokenizerSpec:
             raise TokenizerError(f"tokenizer_json is not valid JSON: {exc}") from exc
         if not isinstance(document, dict) or "model" not in document:
             raise TokenizerError("tokenizer_json has no 'model' section")
+        object.__setattr__(self, "_document", document)  # parsed once: a tokenizer's JSON is MBs
         if self.chat_template is not None and not isinstance(self.chat_template, str):
             raise TokenizerError("chat_template must be a string or None")
         object.__setattr__(self, "eos_token_ids", tuple(self.eos_token_ids))

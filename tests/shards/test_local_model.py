@@ -5,6 +5,7 @@ of such runners (what an agent opens on the CPU) gives what one runner gives."""
 from __future__ import annotations
 
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -15,27 +16,43 @@ from fragment_helpers import write_tiny_checkpoint
 from shards.errors import CorruptWeightsError, RunnerError
 from shards.generate import LocalModel, prompt_ids_for
 from shards.importer import import_model
-from shards.runner import RunnerChain, even_cuts, open_chain, open_range
+from shards.runner import RunnerChain, balanced_cuts, layer_load_costs, load_cuts, open_chain, open_range
 from shards.sampling import SamplingParams
 from shards.store import ModelStore
 
 LAYERS = 5
 
 
-@given(n_layers=st.integers(1, 64), parts=st.integers(1, 70))
-def test_even_cuts_tile_the_layers_in_ranges_that_differ_by_one_at_most(n_layers: int, parts: int) -> None:
-    cuts = even_cuts(n_layers, parts, first_layer=7)
-    assert len(cuts) == min(parts, n_layers)
-    assert cuts[0][0] == 7 and cuts[-1][1] == 7 + n_layers - 1
+@given(costs=st.lists(st.integers(1, 1000), min_size=1, max_size=64), parts=st.integers(1, 70))
+def test_balanced_cuts_tile_the_layers_each_within_a_layer_of_an_equal_share(costs: list[int], parts: int) -> None:
+    cuts = balanced_cuts(costs, parts, first_layer=7)
+    assert len(cuts) == min(parts, len(costs))
+    assert cuts[0][0] == 7 and cuts[-1][1] == 7 + len(costs) - 1
     assert all(b + 1 == a for (_, b), (a, _) in zip(cuts, cuts[1:]))
-    sizes = [b - a + 1 for a, b in cuts]
-    assert min(sizes) >= 1 and max(sizes) - min(sizes) <= 1
+    assert all(a <= b for a, b in cuts)
+    share = sum(costs) / len(cuts)
+    assert all(sum(costs[a - 7:b - 6]) <= share + max(costs) for a, b in cuts)
+
+
+@given(n_layers=st.integers(1, 64), parts=st.integers(1, 70))
+def test_equal_costs_cut_in_ranges_that_differ_by_one_layer_at_most(n_layers: int, parts: int) -> None:
+    sizes = [b - a + 1 for a, b in balanced_cuts([5] * n_layers, parts)]
+    assert max(sizes) - min(sizes) <= 1
+
+
+def test_the_last_range_holds_fewer_layers_as_it_opens_the_output_layer_too(tmp_path: Path) -> None:
+    m = tiny_store(tmp_path).manifest("tiny")
+    costs = layer_load_costs(m)
+    assert costs[-1] == costs[0] + m.vocab_size * m.hidden_size
+    shape = dict(n_layers=16, hidden_size=2048, intermediate_size=8192, n_heads=32, n_kv_heads=8, head_dim=64,
+                 vocab_size=49152)  # the 1B bench shape: its output layer weighs 1.7 layers
+    assert load_cuts(SimpleNamespace(**shape), 0, 15, 2) == [(0, 8), (9, 15)]  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize("n_layers,parts", [(0, 1), (4, 0)])
-def test_even_cuts_refuse_nothing_to_cut(n_layers: int, parts: int) -> None:
+def test_balanced_cuts_refuse_nothing_to_cut(n_layers: int, parts: int) -> None:
     with pytest.raises(RunnerError):
-        even_cuts(n_layers, parts)
+        balanced_cuts([1] * n_layers, parts)
 
 
 def tiny_store(tmp: Path) -> ModelStore:
@@ -53,7 +70,7 @@ def test_the_text_is_the_same_however_the_layers_are_cut(tmp_path: Path) -> None
     store, texts = tiny_store(tmp_path), {}
     for parts in (1, 2, 3, LAYERS):
         with LocalModel.open("tiny", store, parts=parts, threads=1) as model:
-            assert [(r.first_layer, r.last_layer) for r in model.runners] == even_cuts(LAYERS, parts)
+            assert [(r.first_layer, r.last_layer) for r in model.runners] == load_cuts(model.manifest, 0, LAYERS - 1, parts)
             texts[parts] = greedy_text(model)
     assert texts[1] and len(set(texts.values())) == 1, texts
 
@@ -76,7 +93,7 @@ def test_a_range_opened_in_parts_runs_as_one_runner(tmp_path: Path) -> None:
     whole = open_range(model_dir, 1, 4, 1, threads=1)
     chain = open_range(model_dir, 1, 4, 3, threads=1)
     assert isinstance(chain, RunnerChain) and not isinstance(whole, RunnerChain)
-    assert [(p.first_layer, p.last_layer) for p in chain.parts] == [(1, 1), (2, 2), (3, 4)]
+    assert [(p.first_layer, p.last_layer) for p in chain.parts] == [(1, 1), (2, 3), (4, 4)]  # 4 opens the output too
     assert (chain.first_layer, chain.last_layer, chain.is_head, chain.is_tail) == (1, 4, False, True)
     rng = np.random.default_rng(2)
     prompts = {sid: rng.standard_normal((1, 3 + i, 64)).astype(np.float32) for i, sid in enumerate("abc")}
