@@ -269,8 +269,7 @@ class ModelRouter:
         elif entry.state in (ModelState.UNLOADED, ModelState.FAILED):
             pass
         elif not self.registry.begin_stop(name):
-            raise ModelBusyError(f"model {name!r} is {entry.state} with {entry.active_requests} request(s) in flight"
-                                 f"{' and requests waiting' if self.registry.find(name) else ''}; retry when it is idle")
+            raise self._busy(name, "unloaded")
         else:
             await self.scheduler.stop(name, "unload", reason="unloaded on request")
         return self.model_info(name)
@@ -284,10 +283,16 @@ class ModelRouter:
         if entry.state != ModelState.READY:
             raise ModelNotLoadedError(f"model {name!r} is {entry.state}; only a ready model can sleep")
         if not self.registry.begin_stop(name):
-            raise ModelBusyError(f"model {name!r} has {entry.active_requests} request(s) in flight"
-                                 f"{' and requests waiting' if self.registry.find(name) else ''}; retry when it is idle")
+            raise self._busy(name, "put to sleep")
         await self.scheduler.stop(name, "sleep", reason="put to sleep on request")
         return self.model_info(name)
+
+    def _busy(self, name: str, action: str) -> ModelBusyError:
+        """Why ``name`` cannot be ``action`` ("unloaded") now: requests use it (no preemption)."""
+        entry = self.registry.entry(name)
+        waiting = " and requests waiting" if self.registry.find(name) else ""
+        return ModelBusyError(f"model {name!r} cannot be {action}: it is {entry.state} with "
+                              f"{entry.active_requests} request(s) in flight{waiting}; retry when it is idle")
 
     def sleeps_after_s(self, name: str) -> float:
         """How long ``name`` stays loaded while idle (:meth:`ModelScheduler.sleeps_after_s`)."""

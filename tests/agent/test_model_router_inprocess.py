@@ -148,6 +148,7 @@ def test_an_idle_model_put_to_sleep_frees_its_memory_and_the_next_request_wakes_
                     assert code == 409 and set(body["error"]) == {"message", "type", "param", "code"}, body
                     assert body["error"]["code"] == "model_busy" and body["error"]["param"] == "model"
                     assert "1 request(s) in flight" in body["error"]["message"]
+                    assert f"cannot be {'put to sleep' if path.endswith('sleep') else 'unloaded'}" in body["error"]["message"]
                     assert "retry when it is idle" in body["error"]["message"]
             held.release()
             code, body = await busy
