@@ -2,7 +2,8 @@
 answers /health through a forwarded port; the arm64 root file system runs the agent under
 qemu-user.
 
-These tests build images (minutes each; built once per session and shared). They need
+These tests build images (minutes each; built once per session and shared; the arm64 one
+starts with the session and builds alongside the other tests, see conftest.py). They need
 root and the tools that image/ci-setup installs; they skip only when the machine itself
 cannot do it (not root, no binfmt_misc for arm64).
 """
@@ -23,6 +24,7 @@ from pathlib import Path
 import pytest
 
 from tests.appliance import vm
+from tests.appliance.conftest import ARM64_BINFMT, ARM64_BUILD
 
 pytestmark = pytest.mark.slow
 
@@ -83,16 +85,22 @@ def amd64_image(tmp_path_factory: pytest.TempPathFactory, image_work: Path) -> I
 
 
 @pytest.fixture(scope="session")
-def arm64_rootfs(tmp_path_factory: pytest.TempPathFactory, image_work: Path) -> Iterator[Built]:
+def arm64_rootfs(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory,
+                 image_work: Path) -> Iterator[Built]:
     _require_build_capabilities()
-    if not Path("/proc/sys/fs/binfmt_misc/qemu-aarch64").exists():
+    if not ARM64_BINFMT.exists():
         pytest.skip("binfmt_misc has no qemu-aarch64 handler here (needs a kernel with binfmt_misc and "
                     "qemu-user-static): arm64 binaries cannot run on this machine")
-    out = tmp_path_factory.mktemp("image-arm64")
-    seconds, log = _build(out, image_work, "--arch", "arm64", "--rootfs-only")
+    early = request.config.stash.get(ARM64_BUILD, None)  # started with the session (conftest.py)
+    if early is not None:
+        seconds, log = early.wait(40 * 60)
+        out = early.out
+    else:
+        out = tmp_path_factory.mktemp("image-arm64")
+        seconds, log = _build(out, image_work, "--arch", "arm64", "--rootfs-only")
     root = out / "rootfs-arm64"
     assert (root / "opt/ncm/bin/ncm").exists(), log
-    print(f"\narm64 root file system built in {seconds:.0f} s")
+    print(f"\narm64 root file system built in {seconds:.0f} s{' alongside the tests' if early else ''}")
     yield Built(root, seconds, log)
     shutil.rmtree(out, ignore_errors=True)
 
