@@ -66,7 +66,7 @@ def main() -> int:
             os.execve(sys.executable, [sys.executable, *argv], env)
         except OSError:
             pass  # run as it is: slower, not wrong
-    os.environ.update({k: v for k, v in env.items() if k == "OPENBLAS_NUM_THREADS"})
+    os.environ["OPENBLAS_NUM_THREADS"] = env["OPENBLAS_NUM_THREADS"]  # numpy is not imported yet
     from agent.cli import main as cli_main
 
     return cli_main()

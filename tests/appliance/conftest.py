@@ -23,16 +23,25 @@ ARM64_BINFMT = Path("/proc/sys/fs/binfmt_misc/qemu-aarch64")
 
 
 @dataclass
-class EarlyBuild:
-    """``image/build debian-generic --arch arm64 --rootfs-only`` running in ``base``."""
+class ImageBuild:
+    """``image/build debian-generic --out OUT --work WORK ARGS...`` running, its output in
+    OUT/build-ARGS.log."""
 
     process: subprocess.Popen[bytes]
-    base: Path  # out/ (the root file system), work/ (the build cache), build.log
+    out: Path
+    log_path: Path
     started_s: float
 
-    @property
-    def out(self) -> Path:
-        return self.base / "out"
+    @classmethod
+    def start(cls, out: Path, work: Path, *args: str) -> ImageBuild:
+        out.mkdir(parents=True, exist_ok=True)
+        log_path = out / f"build-{'-'.join(a.strip('-') for a in args)}.log"
+        with log_path.open("wb") as log:
+            process = subprocess.Popen(
+                ["bash", str(BUILD), "debian-generic", "--out", str(out), "--work", str(work), *args],
+                stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
+                env={**os.environ, "PYTHON": sys.executable})
+        return cls(process, out, log_path, time.monotonic())
 
     def wait(self, timeout_s: float) -> tuple[float, str]:
         """(seconds since it started, its log) once it ended; pytest.fail when it failed."""
@@ -42,9 +51,9 @@ class EarlyBuild:
             self.stop()
             code = None
         seconds = time.monotonic() - self.started_s
-        log = (self.base / "build.log").read_text(errors="replace")
+        log = self.log_path.read_text(errors="replace")
         if code != 0:
-            pytest.fail(f"image/build (arm64 root file system) failed ({code}) after {seconds:.0f} s:\n{log[-6000:]}")
+            pytest.fail(f"image/build failed ({code}) after {seconds:.0f} s:\n{log[-6000:]}")
         return seconds, log
 
     def stop(self) -> None:
@@ -57,7 +66,7 @@ class EarlyBuild:
                 self.process.wait()
 
 
-ARM64_BUILD = pytest.StashKey[EarlyBuild]()
+ARM64_BUILD = pytest.StashKey[ImageBuild]()
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
@@ -67,17 +76,12 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     if os.geteuid() != 0 or not ARM64_BINFMT.exists() or shutil.which("mmdebstrap") is None:
         return  # the fixture skips or fails with the reason
     base = Path(tempfile.mkdtemp(prefix="ncm-arm64-rootfs-"))
-    with (base / "build.log").open("wb") as log:
-        process = subprocess.Popen(
-            ["bash", str(BUILD), "debian-generic", "--out", str(base / "out"), "--work", str(base / "work"),
-             "--arch", "arm64", "--rootfs-only"],
-            stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
-            env={**os.environ, "PYTHON": sys.executable})
-    session.config.stash[ARM64_BUILD] = EarlyBuild(process, base, time.monotonic())
+    session.config.stash[ARM64_BUILD] = ImageBuild.start(base / "out", base / "work", "--arch", "arm64",
+                                                         "--rootfs-only")
 
 
 def pytest_sessionfinish(session: pytest.Session) -> None:
     early = session.config.stash.get(ARM64_BUILD, None)
     if early is not None:
         early.stop()
-        shutil.rmtree(early.base, ignore_errors=True)  # gigabytes
+        shutil.rmtree(early.out.parent, ignore_errors=True)  # gigabytes

@@ -15,7 +15,6 @@ import re
 import shutil
 import signal
 import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -24,12 +23,10 @@ from pathlib import Path
 import pytest
 
 from tests.appliance import vm
-from tests.appliance.conftest import ARM64_BINFMT, ARM64_BUILD
+from tests.appliance.conftest import ARM64_BINFMT, ARM64_BUILD, REPO, ImageBuild
 
 pytestmark = pytest.mark.slow
 
-REPO = Path(__file__).resolve().parents[2]
-BUILD = REPO / "image" / "build"
 TOOLS = ("mmdebstrap", "systemd-repart", "systemd-analyze", "mkfs.fat", "mcopy", "mtype", "mkfs.ext4", "sfdisk",
          "qemu-system-x86_64", "arch-test", "unshare")
 CLUSTER_KEY = "ci-cluster-key-do-not-log-0123456789"
@@ -53,16 +50,7 @@ def _require_build_capabilities() -> None:
 
 
 def _build(out: Path, work: Path, *args: str) -> tuple[float, str]:
-    env = {**os.environ, "PYTHON": sys.executable}
-    started = time.monotonic()
-    result = subprocess.run(["bash", str(BUILD), "debian-generic", "--out", str(out), "--work", str(work), *args],
-                            capture_output=True, text=True, env=env, timeout=40 * 60)
-    seconds = time.monotonic() - started
-    log = result.stdout + result.stderr
-    (out / f"build-{'-'.join(a.strip('-') for a in args)}.log").write_text(log)
-    if result.returncode != 0:
-        pytest.fail(f"image/build failed ({result.returncode}) after {seconds:.0f} s:\n{log[-6000:]}")
-    return seconds, log
+    return ImageBuild.start(out, work, *args).wait(40 * 60)
 
 
 @pytest.fixture(scope="session")
