@@ -1,12 +1,12 @@
 """Persistent stage-to-stage links: one WebSocket per (this node, next node), frames in
-both directions, many requests multiplexed by (session id, step number); and the results a
-tail sends straight to the orchestrator (:class:`Replies`)."""
+both directions, many requests multiplexed by (session id, step number); and the results and
+failures stages send straight to the orchestrator (:class:`Replies`)."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Any
+from typing import Any, Callable
 
 import aiohttp
 import numpy as np
@@ -21,6 +21,7 @@ log = logging.getLogger(__name__)
 CONNECT_TIMEOUT_S = 5.0
 BUSY_INTERVAL_S = 0.25  # how often a stage says "busy" on a socket while steps from it run
 SILENCE_S = 1.5  # a stage silent this long with a step pending is frozen or gone: it is blamed
+SEND_TIMEOUT_S = 30.0  # a frame the peer's socket does not take in this long: the peer is frozen
 
 
 class StageError(NcmError):
@@ -45,8 +46,10 @@ class StageError(NcmError):
 class StageLink:
     """A WebSocket to one peer's data plane, reconnected on demand."""
 
-    def __init__(self, client: PeerClient, node_id: str, url: str) -> None:
+    def __init__(self, client: PeerClient, node_id: str, url: str,
+                 on_lost: Callable[[str], None] = lambda node_id: None) -> None:
         self.client = client
+        self._on_lost = on_lost  # told the node id each time a connection to it ends
         self.node_id = node_id
         self.url = url
         self._ws: aiohttp.ClientWebSocketResponse | None = None
@@ -55,6 +58,11 @@ class StageLink:
         self._next_cid = 0
         self._connect_lock = asyncio.Lock()
         self._last_heard = 0.0  # event-loop time of the last frame from the peer
+
+    async def connect(self) -> None:
+        """Open the link now (it opens on first use otherwise); a :class:`StageError` when the
+        peer is unreachable."""
+        await self._connection()
 
     async def _connection(self) -> aiohttp.ClientWebSocketResponse:
         async with self._connect_lock:
@@ -82,6 +90,7 @@ class StageLink:
                 if future is not None and not future.done():
                     future.set_result((header, tensor))
         finally:
+            self._on_lost(self.node_id)
             failure = StageError("stage_unreachable", f"connection to node {self.node_id} was lost", self.node_id)
             for future in self._pending.values():
                 if not future.done():
@@ -120,13 +129,29 @@ class StageLink:
             if not future.done():
                 future.cancel()
 
-    async def send(self, header: dict[str, Any]) -> None:
-        """Fire-and-forget frame (a close, a result sent straight to the orchestrator)."""
+    async def post(self, header: dict[str, Any], tensor: np.ndarray | None = None) -> None:
+        """Send a frame that nothing answers on this link (a step naming its reply node, a
+        result or failure sent to it, a close); a :class:`StageError` when the peer cannot take it."""
         try:
             ws = await self._connection()
-            await ws.send_bytes(encode_frame(header))
-        except (StageError, aiohttp.ClientError, ConnectionError, RuntimeError) as error:
+            async with timeout(SEND_TIMEOUT_S):
+                await ws.send_bytes(encode_frame(header, tensor))
+        except asyncio.TimeoutError:
+            raise StageError("stage_timeout", f"node {self.node_id} took no frame for {SEND_TIMEOUT_S:g} s",
+                             self.node_id) from None
+        except (aiohttp.ClientError, ConnectionError, RuntimeError) as error:
+            raise StageError("stage_unreachable", f"node {self.node_id}: {error}", self.node_id) from None
+
+    async def send(self, header: dict[str, Any]) -> None:
+        """:meth:`post`, a failure only logged (a close: the peer frees idle sessions itself)."""
+        try:
+            await self.post(header)
+        except StageError as error:
             log.debug("could not send %s to %s: %s", header["kind"], self.node_id, error)
+
+    async def ping(self, timeout_s: float) -> None:
+        """A :class:`StageError` unless the peer answers a ping within ``timeout_s``."""
+        await self.call({"kind": "ping"}, None, timeout_s=timeout_s)
 
     async def close(self) -> None:
         if self._ws is not None:
@@ -140,8 +165,8 @@ class StageLink:
 
 
 class Replies:
-    """The steps this node (as orchestrator) awaits a direct result for: a future per
-    (session, step), resolved by the first result frame a tail sends for it."""
+    """The steps this node (as orchestrator) awaits: a future per (session, step), settled by
+    the first result or error frame a stage sends for it straight here."""
 
     def __init__(self) -> None:
         self._waiting: dict[tuple[str, int], asyncio.Future[ResultFrame]] = {}
@@ -151,11 +176,16 @@ class Replies:
         self._waiting[(sid, seq)] = future
         return future
 
-    def deliver(self, result: ResultFrame) -> None:
-        """A tail's result: it settles the step awaiting it; one nobody awaits is dropped."""
-        future = self._waiting.pop((result.sid, result.seq), None)
-        if future is not None and not future.done():
-            future.set_result(result)
+    def deliver(self, header: dict[str, Any]) -> None:
+        """A result frame (the tail's) or an error frame (from the stage that saw the failure)
+        settles the step awaiting it; one nobody awaits (any more) is dropped."""
+        future = self._waiting.pop((header["sid"], header["seq"]), None)
+        if future is None or future.done():
+            return
+        if header["kind"] == "error":
+            future.set_exception(StageError.from_header(header))
+        else:
+            future.set_result(ResultFrame.from_header(header))
 
     def forget(self, sid: str, seq: int) -> None:
         future = self._waiting.pop((sid, seq), None)
@@ -169,6 +199,18 @@ class Links:
     def __init__(self, client: PeerClient) -> None:
         self.client = client
         self._links: dict[str, StageLink] = {}
+        self._loss: asyncio.Future[str] | None = None
+
+    def loss(self) -> asyncio.Future[str]:
+        """Resolves with the node id of the next link whose connection ends (shared: never
+        cancel it)."""
+        if self._loss is None or self._loss.done():
+            self._loss = asyncio.get_running_loop().create_future()
+        return self._loss
+
+    def _lost(self, node_id: str) -> None:
+        if self._loss is not None and not self._loss.done():
+            self._loss.set_result(node_id)
 
     async def get(self, node_id: str, url: str) -> StageLink:
         link = self._links.get(node_id)
@@ -176,7 +218,7 @@ class Links:
             await link.close()
             link = None
         if link is None:
-            link = self._links[node_id] = StageLink(self.client, node_id, url)
+            link = self._links[node_id] = StageLink(self.client, node_id, url, self._lost)
         return link
 
     async def close(self) -> None:

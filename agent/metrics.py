@@ -49,9 +49,9 @@ class Metrics:
             buckets=LATENCY_BUCKETS_S, registry=r)
         self.generated_tokens = Counter("ncm_generated_tokens", "Tokens generated", ["model"], registry=r)
         self.prompt_tokens = Counter("ncm_prompt_tokens", "Prompt tokens of finished generations", ["model"], registry=r)
-        self.hop_latency = Histogram(
-            "ncm_hop_seconds", "Round trip of a step to the next stage, from this stage (the stages after it "
-            "included: subtract their ncm_stage_compute_seconds for the network)", ["peer"],
+        self.step_latency = Histogram(
+            "ncm_step_seconds", "A step through the whole route, from the orchestrator handing it to the head to "
+            "the tail's result (subtract the stages' ncm_stage_compute_seconds for the network)", ["model"],
             buckets=LATENCY_BUCKETS_S, registry=r)
         self.stage_compute = Histogram(
             "ncm_stage_compute_seconds", "Compute of one step on this node's fragment", ["model"],

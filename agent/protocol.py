@@ -6,15 +6,17 @@ validated by the wire schemas of :mod:`agent.core.wire` and :mod:`agent.core.ord
 
 The data plane (:data:`STREAM_PATH`, a WebSocket per pair of nodes) carries frames: a
 :class:`StepFrame` (with its tensor: token ids at the head, hidden states after) goes from the
-orchestrator to the head and from each stage to the next; the tail answers with a
-:class:`ResultFrame` (the sampled token), or any stage with an error frame
-(:meth:`agent.dataplane.StageError.to_header`), back along the same links. A step that
-names a ``reply`` node has the tail send its result frame straight to that node as well (on
-the tail's own link to it): the orchestrator takes whichever copy comes first, so a token
-crosses each link once on its way. A :class:`CloseFrame` frees a session on a stage;
-``busy`` frames say a stage is still working.
+orchestrator to the head and from each stage to the next. A step names its ``reply`` node,
+the orchestrator: the tail sends its :class:`ResultFrame` (the sampled token) straight there,
+and a stage that fails, or whose next stage does not take the step, sends its error frame
+(:meth:`agent.dataplane.StageError.to_header`) there too; nothing goes back along the chain,
+so a token crosses each link once. The orchestrator finds frozen and vanished stages itself:
+``ping`` frames, which a live node answers with ``pong`` at once. A step that names no reply
+node is answered on the socket it came in on, by a chain of stages each awaiting the next
+(``busy`` frames say a stage is still working on it). A :class:`CloseFrame` frees a session
+on a stage.
 Each frame is a header validated by :data:`agent.core.wire.SCHEMAS` on decode; the link adds
-``cid``, which pairs a result with its step on that link.
+``cid``, which pairs an answer with its step (or ping) on that link.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ ABORT_PATH = "/internal/routing/abort"  # drop the staged order
 UNLOAD_PATH = "/internal/unload"  # drop a model's orders and fragments
 COPY_PATH = "/internal/copy"  # keep a whole copy of a model (the fallback)
 REKEY_PATH = "/internal/rekey"  # the new cluster key after a node is removed
-STREAM_PATH = "/internal/stream"  # the data plane: a WebSocket of step, result, busy and close frames
+STREAM_PATH = "/internal/stream"  # the data plane: a WebSocket of step, result, error, close, busy and ping frames
 MODEL_LISTING_PATH = "/internal/models/{name}"  # a stored model's files, sizes and sha256
 MODEL_FILE_PATH = "/internal/models/{name}/files/{path}"  # one file (Range requests resume)
 PAIR_PATH = "/cluster/pair"  # public: a new device redeems an invite (it holds no key yet)
@@ -50,9 +52,9 @@ def model_file_path(name: str, relative: str) -> str:
 class StepFrame:
     """Run the layers from ``layer`` on, for session ``sid`` at positions ``start``...; the
     tail samples the next token when ``sample`` (with ``params``, sent on a session's first
-    step). With ``reply`` (a node id, reached at ``reply_url``) the tail also sends its
-    result straight to that node, the orchestrator, which need not wait for the answer to
-    come back through every stage."""
+    step). With ``reply`` (a node id, reached at ``reply_url``) its result, or the failure of
+    any stage, goes straight to that node, the orchestrator; without, it comes back along
+    the chain."""
 
     sid: str
     seq: int
@@ -81,7 +83,7 @@ class StepFrame:
                    header["sample"], header.get("params"), header.get("reply"), header.get("reply_url"))
 
     def replying_to(self, node_id: str, url: str) -> StepFrame:
-        """The same step, its result sent straight to ``node_id`` (at ``url``) too."""
+        """The same step, its outcome sent straight to ``node_id`` (at ``url``)."""
         return replace(self, reply=node_id, reply_url=url)
 
     def at_layer(self, layer: int) -> StepFrame:

@@ -45,7 +45,7 @@ from agent.orchestrator import Orchestrator
 from agent.pairing import InviteStore, join_pending, take_new_key
 from agent.protocol import (
     ABORT_PATH, BUSY_HEADER, COMMIT_PATH, COPY_PATH, DESCRIBE_PATH, INTERNAL_PREFIX, MODEL_FILE_PATH, MODEL_LISTING_PATH,
-    PAIR_PATH, REKEY_PATH, ROUTING_PATH, STATE_PATH, STREAM_PATH, UNLOAD_PATH, ResultFrame, StepFrame,
+    PAIR_PATH, REKEY_PATH, ROUTING_PATH, STATE_PATH, STREAM_PATH, UNLOAD_PATH, StepFrame,
 )
 from agent.peer_client import PeerClient
 from agent.router import ModelRouter
@@ -293,7 +293,8 @@ async def model_file(request: web.Request) -> web.StreamResponse:
 
 @internal.get(STREAM_PATH)
 async def stream(request: web.Request) -> web.WebSocketResponse:
-    """The data plane: step frames in, result/error frames out, on one persistent socket."""
+    """The data plane on one persistent socket: steps in (run and handed on; one naming no
+    reply node is answered here), results and failures for this orchestrator, closes, pings."""
     # A frame over the limit closes the socket (1009) before it is held whole in memory.
     ws = web.WebSocketResponse(max_msg_size=request.app[WORKER].max_frame_bytes(), compress=False)
     await ws.prepare(request)
@@ -308,6 +309,7 @@ async def stream(request: web.Request) -> web.WebSocketResponse:
     working = asyncio.Event()  # set while steps from this socket run
 
     async def run_step(header: dict[str, Any], tensor: Any) -> None:
+        """A step answered on this socket (one naming no reply node), back along the chain."""
         nonlocal in_flight
         in_flight += 1
         working.set()
@@ -348,12 +350,18 @@ async def stream(request: web.Request) -> web.WebSocketResponse:
                 log.warning("closing data plane from %s: %s", request.remote, error)
                 await ws.close(code=aiohttp.WSCloseCode.UNSUPPORTED_DATA, message=str(error).encode()[:120])
                 break
-            if header["kind"] == "step":
+            kind = header["kind"]
+            if kind == "step" and "reply" in header:  # answered to the reply node, not here
+                steps.create_task(worker.relay(StepFrame.from_header(header), tensor))
+            elif kind == "step":
                 steps.create_task(run_step(header, tensor))
-            elif header["kind"] == "close":
+            elif kind == "close":
                 worker.close_session(header["sid"])
-            elif header["kind"] == "result":  # a tail's result, sent straight to this orchestrator
-                worker.replies.deliver(ResultFrame.from_header(header))
+            elif kind in ("result", "error"):  # a step's outcome, sent straight to this orchestrator
+                worker.replies.deliver(header)
+            elif kind == "ping":
+                with contextlib.suppress(ConnectionError, RuntimeError):
+                    await ws.send_bytes(encode_frame({"kind": "pong", "cid": header.get("cid", 0)}))
         busy_task.cancel()
     sockets.discard(ws)
     return ws

@@ -20,7 +20,7 @@ from agent.compat import timeout
 from agent.core.chat_request import InvalidRequestError
 from agent.core.errors import ClusterError
 from agent.core.orders import RoutingOrder
-from agent.dataplane import StageError
+from agent.dataplane import SILENCE_S, StageError
 from agent.deployer import Deployment
 from agent.membership import Membership
 from agent.protocol import CloseFrame, StepFrame
@@ -32,7 +32,6 @@ log = logging.getLogger(__name__)
 PREFILL_STEP_TIMEOUT_S = 300.0
 DECODE_STEP_TIMEOUT_S = 60.0
 MAX_RECOVERIES_PER_REQUEST = 4
-TRAILING_WAIT_S = 2.0  # how long a finished request waits for answers still coming back along the chain
 
 
 @dataclass(frozen=True)
@@ -71,59 +70,67 @@ class TokenLoop:
             return False
         return True
 
-    async def _step(self, order: RoutingOrder, step: StepFrame, tensor: np.ndarray, timeout_s: float,
-                    trailing: set[asyncio.Task[Any]]) -> int | None:
-        """Send ``step`` to the head and return the tail's token. The tail sends its result
-        straight here as well as back along the chain: the first copy settles the step (one
-        network trip per hop), and the answer still on its way back joins ``trailing`` (the
-        request awaits those when it ends). Failures come back along the chain, each stage
-        watching the next, as before."""
+    async def _step(self, order: RoutingOrder, step: StepFrame, tensor: np.ndarray, timeout_s: float) -> int | None:
+        """Hand ``step`` to the head and return the token the tail sends straight here: each
+        hop is one network trip, and nothing comes back along the chain. A stage that fails,
+        or whose next stage does not take the step, reports it here. One that vanishes or
+        freezes says nothing: the step fails at once when this node's link to a stage of the
+        route drops (a request links to every stage first), and every :data:`SILENCE_S` without the result the other stages are
+        pinged, the first that does not answer blamed."""
         head = order.route.hops[0].node_id
         # the address the order gives this node (the one stage links use), else the current one
         url = order.addresses.get(self.node_id) or self.membership.peer_address_of(self.node_id)
         step = step.replying_to(self.node_id, url)
-        direct = self.worker.replies.expect(step.sid, step.seq)
-        chain = asyncio.ensure_future(self.worker.forward_to(order, head, step, tensor, timeout_s=timeout_s))
-        for task in [t for t in trailing if t.done()]:
-            trailing.discard(task)
-            if not task.cancelled():
-                task.exception()  # retrieved: an answer that failed after its token came
+        loop = asyncio.get_running_loop()
+        result = self.worker.replies.expect(step.sid, step.seq)
+        lost = self.worker.links.loss()
+        sent_at = loop.time()
+        deadline = sent_at + timeout_s
         try:
-            async with timeout(timeout_s):
-                await asyncio.wait((direct, chain), return_when=asyncio.FIRST_COMPLETED)
-        except BaseException as error:
-            chain.cancel()
-            trailing.add(chain)
-            if isinstance(error, asyncio.TimeoutError):
-                raise StageError("stage_timeout", f"the pipeline did not answer within {timeout_s:g} s", head) from None
-            raise
+            await self.worker.hand_on(order, head, step, tensor)
+            while not result.done():
+                await asyncio.wait((result, lost), timeout=max(min(SILENCE_S, deadline - loop.time()), 0.0),
+                                   return_when=asyncio.FIRST_COMPLETED)
+                if result.done():
+                    break
+                if lost.done():
+                    node_id = lost.result()
+                    if node_id != self.node_id and node_id in order.route.nodes:
+                        raise StageError("stage_unreachable", f"the link to node {node_id} dropped while a step "
+                                         "was on its way", node_id)
+                    lost = self.worker.links.loss()
+                elif loop.time() >= deadline:
+                    raise StageError("stage_timeout", f"the pipeline did not answer within {timeout_s:g} s", head)
+                else:
+                    await self._probe(order)
+            token = result.result().token
+            self.worker.metrics.child(self.worker.metrics.step_latency, order.name).observe(loop.time() - sent_at)
+            return token
         finally:
             self.worker.replies.forget(step.sid, step.seq)
-        if direct.done() and not direct.cancelled():
-            trailing.add(chain)
-            return direct.result().token
-        return chain.result().token
 
-    @staticmethod
-    async def _settle(trailing: set[asyncio.Task[Any]]) -> None:
-        """Let the answers still coming back along the chain arrive (briefly), then stop them."""
-        if not trailing:
-            return
-        _, late = await asyncio.wait(trailing, timeout=TRAILING_WAIT_S)
-        for task in late:
-            task.cancel()
-        await asyncio.gather(*trailing, return_exceptions=True)
-        trailing.clear()
+    async def _probe(self, order: RoutingOrder) -> None:
+        """Ping the other stages of ``order``'s route at once; the failure of the first (in
+        route order) that does not answer."""
+        links = [await self.worker.links.get(node_id, order.addresses[node_id])
+                 for node_id in order.route.nodes if node_id != self.node_id]
+        outcomes = await asyncio.gather(*(link.ping(SILENCE_S) for link in links), return_exceptions=True)
+        for outcome in outcomes:
+            if isinstance(outcome, BaseException):
+                raise outcome
 
     async def _prefill(self, deployment: Deployment, order: RoutingOrder, sid: str, ids: list[int],
-                       sampling: dict[str, Any], trailing: set[asyncio.Task[Any]]) -> int:
+                       sampling: dict[str, Any]) -> int:
         """Feed ``ids`` from position 0 in chunks; the last chunk samples the next token."""
+        for node_id in order.route.nodes:  # linked to every stage: one that dies is noticed at once
+            if node_id != self.node_id:
+                await (await self.worker.links.get(node_id, order.addresses[node_id])).connect()
         chunk = deployment.settings.prefill_chunk
         token: int | None = None
         for seq, start in enumerate(range(0, len(ids), chunk)):
             step = StepFrame(sid, seq, 0, start, order.epoch, order.plan_version, start + chunk >= len(ids), sampling)
             token = await self._step(order, step, np.asarray([ids[start:start + chunk]], dtype=np.int64),
-                                     PREFILL_STEP_TIMEOUT_S, trailing)
+                                     PREFILL_STEP_TIMEOUT_S)
         assert token is not None
         return token
 
@@ -146,7 +153,6 @@ class TokenLoop:
         context = [*prompt_ids, *generated]  # every token whose KV the stages must hold before the next step
         unsent: list[int] = []  # sampled ids whose text has not gone out yet
         recoveries = 0
-        trailing: set[asyncio.Task[Any]] = set()  # answers coming back after their token came straight here
         sid = uuid.uuid4().hex
         self._running += 1
         self._none_running.clear()
@@ -157,7 +163,7 @@ class TokenLoop:
                 served = order.model if order.degraded else order.name
                 try:
                     if token is None:
-                        token = await self._prefill(deployment, order, sid, context, sampling, trailing)
+                        token = await self._prefill(deployment, order, sid, context, sampling)
                     text = stream.push(token)
                     unsent.append(token)
                     if stream.done:
@@ -175,7 +181,7 @@ class TokenLoop:
                     step = StepFrame(sid, len(context), 0, len(context) - 1, order.epoch, order.plan_version, True)
                     token = None
                     token = await self._step(order, step, np.asarray([[context[-1]]], dtype=np.int64),
-                                             DECODE_STEP_TIMEOUT_S, trailing)
+                                             DECODE_STEP_TIMEOUT_S)
                 except StageError as error:
                     if error.node is None or error.node == self.node_id or recoveries >= MAX_RECOVERIES_PER_REQUEST:
                         raise
@@ -190,13 +196,10 @@ class TokenLoop:
                     sid = uuid.uuid4().hex
                     token = None  # replay everything so far on the new route
         finally:
-            try:
-                await self._settle(trailing)
-            finally:
-                self._running -= 1
-                if not self._running:
-                    self._none_running.set()
-                await self._close(deployment.order, sid)
+            self._running -= 1
+            if not self._running:
+                self._none_running.set()
+            await self._close(deployment.order, sid)
 
     async def _close(self, order: RoutingOrder, sid: str) -> None:
         """Free ``sid`` on every stage of ``order``'s route: each is told directly, so that a

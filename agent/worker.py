@@ -33,6 +33,7 @@ import psutil
 from agent.config import AgentConfig
 from agent.core.errors import NcmError
 from agent.core.orders import RoutingOrder
+from agent.core.routing import Hop
 from agent.core.state_enum import StateEnum
 from agent.dataplane import Links, Replies, StageError
 from agent.fragment_cache import FragmentCache, RunnerKey
@@ -48,6 +49,7 @@ from shards.sampling import Sampler, SamplingParams
 from shards.store import ModelStore
 
 log = logging.getLogger(__name__)
+CHAIN_STEP_TIMEOUT_S = 120.0  # a step answered back along the chain: how long a stage waits for the next
 RETIRE_GRACE_S = 30.0  # a replaced order keeps answering this long, for steps already under way
 MIN_FRAME_LIMIT_BYTES = 64 << 20  # data-plane frames this size are always taken
 FRAME_HEADER_BYTES = 64 << 10  # room for a frame's header on top of its tensor
@@ -356,9 +358,9 @@ class Worker:
             "orders": [order.to_json() for _, order in sorted(self.serving.items())],
         }
 
-    # --- data plane ----------------------------------------------------------------------------
-    async def step(self, step: StepFrame, tensor: np.ndarray | None) -> ResultFrame:
-        """Run ``step`` through my hop and every stage after it; the tail's result."""
+    # --- data plane ---------------------------------------------------------------------------
+    async def _compute(self, step: StepFrame, tensor: np.ndarray | None) -> tuple[RoutingOrder, Hop, np.ndarray, _SessionInfo]:
+        """Run ``step`` through my hop: its order, the hop, the output and the session."""
         sid = step.sid
         order = self.orders.get(step.plan)
         if order is None or step.epoch != order.epoch:
@@ -387,30 +389,63 @@ class Worker:
             await self.fragments.drop_faulty(self._key(order, hop.layers.first, hop.layers.last))
             raise StageError("stage_faulty", f"layers {hop.layers} on node {self.node_id} computed NaN or Inf",
                              self.node_id)
-        if hop.layers.last == order.total_layers - 1:
-            result = ResultFrame(sid, step.seq, _sample(info, step, output))
-            if step.reply == self.node_id:
-                self.replies.deliver(result)
-            elif step.reply is not None and step.reply_url is not None:
-                link = await self.links.get(step.reply, step.reply_url)
-                await link.send(result.header())  # the answer still goes back along the chain too
-            return result
-        next_node = order.next_after(hop.layers.last)
-        assert next_node is not None
-        return await self.forward_to(order, next_node, step.at_layer(hop.layers.last + 1), output)
+        return order, hop, output, info
 
-    async def forward_to(self, order: RoutingOrder, node_id: str, step: StepFrame, tensor: np.ndarray, *,
-                         timeout_s: float = 120.0) -> ResultFrame:
-        """Pass a step to the stage on ``node_id`` (this node: a local call) and return its result."""
+    async def step(self, step: StepFrame, tensor: np.ndarray | None) -> ResultFrame:
+        """Run ``step`` (one naming no reply node) through my hop and every stage after it, each
+        awaiting the next: the tail's result, back along the chain."""
+        order, hop, output, info = await self._compute(step, tensor)
+        next_node = order.next_after(hop.layers.last)
+        if next_node is None:
+            return ResultFrame(step.sid, step.seq, _sample(info, step, output))
+        if next_node == self.node_id:
+            return await self.step(step.at_layer(hop.layers.last + 1), output)
+        link = await self.links.get(next_node, order.addresses[next_node])
+        answer, _ = await link.call(step.at_layer(hop.layers.last + 1).header(), output, timeout_s=CHAIN_STEP_TIMEOUT_S)
+        if answer["kind"] == "error":
+            raise StageError.from_header(answer)
+        return ResultFrame.from_header(answer)
+
+    async def relay(self, step: StepFrame, tensor: np.ndarray | None) -> None:
+        """Run ``step`` (one naming its reply node, the orchestrator) through my hop and hand it
+        to the next stage; the tail sends the result to the reply node. Nothing goes back to
+        the sender: a failure, this stage's own or the next stage not taking the step, goes
+        straight to the reply node too (which finds frozen and vanished stages itself)."""
+        try:
+            order, hop, output, info = await self._compute(step, tensor)
+            next_node = order.next_after(hop.layers.last)
+            if next_node is None:
+                await self._to_reply(step, ResultFrame(step.sid, step.seq, _sample(info, step, output)).header())
+                return
+            await self.hand_on(order, next_node, step.at_layer(hop.layers.last + 1), output)
+        except StageError as error:
+            await self._to_reply(step, error.to_header(step.header()))
+        except Exception as error:  # noqa: BLE001 - reported: the request fails with it, the agent goes on
+            log.exception("step failed")
+            await self._to_reply(step, StageError("internal", f"{type(error).__name__}: {error}", None)
+                                 .to_header(step.header()))
+
+    async def hand_on(self, order: RoutingOrder, node_id: str, step: StepFrame, tensor: np.ndarray) -> None:
+        """Give ``step`` (one naming its reply node) to the stage on ``node_id``; this node's
+        own runs here. A :class:`StageError` when that node does not take it."""
         if node_id == self.node_id:
-            return await self.step(step, tensor)
+            await self.relay(step, tensor)
+            return
         link = await self.links.get(node_id, order.addresses[node_id])
-        started = time.monotonic()
-        result, _ = await link.call(step.header(), tensor, timeout_s=timeout_s)
-        self.metrics.child(self.metrics.hop_latency, node_id).observe(time.monotonic() - started)
-        if result["kind"] == "error":
-            raise StageError.from_header(result)
-        return ResultFrame.from_header(result)
+        await link.post(step.header(), tensor)
+
+    async def _to_reply(self, step: StepFrame, header: dict[str, Any]) -> None:
+        """Send a step's result or error frame to its reply node (on my own link to it)."""
+        assert step.reply is not None and step.reply_url is not None
+        if step.reply == self.node_id:
+            self.replies.deliver(header)
+            return
+        try:
+            link = await self.links.get(step.reply, step.reply_url)
+            await link.post(header)
+        except StageError as error:  # the orchestrator is gone: its requests are over
+            log.warning("could not send the %s of step %d of session %s to %s: %s",
+                        header["kind"], step.seq, step.sid[:8], step.reply, error)
 
     def _free(self, sid: str) -> None:
         self.sessions.pop(sid, None)

@@ -33,6 +33,10 @@ SCHEMAS: dict[str, dict[str, str]] = {
     # Sent on a socket every few tenths of a second while a step that came in on it runs:
     # a stage that is busy says so, one that goes silent is frozen or gone.
     "busy": {},
+    # A liveness probe on a link, answered at once by the event loop that reads it: a node
+    # that does not is frozen or gone.
+    "ping": {},
+    "pong": {},
 }
 TENSOR_KINDS = frozenset({"step"})
 # "cid" correlates a result with its step on one link (a node may appear twice on a route,
@@ -42,6 +46,8 @@ OPTIONAL_FIELDS: dict[str, dict[str, str]] = {
     "result": {"cid": _INT},
     "error": {"cid": _INT},
     "close": {"plan": _INT},
+    "ping": {"cid": _INT},
+    "pong": {"cid": _INT},
 }
 
 

@@ -1,14 +1,16 @@
-"""One network trip per hop: the tail sends each result straight to the orchestrator, so a
-request goes on while the answers coming back along the chain are held at a middle stage
-(they would take it nowhere before). And a node whose peer port is reached through a
-forwarder (``advertise_peer_port``) is reached there by its peers, for the data plane too.
-On in-process agents serving the tiny model."""
+"""One network trip per hop: each stage hands a step to the next and the tail sends the token
+straight to the orchestrator; nothing comes back along the chain. And a node whose peer port
+is reached through a forwarder (``advertise_peer_port``) is reached there by its peers, for the
+data plane too. On in-process agents serving the tiny model."""
 
 from __future__ import annotations
 
 import asyncio
+from collections import Counter
 from typing import Any
 
+import agent.dataplane
+import agent.service
 from agent.service_keys import WORKER
 from tests.agent.agents import free_ports
 from tests.agent.inprocess import call
@@ -17,33 +19,35 @@ from tests.agent.tiny import TINY, tiny_cluster
 BODY = {"model": TINY, "prompt": "w7 w8 w9", "max_tokens": 12, "temperature": 0}
 
 
-def test_tokens_come_straight_from_the_tail_while_the_chain_holds_its_answers(tmp_path) -> None:
+def counting(decode: Any, kinds: Counter[str]) -> Any:
+    def decode_and_count(data: bytes) -> Any:
+        header, tensor = decode(data)
+        kinds[header["kind"]] += 1
+        return header, tensor
+    return decode_and_count
+
+
+def test_a_token_crosses_each_link_once_and_nothing_comes_back_along_the_chain(tmp_path, monkeypatch) -> None:
     async def scenario() -> None:
         async with tiny_cluster(tmp_path, 3, layers=4) as (leader, others):
             status, first = await call("POST", leader.url + "/v1/completions", BODY, timeout_s=30)
             assert status == 200, first
-            hops = leader.app[WORKER].serving[TINY].route.hops
-            assert len(hops) == 3, hops
-            middle = next(a for a in (leader, *others) if a.node_id == hops[1].node_id)
-            worker = middle.app[WORKER]
-            step, release, held = worker.step, asyncio.Event(), []
-
-            async def holding(frame: Any, tensor: Any) -> Any:
-                result = await step(frame, tensor)  # computed and passed on: the tail has answered
-                held.append(frame.seq)
-                await release.wait()  # ... but the answer does not go back
-                return result
-
-            worker.step = holding
-            try:
-                status, again = await call("POST", leader.url + "/v1/completions", BODY, timeout_s=30)
-            finally:
-                release.set()
-                worker.step = step
+            nodes = [hop.node_id for hop in leader.app[WORKER].serving[TINY].route.hops]
+            assert len(set(nodes)) == 3, nodes
+            # Frames as the agents (all in this process) read them: on the sockets they serve,
+            # and on the links they opened to others.
+            served, linked = Counter[str](), Counter[str]()
+            monkeypatch.setattr(agent.service, "decode_frame", counting(agent.service.decode_frame, served))
+            monkeypatch.setattr(agent.dataplane, "decode_frame", counting(agent.dataplane.decode_frame, linked))
+            status, again = await call("POST", leader.url + "/v1/completions", BODY, timeout_s=30)
             assert status == 200, again
             assert again["choices"][0]["text"] == first["choices"][0]["text"]
-            # every step held there: the prefill, then one per token after the first
-            assert len(held) == again["usage"]["completion_tokens"] > 1
+            steps = again["usage"]["completion_tokens"]  # the prefill's, then one a token after the first
+            path = [leader.node_id, *nodes]
+            hops = sum(a != b for a, b in zip(path, path[1:]))  # the orchestrator's own stage is no hop
+            assert served["step"] == steps * hops
+            assert served["result"] == (steps if nodes[-1] != leader.node_id else 0)
+            assert not linked, linked  # no result, error or busy frame came back on a link
 
     asyncio.run(scenario())
 

@@ -113,27 +113,27 @@ def route_nodes(status: dict[str, Any]) -> list[str]:
 class Frozen:
     """Holds ``agent``'s worker on its ``at``-th step from now: a request in flight is then
     surely in the middle of its generation, waiting on this stage. Once released (after the
-    agent was stopped) the held step fails: its answer never comes, like a dead device's."""
+    agent was stopped) the held step is dropped: its answer never comes, like a dead device's."""
 
     def __init__(self, agent: LocalAgent, at: int, *, dies: bool = True) -> None:
-        """``dies``: the held step fails once released; else it runs then, as a slow one would."""
+        """``dies``: the held step is dropped once released; else it runs then, as a slow one would."""
         self.reached = asyncio.Event()
         self._released = asyncio.Event()
         worker = agent.app[WORKER]
-        step = worker.step
+        relay = worker.relay
         count = 0
 
-        async def held(frame: StepFrame, tensor: Any) -> Any:
+        async def held(frame: StepFrame, tensor: Any) -> None:
             nonlocal count
             count += 1
             if count == at:
                 self.reached.set()
                 await self._released.wait()
                 if dies:
-                    raise ConnectionResetError("the device died during this step")
-            return await step(frame, tensor)
+                    return
+            await relay(frame, tensor)
 
-        worker.step = held  # type: ignore[method-assign]
+        worker.relay = held  # type: ignore[method-assign]
 
     def release(self) -> None:
         self._released.set()
