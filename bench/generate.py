@@ -35,7 +35,10 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
+from bench.llama_plain import PLAIN_NOTE, apply, crashed, plain_env  # noqa: E402 - after the path
+
 log = logging.getLogger("bench.generate")
+llama_plain = False  # llama.cpp crashed with its extra buffer types: its workers run without
 
 PROMPT_TEXT = ("The history of computing is a story of people building machines that extend what we can "
                "calculate, remember and share. ")
@@ -128,6 +131,7 @@ def _next_token(llm) -> int:
 
 def run_llama_cpp(gguf_path: Path, ids: list[int], decode_tokens: int, threads: int, repeats: int) -> dict:
     """The same measurement with llama.cpp (llama-cpp-python) on the GGUF as it is."""
+    plain = apply()
     import llama_cpp
 
     llm = llama_cpp.Llama(str(gguf_path), n_threads=threads, n_threads_batch=threads,
@@ -149,7 +153,7 @@ def run_llama_cpp(gguf_path: Path, ids: list[int], decode_tokens: int, threads: 
         decode_seconds.append(time.perf_counter() - started)
     return {"prefill_tokens_per_s": len(ids) / min(prefill_seconds),
             "decode_tokens_per_s": decode_tokens / min(decode_seconds),
-            "provider": f"llama.cpp {llama_cpp.__version__} CPU"}
+            "provider": f"llama.cpp {llama_cpp.__version__} CPU" + (f" ({PLAIN_NOTE})" if plain else "")}
 
 
 def worker(args: argparse.Namespace) -> int:
@@ -165,7 +169,16 @@ def worker(args: argparse.Namespace) -> int:
 
 
 def spawn(argv: list[str]) -> dict | None:
-    result = subprocess.run([sys.executable, __file__, *argv], capture_output=True, text=True)
+    """A worker's result; a llama.cpp worker that crashes is run again with its extra buffer
+    types off (bench/llama_plain.py), and so are the later ones."""
+    global llama_plain
+    llama = argv[:2] == ["--worker", "llama.cpp"]
+    env = plain_env() if llama and llama_plain else None
+    result = subprocess.run([sys.executable, __file__, *argv], capture_output=True, text=True, env=env)
+    if llama and not llama_plain and crashed(result.returncode):
+        log.warning("llama.cpp crashed (%s); measuring it with them off", PLAIN_NOTE)
+        llama_plain = True
+        return spawn(argv)
     if result.returncode != 0:
         log.error("bench worker %s failed:\n%s", argv[:2], result.stderr.strip()[-2000:])
         return None
