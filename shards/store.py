@@ -33,6 +33,7 @@ class ModelStore:
     def __init__(self, root: Path | None = None) -> None:
         self.root = Path(root) if root is not None else ncm_home()
         self.models_dir = self.root / "models"
+        self._parsed: dict[str, tuple[str, Manifest]] = {}  # name -> (manifest text, what it parsed to)
 
     def _names(self) -> list[str]:
         if not self.models_dir.is_dir():
@@ -61,8 +62,13 @@ class ModelStore:
         return self.models_dir / name
 
     def manifest(self, name: str) -> Manifest:
-        path = self.model_dir(name) / MANIFEST_FILE
-        return Manifest.from_json(path.read_text(encoding="utf-8"))
+        """Model ``name``'s manifest, as its file says now (parsed again only when its text
+        changed: peers ask what this node holds every few seconds)."""
+        text = (self.model_dir(name) / MANIFEST_FILE).read_text(encoding="utf-8")
+        parsed = self._parsed.get(name)
+        if parsed is None or parsed[0] != text:
+            parsed = self._parsed[name] = (text, Manifest.from_json(text))
+        return parsed[1]
 
     def remove(self, name: str) -> None:
         """Delete model ``name`` (ModelNotFoundError if absent)."""

@@ -94,6 +94,19 @@ def test_store_staging_commits_and_lists(tmp_path) -> None:
     assert not store.has("tiny") and list(store.models_dir.iterdir()) == []
 
 
+def test_the_store_reads_a_manifest_as_its_file_says_now(tmp_path) -> None:
+    store = ModelStore(tmp_path)
+    first, second = make_manifest(), make_manifest(n_layers=3)
+    with store.staging("tiny") as d:
+        store.write_manifest(d, first)
+    assert store.manifest("tiny") == first
+    store.write_manifest(store.model_dir("tiny"), second)  # rewritten in place
+    assert store.manifest("tiny") == second
+    with store.staging("tiny") as d:  # replaced by a new import
+        store.write_manifest(d, first)
+    assert store.manifest("tiny") == first
+
+
 def test_store_staging_leaves_nothing_on_error(tmp_path) -> None:
     store = ModelStore(tmp_path)
     with pytest.raises(RuntimeError):
