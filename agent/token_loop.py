@@ -75,8 +75,8 @@ class TokenLoop:
         hop is one network trip, and nothing comes back along the chain. A stage that fails,
         or whose next stage does not take the step, reports it here. One that vanishes or
         freezes says nothing: the step fails at once when this node's link to a stage of the
-        route drops (a request links to every stage first), and every :data:`SILENCE_S` without the result the other stages are
-        pinged, the first that does not answer blamed."""
+        route drops (a request links to every stage first), and every :data:`SILENCE_S`
+        without the result the other stages are pinged, the first that does not answer blamed."""
         head = order.route.hops[0].node_id
         # the address the order gives this node (the one stage links use), else the current one
         url = order.addresses.get(self.node_id) or self.membership.peer_address_of(self.node_id)
