@@ -37,6 +37,7 @@ log = logging.getLogger(__name__)
 ORDER_STEP_TIMEOUT_S = 30.0
 UNLOAD_TIMEOUT_S = 30.0
 DEPLOY_TIMEOUT_S = 900.0
+STAGE_LIVENESS_CHECK_S = 1.0  # how often a node's staging is checked against membership
 RUNTIME_OVERHEAD_BYTES = 24 * 1024 * 1024  # per fragment: the runtime session and its buffers
 
 
@@ -215,10 +216,22 @@ class Deployer:
         return deployment
 
     async def _send_order(self, node_id: str, order: RoutingOrder) -> dict[str, Any]:
+        """Have ``node_id`` stage ``order``. Staging may take minutes (weights to fetch,
+        fragments to build), so the wait ends early when membership finds the node gone or
+        frozen (a failed step counts too): a re-plan waiting on it would hold up every failover."""
         if node_id == self.node_id:
             return await self.worker.stage(order)
-        return await self.client.request_json("POST", order.addresses[node_id], ROUTING_PATH, order.to_json(),
-                                              target=node_id, timeout_s=DEPLOY_TIMEOUT_S)
+        staging = asyncio.ensure_future(self.client.request_json(
+            "POST", order.addresses[node_id], ROUTING_PATH, order.to_json(), target=node_id,
+            timeout_s=DEPLOY_TIMEOUT_S))
+        try:
+            while not (await asyncio.wait({staging}, timeout=STAGE_LIVENESS_CHECK_S))[0]:
+                if node_id not in self.membership.alive_nodes():
+                    raise PeerError(order.addresses[node_id], f"node {node_id} stopped answering while it staged "
+                                    f"plan {order.plan_version}")
+            return staging.result()
+        finally:
+            staging.cancel()
 
     async def _order_step(self, path: str, order: RoutingOrder, nodes: list[str]) -> None:
         """Commit or abort ``order`` on ``nodes`` (a node that misses it is logged: a commit it

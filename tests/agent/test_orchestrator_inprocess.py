@@ -24,7 +24,9 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+import pytest
 
+from agent.peer_client import PeerError
 from agent.protocol import StepFrame
 from agent.service_keys import EVENTS, MEMBERSHIP, ORCHESTRATOR, WORKER
 from shards.importer import import_model
@@ -315,6 +317,38 @@ def test_without_fallback_a_lost_layer_ends_the_stream_with_an_error_and_the_mod
             status_code, body = await call("POST", leader.url + "/v1/completions", {
                 "model": TINY, "prompt": PROMPT, "max_tokens": 4, "temperature": 0})
             assert status_code == 200 and body["model"] == TINY, body
+
+    asyncio.run(scenario())
+
+
+def test_a_node_that_stops_answering_while_it_stages_a_plan_does_not_hold_the_plan_up(tmp_path):
+    """Staging an order may take minutes (weights to fetch, fragments to build), and a re-plan
+    waits for every node: one found gone meanwhile (here by a failed step, as a request's
+    failover finds it) ends that wait at once, instead of holding up the failovers queued
+    behind the re-plan."""
+
+    async def scenario() -> None:
+        async with tiny_cluster(tmp_path, 3, **CHAOS) as (leader, others):
+            _, middle = others
+            reached, never = asyncio.Event(), asyncio.Event()
+
+            async def stuck(order: Any) -> dict[str, Any]:
+                reached.set()
+                await never.wait()  # frozen in the middle of staging
+                return {}
+
+            def frozen(caller_host: str | None = None) -> dict[str, Any]:
+                raise RuntimeError("frozen")  # its health answers fail from now on
+
+            middle.app[WORKER].stage = stuck  # type: ignore[method-assign]
+            deployer = leader.app[ORCHESTRATOR].deployer
+            sending = asyncio.create_task(deployer._send_order(middle.node_id, leader.app[WORKER].serving[TINY]))
+            await eventually(reached.is_set, timeout_s=10, what="the middle to start staging")
+            middle.app[MEMBERSHIP].describe = frozen  # type: ignore[method-assign]
+            leader.app[MEMBERSHIP].mark_unreachable(middle.node_id)  # a request's failover found it
+            with pytest.raises(PeerError, match="stopped answering while it staged"):
+                await asyncio.wait_for(sending, timeout=5)
+            never.set()
 
     asyncio.run(scenario())
 
