@@ -20,7 +20,7 @@ from agent.protocol import STREAM_PATH, ResultFrame
 log = logging.getLogger(__name__)
 CONNECT_TIMEOUT_S = 5.0
 BUSY_INTERVAL_S = 0.25  # how often a stage says "busy" on a socket while steps from it run
-SILENCE_S = 1.5  # a stage silent this long with a step pending is frozen or gone: it is blamed
+SILENCE_S = 1.5  # a stage silent this long with a step pending (or not answering a ping) is frozen or gone
 SEND_TIMEOUT_S = 30.0  # a frame the peer's socket does not take in this long: the peer is frozen
 
 

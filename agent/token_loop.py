@@ -20,7 +20,7 @@ from agent.compat import timeout
 from agent.core.chat_request import InvalidRequestError
 from agent.core.errors import ClusterError
 from agent.core.orders import RoutingOrder
-from agent.dataplane import SILENCE_S, StageError
+from agent.dataplane import SILENCE_S, StageError, StageLink
 from agent.deployer import Deployment
 from agent.membership import Membership
 from agent.protocol import CloseFrame, StepFrame
@@ -109,11 +109,15 @@ class TokenLoop:
         finally:
             self.worker.replies.forget(step.sid, step.seq)
 
+    async def _links_to_stages(self, order: RoutingOrder) -> list[StageLink]:
+        """This node's links to the other stages of ``order``'s route, in route order."""
+        return [await self.worker.links.get(node_id, order.addresses[node_id])
+                for node_id in order.route.nodes if node_id != self.node_id]
+
     async def _probe(self, order: RoutingOrder) -> None:
         """Ping the other stages of ``order``'s route at once; the failure of the first (in
         route order) that does not answer."""
-        links = [await self.worker.links.get(node_id, order.addresses[node_id])
-                 for node_id in order.route.nodes if node_id != self.node_id]
+        links = await self._links_to_stages(order)
         outcomes = await asyncio.gather(*(link.ping(SILENCE_S) for link in links), return_exceptions=True)
         for outcome in outcomes:
             if isinstance(outcome, BaseException):
@@ -122,9 +126,8 @@ class TokenLoop:
     async def _prefill(self, deployment: Deployment, order: RoutingOrder, sid: str, ids: list[int],
                        sampling: dict[str, Any]) -> int:
         """Feed ``ids`` from position 0 in chunks; the last chunk samples the next token."""
-        for node_id in order.route.nodes:  # linked to every stage: one that dies is noticed at once
-            if node_id != self.node_id:
-                await (await self.worker.links.get(node_id, order.addresses[node_id])).connect()
+        for link in await self._links_to_stages(order):  # linked to every stage: one that dies is noticed at once
+            await link.connect()
         chunk = deployment.settings.prefill_chunk
         token: int | None = None
         for seq, start in enumerate(range(0, len(ids), chunk)):

@@ -73,6 +73,7 @@ class ModelStore:
     def remove(self, name: str) -> None:
         """Delete model ``name`` (ModelNotFoundError if absent)."""
         d = self.model_dir(name)
+        self._parsed.pop(name, None)
         trash = self.models_dir / f"{_TMP_PREFIX}rm-{name}-{os.getpid()}"
         os.replace(d, trash)
         shutil.rmtree(trash, ignore_errors=True)
