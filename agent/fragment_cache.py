@@ -118,9 +118,11 @@ class FragmentCache:
         plan = thread_plan(configured_threads=self.config.threads, spin=self.config.spin,
                            agents_on_host=self.agents_on_host(), cores=os.cpu_count() or 1)
         if plan != self.thread_plan:
-            log.info("fragments run on %s thread(s), %s (%s)", plan.threads or "all",
+            log.info("fragments run on %s thread(s), %s, %s (%s)", plan.threads or "all",
                      "not spinning" if not plan.spinning else
-                     "spinning between runs" if plan.spin_after_run else "spinning within a run only", plan.reason)
+                     "spinning between runs" if plan.spin_after_run else "spinning within a run only",
+                     "a range opened in parts side by side" if plan.load_side_by_side else "a range as one session",
+                     plan.reason)
             self.thread_plan = plan
         return open_range(
             model_dir, key.first_layer, key.last_layer, self._load_parts(plan),
@@ -133,11 +135,12 @@ class FragmentCache:
         )
 
     def _load_parts(self, plan: ThreadPlan) -> int:
-        """How many runners a range opens as, side by side: on the CPU provider, one per core
-        this agent computes on (onnxruntime repacks a session's weights on one core), at most
-        MAX_LOAD_PARTS; an accelerator's range stays one session."""
+        """How many runners a range opens as, side by side: on the CPU provider of an agent
+        alone on its host, one per core it computes on (onnxruntime repacks a session's weights
+        on one core), at most MAX_LOAD_PARTS; an accelerator's range, and one on a host that
+        agents share (:mod:`agent.core.threads`), stays one session."""
         best = backend_chain(detect_platform(), self.config.providers)[0]
-        if not best or best[0].kind != "cpu":
+        if not best or best[0].kind != "cpu" or not plan.load_side_by_side:
             return 1
         return max(1, min(plan.threads or os.cpu_count() or 1, MAX_LOAD_PARTS))
 

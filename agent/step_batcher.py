@@ -9,7 +9,8 @@ the fragment's previous batch (still open) have not sent theirs, it waits for th
 so a round does not split into one step alone and the rest after it (the sessions come back
 together, a round trip of the chain later) and a session that stalls (its client reads
 slowly) costs the others little. A step whose session is out of step, or whose batch fails,
-gets its own error: the other rows run alone.
+gets its own error: the other rows run alone. A lone stream's quick decode steps run on the
+event loop itself (:meth:`StepBatcher._inline`).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ log = logging.getLogger(__name__)
 MAX_BATCH_ROWS = 32  # decode steps one call runs at most
 GATHER_S = 0.003  # how long a decode step waits for the rest of its fragment's previous batch
 GATHER_SHARE = 0.25  # ... and never more than this share of that batch's compute time
+INLINE_DECODE_S = 0.05  # a lone stream's decode step runs on the event loop when its fragment's last one took less
 
 
 @dataclass
@@ -161,20 +163,41 @@ class StepBatcher:
             self.batches += 1
             self.batched_steps += len(batch)
         started_s = loop.time()
-        work = loop.run_in_executor(self.executor, run_batch, batch[0].runner, [(p.sid, p.start, p.x) for p in batch])
-        work.add_done_callback(lambda done: self._finish(batch, done, started_s))
+        steps = [(p.sid, p.start, p.x) for p in batch]
+        if self._inline(batch):
+            try:
+                results: list[np.ndarray | BaseException | None] = list(run_batch(batch[0].runner, steps))
+            except Exception as error:  # noqa: BLE001 - a bug: the caller hears it
+                results = [error]
+            self._finish(batch, results, started_s)
+            return
+        work = loop.run_in_executor(self.executor, run_batch, batch[0].runner, steps)
+        work.add_done_callback(lambda done: self._finish(batch, self._outcome(done, len(batch)), started_s))
 
-    def _finish(self, batch: list[_Pending], done: asyncio.Future[list[np.ndarray | BaseException]],
-                started_s: float) -> None:
+    def _inline(self, batch: list[_Pending]) -> bool:
+        """Whether ``batch`` runs right here, on the event loop: a decode step of the only
+        session its fragment holds (no other session's step could join its batch) whose last
+        decode step took less than :data:`INLINE_DECODE_S` (the loop, which answers pings
+        and requests, is held that long at most). Handing a small step to the compute thread
+        and back wakes two threads, a share of the step a stage of a pipeline feels."""
+        first = batch[0]
+        return (first.decode and len(batch) == 1
+                and self._last_compute_s.get(first.runner, INLINE_DECODE_S) < INLINE_DECODE_S
+                and set(first.runner.sessions()) <= {first.sid})
+
+    @staticmethod
+    def _outcome(done: asyncio.Future[list[np.ndarray | BaseException]], rows: int) -> list[np.ndarray | BaseException | None]:
+        """Per step of a batch run on the compute thread, its output, error or None (cancelled)."""
+        if done.cancelled():  # the executor shut down
+            return [None] * rows
+        if done.exception() is not None:  # a bug: every caller of the batch hears it
+            return [done.exception()] * rows
+        return list(done.result())
+
+    def _finish(self, batch: list[_Pending], results: list[np.ndarray | BaseException | None], started_s: float) -> None:
         self._busy = False
         if batch[0].decode:
             self._last_compute_s[batch[0].runner] = asyncio.get_running_loop().time() - started_s
-        if done.cancelled():  # the executor shut down
-            results: list[np.ndarray | BaseException | None] = [None] * len(batch)
-        elif done.exception() is not None:  # a bug: every caller of the batch hears it
-            results = [done.exception()] * len(batch)
-        else:
-            results = list(done.result())
         for pending, result in zip(batch, results):
             if pending.future.done():
                 continue

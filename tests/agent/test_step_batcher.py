@@ -6,6 +6,7 @@ concurrent greedy requests are batched at every stage and each gets the text it 
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -100,6 +101,44 @@ def test_a_round_waits_briefly_for_the_rest_of_the_last_batch_and_not_for_a_stal
             assert batcher.batches == 2 and runner.session_length("a") == 3
 
     asyncio.run(scenario())
+
+
+class Recording(OrtFragmentRunner):
+    """The tiny fragment, noting the thread each call runs on; ``delay_s`` more a call."""
+
+    delay_s = 0.0
+
+    def forward(self, session_id, x, *, last_only=False):
+        self.threads.append(threading.get_ident())
+        time.sleep(self.delay_s)
+        return super().forward(session_id, x, last_only=last_only)
+
+
+@pytest.mark.parametrize("case", ["lone quick stream", "slow device", "two sessions"])
+def test_a_lone_streams_quick_decode_steps_run_on_the_event_loop_and_nothing_else_does(model_dir, tmp_path, case) -> None:
+    runner = Recording(model_dir, 0, 1, threads=1, cache_dir=tmp_path)
+    alone = OrtFragmentRunner(model_dir, 0, 1, threads=1, cache_dir=tmp_path)
+    runner.threads, runner.delay_s = [], 0.06 if case == "slow device" else 0.0
+    if case == "two sessions":
+        runner.open_session("other")
+    ids = prompts(1)[0]
+    alone.open_session("a")
+    expected = [alone.forward("a", ids, last_only=True), *(alone.forward("a", np.array([[t]])) for t in (7, 8, 9))]
+
+    async def scenario() -> tuple[list[np.ndarray], int]:
+        with ThreadPoolExecutor(max_workers=1) as executor:
+            batcher = StepBatcher(executor)
+            outputs = [await batcher.compute(runner, "a", 0, ids)]
+            for position, token in enumerate((7, 8, 9), start=ids.shape[1]):
+                outputs.append(await batcher.compute(runner, "a", position, np.array([[token]])))
+            return outputs, threading.get_ident()
+
+    outputs, loop_thread = asyncio.run(scenario())
+    for got, want in zip(outputs, expected):
+        np.testing.assert_allclose(got, want, atol=1e-4, rtol=0)
+    on_loop = [thread == loop_thread for thread in runner.threads]
+    # the prefill and the first decode step (its time unknown yet) go to the compute thread
+    assert on_loop == ([False, False, True, True] if case == "lone quick stream" else [False] * 4)
 
 
 def test_concurrent_greedy_requests_are_batched_and_each_gets_its_own_text(tmp_path) -> None:

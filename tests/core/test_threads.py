@@ -12,11 +12,14 @@ from agent.core.threads import SPIN_CHOICES, thread_plan
 def test_alone_an_agent_keeps_the_runtime_choice_and_spins():
     plan = thread_plan(configured_threads=0, spin="auto", agents_on_host=1, cores=8)
     assert (plan.threads, plan.spinning, plan.spin_after_run) == (None, True, True) and "alone" in plan.reason
+    assert plan.load_side_by_side  # a range may open as one session per core: it loads faster
 
 
 def test_agents_sharing_a_host_split_its_cores_and_spin_within_a_run_only():
     plan = thread_plan(configured_threads=0, spin="auto", agents_on_host=3, cores=2)
     assert (plan.threads, plan.spinning, plan.spin_after_run) == (1, True, False) and "3 agents" in plan.reason
+    # one session per range: the agents load side by side anyway, and each session wakes its threads per step
+    assert not thread_plan(configured_threads=2, spin="auto", agents_on_host=3, cores=2).load_side_by_side
     assert thread_plan(configured_threads=0, spin="auto", agents_on_host=2, cores=16).threads == 8
 
 
@@ -38,3 +41,4 @@ def test_never_more_threads_per_agent_than_its_share_unless_configured(threads, 
         assert 1 <= plan.threads <= max(1, cores // agents) and plan.threads * agents <= max(cores, agents)
     assert plan.spinning == (spin != "off")
     assert plan.spin_after_run == (spin == "on" or (spin == "auto" and agents <= 1))
+    assert plan.load_side_by_side == (agents <= 1)
