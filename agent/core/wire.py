@@ -51,34 +51,38 @@ OPTIONAL_FIELDS: dict[str, dict[str, str]] = {
 }
 
 
-def _check_type(kind: str, name: str, value: Any, expected: str) -> None:
-    optional = expected.endswith("?")
-    base = expected.rstrip("?")
-    if optional and value is None:
-        return
-    ok = {
-        _STR: isinstance(value, str) and len(value) <= 4096,
-        _INT: isinstance(value, int) and not isinstance(value, bool),
-        _BOOL: isinstance(value, bool),
-        _MAP: isinstance(value, dict),
-    }[base]
-    if not ok:
-        raise WireError(f"{kind} frame: field {name!r} must be {base}, got {type(value).__name__}")
+_TYPE_CHECKS = {
+    _STR: lambda value: isinstance(value, str) and len(value) <= 4096,
+    _INT: lambda value: isinstance(value, int) and not isinstance(value, bool),
+    _BOOL: lambda value: isinstance(value, bool),
+    _MAP: lambda value: isinstance(value, dict),
+}
+# kind -> (name, type, its check, None allowed, required) per field: what a frame is checked against
+_FIELDS: dict[str, tuple[tuple[str, str, Any, bool, bool], ...]] = {
+    kind: tuple((name, expected.rstrip("?"), _TYPE_CHECKS[expected.rstrip("?")], expected.endswith("?"), required)
+                for fields, required in ((SCHEMAS[kind], True), (OPTIONAL_FIELDS.get(kind, {}), False))
+                for name, expected in fields.items())
+    for kind in SCHEMAS
+}
+_DTYPE_NAMES = {np.dtype(name): name for name in ALLOWED_DTYPES}
+_ITEM_BYTES = {name: np.dtype(name).itemsize for name in ALLOWED_DTYPES}
 
 
 def validate_header(header: Any) -> dict[str, Any]:
     if not isinstance(header, dict):
         raise WireError("frame header must be a map")
     kind = header.get("kind")
-    if not isinstance(kind, str) or kind not in SCHEMAS:
+    fields = _FIELDS.get(kind) if isinstance(kind, str) else None
+    if fields is None:
         raise WireError(f"unknown frame kind {kind!r}")
-    for name, expected in SCHEMAS[kind].items():
+    for name, base, check, nullable, required in fields:
         if name not in header:
-            raise WireError(f"{kind} frame is missing {name!r}")
-        _check_type(kind, name, header[name], expected)
-    for name, expected in OPTIONAL_FIELDS.get(kind, {}).items():
-        if name in header:
-            _check_type(kind, name, header[name], expected)
+            if required:
+                raise WireError(f"{kind} frame is missing {name!r}")
+            continue
+        value = header[name]
+        if not (check(value) or (nullable and value is None)):
+            raise WireError(f"{kind} frame: field {name!r} must be {base}, got {type(value).__name__}")
     return header
 
 
@@ -86,10 +90,11 @@ def encode_frame(header: dict[str, Any], tensor: np.ndarray | None = None) -> by
     """Pack a header (validated) and an optional tensor into one frame."""
     header = dict(header)
     if tensor is not None:
-        if tensor.dtype.name not in ALLOWED_DTYPES:
+        dtype = _DTYPE_NAMES.get(tensor.dtype)
+        if dtype is None:
             raise WireError(f"dtype {tensor.dtype.name} is not allowed on the wire")
         tensor = np.ascontiguousarray(tensor)
-        header["tensor"] = {"dtype": tensor.dtype.name, "shape": list(tensor.shape)}
+        header["tensor"] = {"dtype": dtype, "shape": list(tensor.shape)}
     validate_header(header)
     if (header["kind"] in TENSOR_KINDS) != (tensor is not None):
         raise WireError(f"{header['kind']} frame {'needs' if tensor is None else 'takes no'} tensor")
@@ -122,7 +127,7 @@ def decode_frame(frame: bytes | bytearray | memoryview) -> tuple[dict[str, Any],
     if not isinstance(spec, dict):
         raise WireError(f"{header['kind']} frame is missing its tensor description")
     dtype, shape = spec.get("dtype"), spec.get("shape")
-    if dtype not in ALLOWED_DTYPES:
+    if not isinstance(dtype, str) or dtype not in ALLOWED_DTYPES:
         raise WireError(f"tensor dtype {dtype!r} is not allowed (allowed: {', '.join(sorted(ALLOWED_DTYPES))})")
     if (
         not isinstance(shape, list)
@@ -130,7 +135,7 @@ def decode_frame(frame: bytes | bytearray | memoryview) -> tuple[dict[str, Any],
         or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape)
     ):
         raise WireError(f"tensor shape {shape!r} is invalid")
-    expected = math.prod(shape) * np.dtype(dtype).itemsize
+    expected = math.prod(shape) * _ITEM_BYTES[dtype]
     if expected != len(payload):
         raise WireError(f"tensor of shape {shape} and dtype {dtype} needs {expected} bytes, frame carries {len(payload)}")
     return header, np.frombuffer(payload, dtype=dtype).reshape(shape)

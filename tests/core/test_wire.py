@@ -41,6 +41,8 @@ def test_length_mismatch_is_rejected():
 def test_disallowed_dtype_and_bad_headers():
     with pytest.raises(WireError, match="not allowed"):
         encode_frame(STEP, np.zeros(3, dtype=np.complex64))
+    with pytest.raises(WireError, match="not allowed"):  # its bytes would be read back little-endian
+        encode_frame(STEP, np.zeros(3, dtype=">f4"))
     with pytest.raises(WireError, match="bad magic"):
         decode_frame(b"HTTP/1.1 200 OK")
     with pytest.raises(WireError, match="missing 'seq'"):
@@ -73,3 +75,7 @@ def test_forged_tensor_description_is_rejected():
     packed = msgpack.packb(header)
     with pytest.raises(WireError, match="shape"):
         decode_frame(b"NCM1" + struct.pack("<I", len(packed)) + packed)
+    header = dict(STEP, tensor={"dtype": ["float32"], "shape": [1]})  # not even a name
+    packed = msgpack.packb(header)
+    with pytest.raises(WireError, match="is not allowed"):
+        decode_frame(b"NCM1" + struct.pack("<I", len(packed)) + packed + b"\0" * 4)

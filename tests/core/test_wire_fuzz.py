@@ -25,7 +25,7 @@ scalars = (st.none() | st.booleans() | st.integers(-2**63, 2**64 - 1) | st.float
 values = st.recursive(scalars, lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=6), inner, max_size=4),
                       max_leaves=12)
 shapes = st.lists(st.integers(-3, 2**40) | st.booleans() | st.text(max_size=2), max_size=9)
-tensor_specs = st.fixed_dictionaries({"dtype": st.sampled_from([*sorted(ALLOWED_DTYPES), "object", "V8", "", 7]),
+tensor_specs = st.fixed_dictionaries({"dtype": st.sampled_from([*sorted(ALLOWED_DTYPES), "object", "V8", "", 7]) | values,
                                       "shape": shapes | values})
 headers = st.dictionaries(
     st.sampled_from(FIELD_NAMES) | st.text(max_size=8),
