@@ -1,6 +1,6 @@
-"""Persistent stage-to-stage links: one WebSocket per (this node, next node), frames in
-both directions, many requests multiplexed by (session id, step number); and the results and
-failures stages send straight to the orchestrator (:class:`Replies`)."""
+"""Persistent links between nodes: one WebSocket per (this node, other node) carrying steps,
+closes, results and failures one way and pings both ways, shared by every request; and the
+results and failures stages send straight to the orchestrator (:class:`Replies`)."""
 
 from __future__ import annotations
 
@@ -19,8 +19,7 @@ from agent.protocol import STREAM_PATH, ResultFrame
 
 log = logging.getLogger(__name__)
 CONNECT_TIMEOUT_S = 5.0
-BUSY_INTERVAL_S = 0.25  # how often a stage says "busy" on a socket while steps from it run
-SILENCE_S = 1.5  # a stage silent this long with a step pending (or not answering a ping) is frozen or gone
+SILENCE_S = 1.5  # a step's result this late: the route's stages are pinged; one that does not answer this soon is frozen
 SEND_TIMEOUT_S = 30.0  # a frame the peer's socket does not take in this long: the peer is frozen
 
 
@@ -33,8 +32,8 @@ class StageError(NcmError):
         self.node = node
 
     def to_header(self, request: dict[str, Any]) -> dict[str, Any]:
-        """The error frame answering the step ``request`` (a header: its ``cid`` is answered too)."""
-        return {"kind": "error", "sid": request["sid"], "seq": request["seq"], "cid": request.get("cid", 0),
+        """The error frame of the step ``request`` (a header)."""
+        return {"kind": "error", "sid": request["sid"], "seq": request["seq"],
                 "code": self.code, "message": str(self), "node": self.node}
 
     @classmethod
@@ -54,10 +53,9 @@ class StageLink:
         self.url = url
         self._ws: aiohttp.ClientWebSocketResponse | None = None
         self._reader: asyncio.Task[None] | None = None
-        self._pending: dict[int, asyncio.Future[tuple[dict[str, Any], np.ndarray | None]]] = {}
+        self._pongs: dict[int, asyncio.Future[None]] = {}  # by the cid of the ping they answer
         self._next_cid = 0
         self._connect_lock = asyncio.Lock()
-        self._last_heard = 0.0  # event-loop time of the last frame from the peer
 
     async def connect(self) -> None:
         """Open the link now (it opens on first use otherwise); a :class:`StageError` when the
@@ -78,56 +76,23 @@ class StageLink:
     async def _read(self, ws: aiohttp.ClientWebSocketResponse) -> None:
         try:
             async for message in ws:
-                self._last_heard = asyncio.get_running_loop().time()
                 if message.type != aiohttp.WSMsgType.BINARY:
                     continue
                 try:
-                    header, tensor = decode_frame(message.data)
+                    header, _ = decode_frame(message.data)
                 except WireError as error:
                     log.warning("bad frame from %s: %s", self.node_id, error)
                     continue
-                future = self._pending.pop(header.get("cid", -1), None)
-                if future is not None and not future.done():
-                    future.set_result((header, tensor))
+                pong = self._pongs.pop(header.get("cid", -1), None) if header["kind"] == "pong" else None
+                if pong is not None and not pong.done():
+                    pong.set_result(None)
         finally:
             self._on_lost(self.node_id)
             failure = StageError("stage_unreachable", f"connection to node {self.node_id} was lost", self.node_id)
-            for future in self._pending.values():
-                if not future.done():
-                    future.set_exception(failure)
-            self._pending.clear()
-
-    async def call(self, header: dict[str, Any], tensor: np.ndarray | None, *, timeout_s: float) -> tuple[dict[str, Any], np.ndarray | None]:
-        """Send a step and wait for its result (or error) frame: up to ``timeout_s`` while the
-        peer keeps saying it is busy, :data:`SILENCE_S` once it says nothing."""
-        ws = await self._connection()
-        self._next_cid += 1
-        key = self._next_cid
-        loop = asyncio.get_running_loop()
-        future: asyncio.Future[tuple[dict[str, Any], np.ndarray | None]] = loop.create_future()
-        self._pending[key] = future
-        try:
-            await ws.send_bytes(encode_frame(dict(header, cid=key), tensor))
-            sent_at = loop.time()
-            deadline = sent_at + timeout_s
-            while True:
-                try:
-                    async with timeout(min(BUSY_INTERVAL_S, max(deadline - loop.time(), 0.0))):
-                        return await asyncio.shield(future)
-                except asyncio.TimeoutError:
-                    now = loop.time()
-                    if now - max(self._last_heard, sent_at) > SILENCE_S:
-                        raise StageError("stage_timeout", f"node {self.node_id} went silent for {SILENCE_S:g} s "
-                                         "during a step (frozen or gone)", self.node_id) from None
-                    if now >= deadline:
-                        raise StageError("stage_timeout", f"node {self.node_id} did not answer within {timeout_s:g} s",
-                                         self.node_id) from None
-        except (aiohttp.ClientError, ConnectionError, RuntimeError) as error:
-            raise StageError("stage_unreachable", f"node {self.node_id}: {error}", self.node_id) from None
-        finally:
-            self._pending.pop(key, None)
-            if not future.done():
-                future.cancel()
+            for pong in self._pongs.values():
+                if not pong.done():
+                    pong.set_exception(failure)
+            self._pongs.clear()
 
     async def post(self, header: dict[str, Any], tensor: np.ndarray | None = None) -> None:
         """Send a frame that nothing answers on this link (a step naming its reply node, a
@@ -151,7 +116,22 @@ class StageLink:
 
     async def ping(self, timeout_s: float) -> None:
         """A :class:`StageError` unless the peer answers a ping within ``timeout_s``."""
-        await self.call({"kind": "ping"}, None, timeout_s=timeout_s)
+        ws = await self._connection()
+        self._next_cid += 1
+        key = self._next_cid
+        pong: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._pongs[key] = pong
+        try:
+            async with timeout(timeout_s):
+                await ws.send_bytes(encode_frame({"kind": "ping", "cid": key}))
+                await pong
+        except asyncio.TimeoutError:
+            raise StageError("stage_timeout", f"node {self.node_id} did not answer a ping within {timeout_s:g} s "
+                             "(frozen or gone)", self.node_id) from None
+        except (aiohttp.ClientError, ConnectionError, RuntimeError) as error:
+            raise StageError("stage_unreachable", f"node {self.node_id}: {error}", self.node_id) from None
+        finally:
+            self._pongs.pop(key, None)
 
     async def close(self) -> None:
         if self._ws is not None:

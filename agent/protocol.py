@@ -11,12 +11,10 @@ the orchestrator: the tail sends its :class:`ResultFrame` (the sampled token) st
 and a stage that fails, or whose next stage does not take the step, sends its error frame
 (:meth:`agent.dataplane.StageError.to_header`) there too; nothing goes back along the chain,
 so a token crosses each link once. The orchestrator finds frozen and vanished stages itself:
-``ping`` frames, which a live node answers with ``pong`` at once. A step that names no reply
-node is answered on the socket it came in on, by a chain of stages each awaiting the next
-(``busy`` frames say a stage is still working on it). A :class:`CloseFrame` frees a session
-on a stage.
+``ping`` frames, which a live node answers with ``pong`` at once. A :class:`CloseFrame`
+frees a session on a stage.
 Each frame is a header validated by :data:`agent.core.wire.SCHEMAS` on decode; the link adds
-``cid``, which pairs an answer with its step (or ping) on that link.
+``cid``, which pairs a pong with its ping on that link.
 """
 
 from __future__ import annotations
@@ -34,7 +32,7 @@ ABORT_PATH = "/internal/routing/abort"  # drop the staged order
 UNLOAD_PATH = "/internal/unload"  # drop a model's orders and fragments
 COPY_PATH = "/internal/copy"  # keep a whole copy of a model (the fallback)
 REKEY_PATH = "/internal/rekey"  # the new cluster key after a node is removed
-STREAM_PATH = "/internal/stream"  # the data plane: a WebSocket of step, result, error, close, busy and ping frames
+STREAM_PATH = "/internal/stream"  # the data plane: a WebSocket of step, result, error, close and ping frames
 MODEL_LISTING_PATH = "/internal/models/{name}"  # a stored model's files, sizes and sha256
 MODEL_FILE_PATH = "/internal/models/{name}/files/{path}"  # one file (Range requests resume)
 PAIR_PATH = "/cluster/pair"  # public: a new device redeems an invite (it holds no key yet)
@@ -52,9 +50,9 @@ def model_file_path(name: str, relative: str) -> str:
 class StepFrame:
     """Run the layers from ``layer`` on, for session ``sid`` at positions ``start``...; the
     tail samples the next token when ``sample`` (with ``params``, sent on a session's first
-    step). With ``reply`` (a node id, reached at ``reply_url``) its result, or the failure of
-    any stage, goes straight to that node, the orchestrator; without, it comes back along
-    the chain."""
+    step). Its result, or the failure of any stage, goes straight to ``reply`` (a node id,
+    reached at ``reply_url``): the orchestrator, which names itself there before it sends
+    the step (:meth:`replying_to`)."""
 
     sid: str
     seq: int
@@ -119,4 +117,3 @@ class CloseFrame:
         return {"kind": "close", "sid": self.sid, "layer": self.layer, "plan": self.plan}
 
 
-BUSY_HEADER: dict[str, Any] = {"kind": "busy"}  # a stage still works on steps sent on this socket

@@ -34,7 +34,7 @@ from agent.core.errors import AuthError, StaleRequestError, WireError
 from agent.core.invites import InviteError
 from agent.core.orders import RoutingOrder
 from agent.core.wire import decode_frame, encode_frame
-from agent.dataplane import BUSY_INTERVAL_S, Links, StageError
+from agent.dataplane import Links
 from agent.discovery import Discovery
 from agent.events import EventLog
 from agent.files import write_private
@@ -44,7 +44,7 @@ from agent.metrics import ClusterStateCollector, Metrics, count_requests
 from agent.orchestrator import Orchestrator
 from agent.pairing import InviteStore, join_pending, take_new_key
 from agent.protocol import (
-    ABORT_PATH, BUSY_HEADER, COMMIT_PATH, COPY_PATH, DESCRIBE_PATH, INTERNAL_PREFIX, MODEL_FILE_PATH, MODEL_LISTING_PATH,
+    ABORT_PATH, COMMIT_PATH, COPY_PATH, DESCRIBE_PATH, INTERNAL_PREFIX, MODEL_FILE_PATH, MODEL_LISTING_PATH,
     PAIR_PATH, REKEY_PATH, ROUTING_PATH, STATE_PATH, STREAM_PATH, UNLOAD_PATH, StepFrame,
 )
 from agent.peer_client import PeerClient
@@ -293,8 +293,8 @@ async def model_file(request: web.Request) -> web.StreamResponse:
 
 @internal.get(STREAM_PATH)
 async def stream(request: web.Request) -> web.WebSocketResponse:
-    """The data plane on one persistent socket: steps in (run and handed on; one naming no
-    reply node is answered here), results and failures for this orchestrator, closes, pings."""
+    """The data plane on one persistent socket: steps in (run and handed on), results and
+    failures for this orchestrator, closes, pings."""
     # A frame over the limit closes the socket (1009) before it is held whole in memory.
     ws = web.WebSocketResponse(max_msg_size=request.app[WORKER].max_frame_bytes(), compress=False)
     await ws.prepare(request)
@@ -305,42 +305,7 @@ async def stream(request: web.Request) -> web.WebSocketResponse:
     sockets = request.app[DATA_PLANE_SOCKETS]
     sockets.add(ws)
 
-    in_flight = 0
-    working = asyncio.Event()  # set while steps from this socket run
-
-    async def run_step(header: dict[str, Any], tensor: Any) -> None:
-        """A step answered on this socket (one naming no reply node), back along the chain."""
-        nonlocal in_flight
-        in_flight += 1
-        working.set()
-        try:
-            result = (await worker.step(StepFrame.from_header(header), tensor)).header()
-            result["cid"] = header.get("cid", 0)
-        except StageError as error:
-            result = error.to_header(header)
-        except Exception as error:  # noqa: BLE001 - one bad step must not take the socket down
-            log.exception("step failed")
-            result = StageError("internal", f"{type(error).__name__}: {error}", None).to_header(header)
-        finally:
-            in_flight -= 1
-            if not in_flight:
-                working.clear()
-        if not ws.closed:
-            with contextlib.suppress(ConnectionError, RuntimeError):
-                await ws.send_bytes(encode_frame(result))
-
-    async def say_busy() -> None:
-        """While steps from this socket run, say so: the sender tells busy from frozen."""
-        busy = encode_frame(BUSY_HEADER)
-        while not ws.closed:
-            await working.wait()
-            await asyncio.sleep(BUSY_INTERVAL_S)
-            if in_flight and not ws.closed:
-                with contextlib.suppress(ConnectionError, RuntimeError):
-                    await ws.send_bytes(busy)
-
     async with TaskGroup() as steps:
-        busy_task = steps.create_task(say_busy())
         async for message in ws:
             if message.type != aiohttp.WSMsgType.BINARY:
                 continue
@@ -351,10 +316,8 @@ async def stream(request: web.Request) -> web.WebSocketResponse:
                 await ws.close(code=aiohttp.WSCloseCode.UNSUPPORTED_DATA, message=str(error).encode()[:120])
                 break
             kind = header["kind"]
-            if kind == "step" and "reply" in header:  # answered to the reply node, not here
+            if kind == "step":  # run, handed on; its outcome goes to its reply node
                 steps.create_task(worker.relay(StepFrame.from_header(header), tensor))
-            elif kind == "step":
-                steps.create_task(run_step(header, tensor))
             elif kind == "close":
                 worker.close_session(header["sid"])
             elif kind in ("result", "error"):  # a step's outcome, sent straight to this orchestrator
@@ -362,7 +325,6 @@ async def stream(request: web.Request) -> web.WebSocketResponse:
             elif kind == "ping":
                 with contextlib.suppress(ConnectionError, RuntimeError):
                     await ws.send_bytes(encode_frame({"kind": "pong", "cid": header.get("cid", 0)}))
-        busy_task.cancel()
     sockets.discard(ws)
     return ws
 

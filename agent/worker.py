@@ -49,7 +49,6 @@ from shards.sampling import Sampler, SamplingParams
 from shards.store import ModelStore
 
 log = logging.getLogger(__name__)
-CHAIN_STEP_TIMEOUT_S = 120.0  # a step answered back along the chain: how long a stage waits for the next
 RETIRE_GRACE_S = 30.0  # a replaced order keeps answering this long, for steps already under way
 MIN_FRAME_LIMIT_BYTES = 64 << 20  # data-plane frames this size are always taken
 FRAME_HEADER_BYTES = 64 << 10  # room for a frame's header on top of its tensor
@@ -390,21 +389,6 @@ class Worker:
             raise StageError("stage_faulty", f"layers {hop.layers} on node {self.node_id} computed NaN or Inf",
                              self.node_id)
         return order, hop, output, info
-
-    async def step(self, step: StepFrame, tensor: np.ndarray | None) -> ResultFrame:
-        """Run ``step`` (one naming no reply node) through my hop and every stage after it, each
-        awaiting the next: the tail's result, back along the chain."""
-        order, hop, output, info = await self._compute(step, tensor)
-        next_node = order.next_after(hop.layers.last)
-        if next_node is None:
-            return ResultFrame(step.sid, step.seq, _sample(info, step, output))
-        if next_node == self.node_id:
-            return await self.step(step.at_layer(hop.layers.last + 1), output)
-        link = await self.links.get(next_node, order.addresses[next_node])
-        answer, _ = await link.call(step.at_layer(hop.layers.last + 1).header(), output, timeout_s=CHAIN_STEP_TIMEOUT_S)
-        if answer["kind"] == "error":
-            raise StageError.from_header(answer)
-        return ResultFrame.from_header(answer)
 
     async def relay(self, step: StepFrame, tensor: np.ndarray | None) -> None:
         """Run ``step`` (one naming its reply node, the orchestrator) through my hop and hand it

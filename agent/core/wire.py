@@ -26,25 +26,20 @@ ALLOWED_DTYPES = frozenset({"float32", "float16", "int64", "int32"})
 _STR, _INT, _BOOL, _MAP, _OPT_INT, _OPT_STR = "str", "int", "bool", "map", "int?", "str?"
 # kind -> required fields and their types; "tensor" marks kinds that carry a tensor.
 SCHEMAS: dict[str, dict[str, str]] = {
-    "step": {"sid": _STR, "seq": _INT, "layer": _INT, "start": _INT, "sample": _BOOL, "epoch": _INT, "plan": _INT},
+    "step": {"sid": _STR, "seq": _INT, "layer": _INT, "start": _INT, "sample": _BOOL, "epoch": _INT, "plan": _INT,
+             "reply": _STR, "reply_url": _STR},  # the node its result or failure goes to, the orchestrator
     "result": {"sid": _STR, "seq": _INT, "token": _OPT_INT},
     "close": {"sid": _STR, "layer": _INT},
     "error": {"sid": _STR, "seq": _INT, "code": _STR, "message": _STR, "node": _OPT_STR},
-    # Sent on a socket every few tenths of a second while a step that came in on it runs:
-    # a stage that is busy says so, one that goes silent is frozen or gone.
-    "busy": {},
     # A liveness probe on a link, answered at once by the event loop that reads it: a node
     # that does not is frozen or gone.
     "ping": {},
     "pong": {},
 }
 TENSOR_KINDS = frozenset({"step"})
-# "cid" correlates a result with its step on one link (a node may appear twice on a route,
-# so the same session and step can cross one link twice, nested).
+# "cid" pairs a pong with its ping on one link.
 OPTIONAL_FIELDS: dict[str, dict[str, str]] = {
-    "step": {"params": _MAP, "cid": _INT, "reply": _STR, "reply_url": _STR},
-    "result": {"cid": _INT},
-    "error": {"cid": _INT},
+    "step": {"params": _MAP},
     "close": {"plan": _INT},
     "ping": {"cid": _INT},
     "pong": {"cid": _INT},

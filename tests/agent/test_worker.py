@@ -16,7 +16,7 @@ from agent.core.plan import LayerRange
 from agent.core.routing import Hop, Route
 from agent.dataplane import Links, StageError
 from agent.peer_client import PeerClient
-from agent.protocol import StepFrame
+from agent.protocol import ResultFrame, StepFrame
 from agent.worker import StaleOrderError, Worker
 from shards.manifest import WeightFile
 from shards.store import ModelStore
@@ -34,7 +34,14 @@ def order(version: int, cuts: list[tuple[int, int]], layers: int) -> RoutingOrde
 
 
 def step_of(o: RoutingOrder, sid: str) -> StepFrame:
-    return StepFrame(sid, 0, 0, 0, o.epoch, o.plan_version, True, {"temperature": 0})
+    return StepFrame(sid, 0, 0, 0, o.epoch, o.plan_version, True, {"temperature": 0}).replying_to(NODE, o.addresses[NODE])
+
+
+async def run(worker: Worker, step: StepFrame, tensor: np.ndarray) -> ResultFrame:
+    """``step`` through the worker (its own reply node): the tail's result, or the StageError a stage sent."""
+    outcome = worker.replies.expect(step.sid, step.seq)
+    await worker.relay(step, tensor)
+    return await outcome
 
 
 async def with_worker(home, body) -> None:
@@ -58,8 +65,8 @@ def test_a_plan_is_served_only_once_committed_and_an_aborted_one_leaves_the_serv
         await worker.stage(second)
         assert worker.serving[MAIN].plan_version == 1 and worker.status()["staged"][MAIN]["plan_version"] == 2
         # Both answer steps meanwhile, with the same token.
-        one = await worker.step(step_of(first, "a"), prompt)
-        two = await worker.step(step_of(second, "b"), prompt)
+        one = await run(worker, step_of(first, "a"), prompt)
+        two = await run(worker, step_of(second, "b"), prompt)
         assert one.token == two.token
         await worker.abort(MAIN, 2, 1)
         assert worker.status()["staged"] == {} and sorted(worker.orders) == [1, 2]  # "b" is still open
@@ -71,7 +78,7 @@ def test_a_plan_is_served_only_once_committed_and_an_aborted_one_leaves_the_serv
         await worker.commit(MAIN, 2, 1)
         assert worker.serving[MAIN].plan_version == 2
         # The replaced plan still answers the steps already under way, for a grace period.
-        again = await worker.step(step_of(first, "c"), prompt)
+        again = await run(worker, step_of(first, "c"), prompt)
         assert again.token == one.token
 
     asyncio.run(with_worker(home, body))
@@ -99,7 +106,7 @@ def test_a_fragment_that_computes_nan_is_a_faulty_stage_and_is_dropped(smollm2_s
         o = order(1, [(0, layers - 1)], layers)
         await worker.apply(o)
         with pytest.raises(StageError) as caught:
-            await worker.step(step_of(o, "a"), np.asarray([[1, 2, 3]], dtype=np.int64))
+            await run(worker, step_of(o, "a"), np.asarray([[1, 2, 3]], dtype=np.int64))
         assert caught.value.code == "stage_faulty" and caught.value.node == NODE
         assert worker.fragments.runners == {}  # closed, and its build deleted: the next order builds it again
         assert not list((model_dir / "fragments").glob(f"{MAIN}-000-*"))

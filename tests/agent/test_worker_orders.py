@@ -27,7 +27,8 @@ import pytest
 from agent.core.orders import RoutingOrder
 from agent.core.plan import LayerRange
 from agent.core.routing import Hop, Route
-from agent.dataplane import Links
+from agent.compat import timeout
+from agent.dataplane import Links, StageError
 from agent.peer_client import PeerClient, PeerError
 from agent.protocol import ABORT_PATH, COMMIT_PATH, ROUTING_PATH, UNLOAD_PATH
 from agent.service_keys import WORKER
@@ -68,13 +69,20 @@ class Member:
 
     async def step(self, order: RoutingOrder, sid: str, *, plan: int | None = None, epoch: int | None = None,
                    layer: int = 0) -> dict[str, Any]:
-        """The result (or error) frame of a first step of session ``sid`` on the data plane."""
+        """The result (or error) frame of a first step of session ``sid`` sent on the data plane,
+        naming the agent itself as its reply node (a member has no data plane of its own)."""
         header = {"kind": "step", "sid": sid, "seq": 0, "layer": layer, "start": 0,
                   "epoch": order.epoch if epoch is None else epoch,
-                  "plan": order.plan_version if plan is None else plan, "sample": True, "params": {"temperature": 0}}
+                  "plan": order.plan_version if plan is None else plan, "sample": True, "params": {"temperature": 0},
+                  "reply": self.agent.node_id, "reply_url": self.agent.peer_url}
+        outcome = self.agent.app[WORKER].replies.expect(sid, 0)
         link = await self.links.get(self.agent.node_id, self.agent.peer_url)
-        result, _ = await link.call(header, PROMPT, timeout_s=30)
-        return result
+        await link.post(header, PROMPT)
+        try:
+            async with timeout(30):
+                return (await outcome).header()
+        except StageError as error:
+            return error.to_header(header)
 
     async def close_session(self, sid: str, order: RoutingOrder) -> None:
         link = await self.links.get(self.agent.node_id, self.agent.peer_url)

@@ -7,7 +7,8 @@ from hypothesis.extra import numpy as hnp
 from agent.core.errors import WireError
 from agent.core.wire import ALLOWED_DTYPES, decode_frame, encode_frame
 
-STEP = {"kind": "step", "sid": "s1", "seq": 3, "layer": 0, "start": 7, "sample": True, "epoch": 1, "plan": 2}
+STEP = {"kind": "step", "sid": "s1", "seq": 3, "layer": 0, "start": 7, "sample": True, "epoch": 1, "plan": 2,
+        "reply": "node-0", "reply_url": "https://127.0.0.1:7000"}
 
 
 @given(hnp.arrays(st.sampled_from(sorted(ALLOWED_DTYPES)), hnp.array_shapes(min_dims=1, max_dims=4, min_side=0, max_side=6)))
@@ -45,6 +46,8 @@ def test_disallowed_dtype_and_bad_headers():
         encode_frame(STEP, np.zeros(3, dtype=">f4"))
     with pytest.raises(WireError, match="bad magic"):
         decode_frame(b"HTTP/1.1 200 OK")
+    with pytest.raises(WireError, match="missing 'reply'"):  # a step's outcome must have somewhere to go
+        encode_frame({k: v for k, v in STEP.items() if k != "reply"}, np.zeros(3, dtype=np.float32))
     with pytest.raises(WireError, match="missing 'seq'"):
         encode_frame({"kind": "result", "sid": "s"})
     with pytest.raises(WireError, match="unknown frame kind"):

@@ -68,7 +68,7 @@ def test_lying_lengths_and_tensor_descriptions_are_refused(kind, spec, payload, 
 
 def test_a_huge_declared_shape_is_refused_without_allocating():
     header = {"kind": "step", "sid": "s", "seq": 1, "layer": 0, "start": 0, "sample": False, "epoch": 1, "plan": 1,
-              "tensor": {"dtype": "float32", "shape": [2**31, 2**31, 2**31]}}
+              "reply": "n", "reply_url": "https://127.0.0.1:1", "tensor": {"dtype": "float32", "shape": [2**31, 2**31, 2**31]}}
     try:
         decode_frame(frame(header, np.zeros(4, np.float32).tobytes()))
     except WireError as error:
