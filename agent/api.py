@@ -10,6 +10,7 @@ import asyncio
 import contextlib
 import dataclasses
 import functools
+import hmac
 import json
 import logging
 import time
@@ -38,7 +39,7 @@ from agent.protocol import PAIR_PATH
 from agent.public_errors import public_reason, without_addresses
 from agent.router import ModelBusyError
 from agent.service_keys import (
-    CLIENT, CONFIG, EVENTS, INVITES, LIFECYCLE, MEMBERSHIP, METRICS, NODE_ID, ORCHESTRATOR, ROUTER, WORKER,
+    ADMIN_TOKEN, CLIENT, CONFIG, EVENTS, INVITES, LIFECYCLE, MEMBERSHIP, METRICS, NODE_ID, ORCHESTRATOR, ROUTER, WORKER,
 )
 from shards.errors import ShardsError
 from shards.sampling import SamplingParams
@@ -284,8 +285,9 @@ async def remove_node(request: web.Request) -> web.Response:
     membership = request.app[MEMBERSHIP]
     if not isinstance(node, str) or (node not in membership.alive_nodes() and membership.table.url_of(node) is None):
         raise InvalidRequestError("'node' must be the id of a node of this cluster (see GET /cluster/nodes)", "node")
-    return web.json_response(await rotate_key(membership, request.app[CLIENT], request.app[CONFIG],
-                                              request.app[LIFECYCLE], node))
+    answer = await rotate_key(membership, request.app[CLIENT], request.app[CONFIG], request.app[LIFECYCLE], node)
+    request.app[INVITES].revoke_all()  # issued under the key the removed device holds
+    return web.json_response(answer)
 
 
 @routes.get("/cluster/status")
@@ -351,7 +353,24 @@ def _wants_reload(request: web.Request) -> bool:
 
 
 ADMIN_ENDPOINTS = frozenset({("POST", "/cluster/join"), ("POST", "/cluster/remove"), ("POST", "/models/load"),
-                             ("POST", "/models/unload"), ("POST", "/models/sleep")})
+                             ("POST", "/models/unload"), ("POST", "/models/sleep"), ("POST", "/api/pull")})
+
+
+def bearer_matches(request: web.Request, accepted: Any) -> bool:
+    """Whether the request's bearer token is one of ``accepted`` (each compared in constant time)."""
+    scheme, _, value = request.headers.get("Authorization", "").partition(" ")
+    given = value.strip().encode() if scheme.lower() == "bearer" else b""
+    return any([hmac.compare_digest(given, key.encode()) for key in accepted])
+
+
+def holds_admin_token(request: web.Request) -> bool:
+    return bearer_matches(request, (request.app[ADMIN_TOKEN],))
+
+
+def admin_token_required(field: str | None = None) -> web.Response:
+    return error_response(401, "this changes the cluster and needs the admin token: send 'Authorization: Bearer "
+                               "<admin token>' (`ncm admin-token` on any member prints it)",
+                          param=field, code="admin_token_required")
 
 
 def changes_cluster(request: web.Request) -> bool:

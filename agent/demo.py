@@ -18,7 +18,9 @@ import subprocess
 import sys
 import time
 import urllib.request
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from agent.commands import http_json
 from agent.core.errors import NcmError
@@ -78,10 +80,28 @@ def ask(url: str, question: str, model: str) -> str:
         return json.loads(response.read())["choices"][0]["message"]["content"]
 
 
-def start_local_cluster(nodes: int, port: int, base: Path, model: str, *, env: dict[str, str] | None = None,
-                        node_env: list[dict[str, str]] | None = None, log_dir: Path | None = None,
-                        first_index: int = 0, extra_peers: tuple[str, ...] = ()) -> list[subprocess.Popen]:
-    """Start ``nodes`` agents on loopback ports port..port+nodes-1, each given the others as peers
+@dataclass(frozen=True)
+class LocalAgent:
+    """How one agent of a local cluster is started (and started again after it died)."""
+
+    index: int
+    port: int
+    argv: tuple[str, ...]
+    env: dict[str, str]
+    log_path: Path | None = None
+
+    def start(self) -> subprocess.Popen:
+        output = None
+        if self.log_path is not None:
+            self.log_path.parent.mkdir(parents=True, exist_ok=True)
+            output = self.log_path.open("ab")
+        return subprocess.Popen(self.argv, env=self.env, stdout=output, stderr=subprocess.STDOUT if output else None)
+
+
+def local_agents(nodes: int, port: int, base: Path, model: str, *, env: dict[str, str] | None = None,
+                 node_env: list[dict[str, str]] | None = None, log_dir: Path | None = None,
+                 first_index: int = 0, extra_peers: tuple[str, ...] = ()) -> list[LocalAgent]:
+    """``nodes`` agents on loopback ports port..port+nodes-1, each given the others as peers
     (in the environment :func:`~agent.launch.runtime_env` gives).
 
     Agent 0 uses the model store the model was pulled into; the others start empty and fetch
@@ -90,7 +110,7 @@ def start_local_cluster(nodes: int, port: int, base: Path, model: str, *, env: d
     """
     shared = {"NCM_CLUSTER_KEY": secrets.token_hex(16), **(env or {})}
     ports = [port + i for i in range(nodes)]
-    processes = []
+    agents = []
     thp = read_thp_mode()
     for index, own_port in enumerate(ports, start=first_index):
         state_dir = base / f"node-{index}"
@@ -101,13 +121,15 @@ def start_local_cluster(nodes: int, port: int, base: Path, model: str, *, env: d
             **shared, **(node_env[index] if node_env and index < len(node_env) else {}),
         }, thp)
         peers = [f"--peer=http://127.0.0.1:{p}" for p in ports if p != own_port] + [f"--peer={u}" for u in extra_peers]
-        output = None
-        if log_dir is not None:
-            log_dir.mkdir(parents=True, exist_ok=True)
-            output = (log_dir / f"node-{index}.log").open("ab")
-        processes.append(subprocess.Popen([sys.executable, "-m", "agent.cli", "serve", "--port", str(own_port), *peers],
-                                          env=agent_env, stdout=output, stderr=subprocess.STDOUT if output else None))
-    return processes
+        agents.append(LocalAgent(index, own_port,
+                                 (sys.executable, "-m", "agent.cli", "serve", "--port", str(own_port), *peers),
+                                 agent_env, log_dir / f"node-{index}.log" if log_dir is not None else None))
+    return agents
+
+
+def start_local_cluster(nodes: int, port: int, base: Path, model: str, **options: Any) -> list[subprocess.Popen]:
+    """Start the agents of :func:`local_agents` (same arguments); returns their processes."""
+    return [agent.start() for agent in local_agents(nodes, port, base, model, **options)]
 
 
 def stop_processes(processes: list[subprocess.Popen]) -> None:
@@ -121,6 +143,65 @@ def stop_processes(processes: list[subprocess.Popen]) -> None:
             process.kill()
 
 
+class Supervisor:
+    """Keeps a local cluster's agents running: an agent that stops is reported, the cluster's
+    failover is shown as it happens, and the agent is started again after ``restart_delay_s``
+    (as systemd restarts a device's agent), unless it stopped ``max_restarts`` times within
+    ``window_s``: then it stays down and the others serve on."""
+
+    def __init__(self, agents: list[LocalAgent], processes: list[subprocess.Popen], *, restart_delay_s: float = 5.0,
+                 max_restarts: int = 5, window_s: float = 300.0) -> None:
+        self.agents, self.processes = agents, processes
+        self.restart_delay_s, self.max_restarts, self.window_s = restart_delay_s, max_restarts, window_s
+        self.stops: dict[int, list[float]] = {agent.index: [] for agent in agents}
+        self.restart_at: dict[int, float] = {}  # agent index -> when it starts again
+        self.given_up: set[int] = set()
+        self.last_state: str | None = None
+
+    def check(self, now: float) -> None:
+        """One look: report agents that stopped, start those whose delay is over, show the state."""
+        for position, (agent, process) in enumerate(zip(self.agents, self.processes)):
+            if agent.index in self.restart_at:
+                if now >= self.restart_at[agent.index]:
+                    del self.restart_at[agent.index]
+                    print(f"starting agent {agent.index} again (port {agent.port})", flush=True)
+                    self.processes[position] = agent.start()
+            elif agent.index not in self.given_up and process.poll() is not None:
+                self._stopped(agent, process.returncode, now)
+        self._show_state()
+
+    def _stopped(self, agent: LocalAgent, returncode: int, now: float) -> None:
+        how = f"was killed by {signal.Signals(-returncode).name}" if returncode < 0 else f"exited with status {returncode}"
+        stops = [t for t in self.stops[agent.index] if now - t < self.window_s] + [now]
+        self.stops[agent.index] = stops
+        print(f"\nagent {agent.index} (port {agent.port}) {how}: the others take over its layers", flush=True)
+        if len(stops) > self.max_restarts:
+            self.given_up.add(agent.index)
+            print(f"agent {agent.index} stopped {len(stops)} times within {self.window_s:g} s: not starting it again "
+                  "(see its output above); the other agents serve on", flush=True)
+            return
+        self.restart_at[agent.index] = now + self.restart_delay_s
+        print(f"agent {agent.index} starts again in {self.restart_delay_s:g} s", flush=True)
+
+    def _show_state(self) -> None:
+        """Print the cluster's state when it changes, asked of an agent that runs."""
+        for agent, process in zip(self.agents, self.processes):
+            if process.poll() is not None:
+                continue
+            try:
+                status = http_json("GET", f"http://127.0.0.1:{agent.port}/cluster/status", timeout_s=5.0)
+            except NcmError:
+                continue
+            alive = len(status.get("nodes_alive", []))
+            state = f"{status.get('state')} with {alive} of {len(self.agents)} agents, serving {status.get('model')}"
+            if status.get("state") != "ok" and status.get("message"):
+                state += f" ({status['message']})"
+            if state != self.last_state:
+                self.last_state = state
+                print(f"cluster: {state}", flush=True)
+            return
+
+
 def run(args: argparse.Namespace) -> int:
     if not 1 <= args.nodes <= 16:
         raise NcmError("--nodes must be between 1 and 16")
@@ -128,7 +209,8 @@ def run(args: argparse.Namespace) -> int:
     processes: list[subprocess.Popen] = []
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # stop the agents on SIGTERM too
     try:
-        processes = start_local_cluster(args.nodes, args.port, args.dir or ncm_home() / "demo", args.model)
+        agents = local_agents(args.nodes, args.port, args.dir or ncm_home() / "demo", args.model)
+        processes = [agent.start() for agent in agents]
         url = f"http://127.0.0.1:{args.port}"
         print(f"starting {args.nodes} agents on ports {args.port}-{args.port + args.nodes - 1}…", flush=True)
         status = wait_ready(url, processes, READY_TIMEOUT_S)
@@ -142,10 +224,14 @@ def run(args: argparse.Namespace) -> int:
         print(f"  curl {url}/v1/chat/completions -H 'Content-Type: application/json' \\")
         print(f"    -d '{{\"model\": \"{args.model}\", \"messages\": [{{\"role\": \"user\", \"content\": \"Hello!\"}}]}}'")
         print(f"  {sys.argv[0]} status --remote {url}")
+        if args.nodes > 1:
+            print(f"Every agent answers on its own port too. Stop one to see the failover (kill {processes[-1].pid}): "
+                  "the others go on serving and the demo starts it again.")
         print("Press Ctrl-C to stop.", flush=True)
-        while all(process.poll() is None for process in processes):
+        supervisor = Supervisor(agents, processes)
+        while True:
             time.sleep(1.0)
-        raise NcmError("an agent stopped; shutting the demo down")
+            supervisor.check(time.monotonic())
     except KeyboardInterrupt:
         return 0
     finally:

@@ -147,12 +147,14 @@ class ModelScheduler:
         preset = self.catalog.presets.get(name)
         return self._keep_alive_s.get(name, preset.settings.sleep_idle_s if preset else 0.0)
 
-    def keep_alive(self, name: str, seconds: float) -> None:
+    def keep_alive(self, name: str, seconds: float, *, unload: bool = True) -> None:
         """After this request, keep ``name`` loaded while it is idle for ``seconds`` (Ollama's
-        keep_alive): 0 unloads it as soon as it is idle, a negative value keeps it loaded."""
+        keep_alive): 0 unloads it as soon as it is idle, a negative value keeps it loaded.
+        With ``unload`` False (the request may not change the cluster), 0 only drops the
+        request's own keep_alive: the model's idle rule (sleep_idle_s) applies again."""
         if seconds == 0:
             self._keep_alive_s.pop(name, None)
-            if self.registry.begin_stop(name):
+            if unload and self.registry.begin_stop(name):
                 self.spawn(self.stop(name, "unload", reason="unloaded after the request (keep_alive 0)"),
                            f"unload {name}")
             return

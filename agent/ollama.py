@@ -23,7 +23,9 @@ from typing import Any
 
 from aiohttp import web
 
-from agent.api import on_orchestrator, pass_to_orchestrator, read_json, start_generation
+from agent.api import (
+    admin_token_required, holds_admin_token, on_orchestrator, pass_to_orchestrator, read_json, start_generation,
+)
 from agent.core.chat_request import ChatRequest, InvalidRequestError, check_model_name, parse_request
 from agent.core.errors import ClusterError
 from agent.dataplane import StageError
@@ -402,18 +404,20 @@ async def _generate(request: web.Request, *, chat: bool) -> web.StreamResponse:
                                  load_s=loaded - started, started=started)
     finally:
         if keep_alive_s is not None:
-            router.keep_alive(name, keep_alive_s)
+            router.keep_alive(name, keep_alive_s, unload=holds_admin_token(request))
 
 
 async def _load_or_unload(request: web.Request, name: str, keep_alive_s: float | None, *, chat: bool) -> web.Response:
     router = request.app[ROUTER]
     if keep_alive_s == 0:
+        if not holds_admin_token(request):  # as /models/unload: one client does not take a model from everyone
+            return admin_token_required("keep_alive")
         await router.unload(name)
         reason = "unload"
     else:
         await router.load(name)
         if keep_alive_s is not None:
-            router.keep_alive(name, keep_alive_s)
+            router.keep_alive(name, keep_alive_s, unload=holds_admin_token(request))
         reason = "load"
     answer: dict[str, Any] = {"model": name, "created_at": _iso(time.time()), "done": True, "done_reason": reason}
     answer.update({"message": {"role": "assistant", "content": ""}} if chat else {"response": ""})

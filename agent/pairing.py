@@ -58,10 +58,13 @@ def unseal(secret: bytes, nonce: str, invite_id: str, answer: dict[str, Any]) ->
 
 
 class InviteStore:
-    """The invites this member issued, kept in ``state_dir/invites.json`` (0600)."""
+    """The invites this member issued under the cluster key ``key``, kept in
+    ``state_dir/invites.json`` (0600). An invite hands out the key it was issued under and no
+    other: after a removal changed the key, the invites issued before it are void."""
 
-    def __init__(self, state_dir: Path) -> None:
+    def __init__(self, state_dir: Path, key: bytes) -> None:
         self.path = state_dir / INVITES_FILE
+        self.key_fingerprint = fingerprint(key)
         invites = []
         if self.path.exists():
             try:
@@ -74,7 +77,8 @@ class InviteStore:
         write_private(self.path, json.dumps(self.book.to_json()))
 
     def create(self, *, ttl_s: float, uses: int) -> Invite:
-        invite = self.book.create(secrets.token_hex(8), secrets.token_bytes(24), now=time.time(), ttl_s=ttl_s, uses=uses)
+        invite = self.book.create(secrets.token_hex(8), secrets.token_bytes(24), now=time.time(),
+                                  key_fingerprint=self.key_fingerprint, ttl_s=ttl_s, uses=uses)
         self._save()
         return invite
 
@@ -85,9 +89,13 @@ class InviteStore:
         self.book.revoke(invite_id)
         self._save()
 
+    def revoke_all(self) -> None:
+        self.book.revoke_all()
+        self._save()
+
     def redeem(self, invite_id: str, nonce: str, proof: str) -> Invite:
         try:
-            return self.book.redeem(invite_id, nonce, proof, now=time.time())
+            return self.book.redeem(invite_id, nonce, proof, now=time.time(), key_fingerprint=self.key_fingerprint)
         finally:
             self._save()
 
@@ -114,11 +122,14 @@ async def redeem(session: aiohttp.ClientSession, join: JoinString) -> tuple[byte
 
 
 def keep_membership(config: AgentConfig, cluster: str, key: bytes, peers: list[str]) -> None:
-    """Write what a join brought where this agent reads it when it starts: ``joined.toml`` in
-    its state directory (0600), above its configuration file, below environment and flags."""
+    """Write what a join or a rekey brought where this agent reads it when it starts:
+    ``joined.toml`` in its state directory (0600), above its configuration file, below
+    environment and flags. The invites issued under the old key go: they would let a removed
+    device (or anyone holding one) into the cluster under its new key."""
     lines = [f"cluster_name = {json.dumps(cluster)}", f"cluster_key = {json.dumps(key.decode())}",
              "peers = [" + ", ".join(json.dumps(p) for p in peers) + "]"]
     write_private(config.state_dir / JOINED_FILE, "\n".join(lines) + "\n")
+    (config.state_dir / INVITES_FILE).unlink(missing_ok=True)
 
 
 def check_environment_allows_a_new_key() -> None:

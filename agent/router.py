@@ -298,9 +298,11 @@ class ModelRouter:
         """How long ``name`` stays loaded while idle (:meth:`ModelScheduler.sleeps_after_s`)."""
         return self.scheduler.sleeps_after_s(name)
 
-    def keep_alive(self, name: str, seconds: float) -> None:
-        """Ollama's keep_alive of a request (:meth:`ModelScheduler.keep_alive`)."""
-        self.scheduler.keep_alive(name, seconds)
+    def keep_alive(self, name: str, seconds: float, *, unload: bool) -> None:
+        """Ollama's keep_alive of a request (:meth:`ModelScheduler.keep_alive`). Only a request
+        that may ``unload`` (it holds the admin token) unloads the model with 0; from any other,
+        0 ends its own claim on the model and the model's idle rule applies again."""
+        self.scheduler.keep_alive(name, seconds, unload=unload)
 
     # --- views -----------------------------------------------------------------------------------
     def model_info(self, name: str) -> dict[str, Any]:

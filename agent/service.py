@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
 import json
 import logging
 import os
@@ -129,32 +128,18 @@ async def sign_answers(request: web.Request, response: web.StreamResponse) -> No
                                         status=response.status, body=body))
 
 
-def _bearer(request: web.Request) -> str:
-    scheme, _, value = request.headers.get("Authorization", "").partition(" ")
-    return value.strip() if scheme.lower() == "bearer" else ""
-
-
-def _matches(given: str, accepted: Any) -> bool:
-    # Compare with every accepted key, each in constant time.
-    return any([hmac.compare_digest(given.encode(), key.encode()) for key in accepted])
-
-
 @web.middleware
 async def access(request: web.Request, handler: Any) -> web.StreamResponse:
     """Public endpoints: those that change the cluster need the admin token, always; the
     others need an API key (or the admin token) when `api_keys` / `api_token` are set."""
     if request.path.startswith(INTERNAL_PREFIX) or request.path in PUBLIC_WITHOUT_TOKEN:
         return await handler(request)
-    given = _bearer(request)
-    admin = request.app[ADMIN_TOKEN]
     if api.changes_cluster(request):
-        if not _matches(given, (admin,)):
-            return api.error_response(
-                401, "this endpoint changes the cluster and needs the admin token: send 'Authorization: Bearer "
-                     "<admin token>' (`ncm admin-token` on any member prints it)", code="admin_token_required")
+        if not api.holds_admin_token(request):
+            return api.admin_token_required()
         return await handler(request)
     keys = request.app[CONFIG].accepted_api_keys
-    if keys and not _matches(given, (*keys, admin)):
+    if keys and not api.holds_admin_token(request) and not api.bearer_matches(request, keys):
         return api.error_response(401, "a valid API key is needed: send 'Authorization: Bearer <key>'",
                                   code="invalid_api_key")
     return await handler(request)
@@ -251,6 +236,7 @@ async def rekey(request: web.Request) -> web.Response:
         await asyncio.to_thread(take_new_key, request.app[CONFIG], await request.json())
     except (InviteError, json.JSONDecodeError) as error:
         return web.json_response({"error": str(error)}, status=409)
+    request.app[INVITES].revoke_all()  # none is redeemed in the moment before the restart either
     request.app[LIFECYCLE].restart_now()  # this answer goes out first
     log.info("the cluster key was changed by the orchestrator (a node was removed): restarting with it")
     return web.json_response({"rekeyed": request.app[NODE_ID]})
@@ -349,7 +335,7 @@ def build_app(config: AgentConfig, *, node_id: str, store: ModelStore, api_port:
     app[REPLAY_GUARD] = ReplayGuard()
     app[ADMIN_TOKEN] = admin_token(key)
     app[LIFECYCLE] = Lifecycle(asyncio.Event())
-    app[INVITES] = InviteStore(config.state_dir)
+    app[INVITES] = InviteStore(config.state_dir, key)
     app[DATA_PLANE_SOCKETS] = set()
     app[DRAIN_TIMEOUT_S] = drain_timeout_s
     app[EVENTS] = EventLog()

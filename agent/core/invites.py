@@ -93,6 +93,7 @@ class Invite:
     created_at: float  # wall-clock seconds
     expires_at: float
     uses_left: int
+    key_fingerprint: str  # the cluster key it hands out: void once the key changes (a removal)
 
     def public(self, now: float) -> dict[str, Any]:
         """What listing an invite shows (never the secret)."""
@@ -101,13 +102,14 @@ class Invite:
 
     def to_json(self) -> dict[str, Any]:
         return {"id": self.invite_id, "secret": self.secret.hex(), "created_at": self.created_at,
-                "expires_at": self.expires_at, "uses_left": self.uses_left}
+                "expires_at": self.expires_at, "uses_left": self.uses_left, "key_fingerprint": self.key_fingerprint}
 
     @classmethod
     def from_json(cls, data: Any) -> Invite:
         try:
+            # An invite stored before invites named their key is taken as issued under none: void.
             return cls(str(data["id"]), bytes.fromhex(data["secret"]), float(data["created_at"]),
-                       float(data["expires_at"]), int(data["uses_left"]))
+                       float(data["expires_at"]), int(data["uses_left"]), str(data.get("key_fingerprint", "")))
         except (KeyError, TypeError, ValueError) as error:
             raise InviteError(f"malformed stored invite: {error}") from None
 
@@ -118,8 +120,8 @@ class InviteBook:
     def __init__(self, invites: list[Invite] | None = None) -> None:
         self._invites: dict[str, Invite] = {i.invite_id: i for i in invites or []}
 
-    def create(self, invite_id: str, secret: bytes, *, now: float, ttl_s: float = DEFAULT_INVITE_TTL_S,
-               uses: int = 1) -> Invite:
+    def create(self, invite_id: str, secret: bytes, *, now: float, key_fingerprint: str,
+               ttl_s: float = DEFAULT_INVITE_TTL_S, uses: int = 1) -> Invite:
         if not 0 < ttl_s <= 30 * 86400:
             raise InviteError("an invite lasts more than 0 s and at most 30 days")
         if not 1 <= uses <= 100:
@@ -127,7 +129,7 @@ class InviteBook:
         self.expire(now)
         if len(self._invites) >= MAX_INVITES:
             raise InviteError(f"{MAX_INVITES} invites are open already; revoke some first")
-        invite = Invite(invite_id, secret, now, now + ttl_s, uses)
+        invite = Invite(invite_id, secret, now, now + ttl_s, uses, key_fingerprint)
         self._invites[invite_id] = invite
         return invite
 
@@ -143,8 +145,13 @@ class InviteBook:
         if self._invites.pop(invite_id, None) is None:
             raise InviteError(f"no open invite {invite_id!r}")
 
-    def redeem(self, invite_id: str, nonce: str, proof: str, *, now: float) -> Invite:
-        """Use the invite once, if ``proof`` shows the secret; returns it (to seal the key)."""
+    def revoke_all(self) -> None:
+        """Every open invite is void: the cluster key changed (a device was removed)."""
+        self._invites.clear()
+
+    def redeem(self, invite_id: str, nonce: str, proof: str, *, now: float, key_fingerprint: str) -> Invite:
+        """Use the invite once, if ``proof`` shows the secret and the invite was issued under
+        the key ``key_fingerprint`` names (the one it would hand out); returns it (to seal the key)."""
         invite = self._invites.get(invite_id)
         if invite is None:
             raise InviteError("this invite does not exist: it expired, was revoked or used up "
@@ -152,6 +159,10 @@ class InviteBook:
         if invite.expires_at <= now:
             del self._invites[invite_id]
             raise InviteError("this invite has expired (ask a member for a new one: `ncm invite`)")
+        if not hmac.compare_digest(invite.key_fingerprint, key_fingerprint):
+            del self._invites[invite_id]
+            raise InviteError("this invite was issued before the cluster key changed (a device was removed) "
+                              "and is void (ask a member for a new one: `ncm invite`)")
         if not (8 <= len(nonce) <= 64 and nonce.isalnum()):
             raise InviteError("malformed nonce")
         if not hmac.compare_digest(pairing_proof(invite.secret, invite_id, nonce), proof):

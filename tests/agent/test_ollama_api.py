@@ -14,6 +14,7 @@ import ollama
 import pytest
 
 from agent.service_keys import ROUTER
+from tests.agent.agents import ADMIN
 from tests.agent.inprocess import call, eventually
 from tests.agent.tiny import TINY, tiny_cluster
 
@@ -34,9 +35,9 @@ async def openai_completion(url: str, prompt: str, max_tokens: int) -> str:
     return answer["choices"][0]["text"]
 
 
-def run_client(url: str, method: str, *args: Any, **kwargs: Any) -> Any:
+def run_client(url: str, method: str, *args: Any, headers: dict[str, str] | None = None, **kwargs: Any) -> Any:
     """Call the official client (synchronous, httpx) and drain a stream, in a thread."""
-    result = getattr(ollama.Client(host=url, timeout=30), method)(*args, **kwargs)
+    result = getattr(ollama.Client(host=url, timeout=30, headers=headers), method)(*args, **kwargs)
     return list(result) if kwargs.get("stream") else result
 
 
@@ -108,10 +109,28 @@ def test_the_official_client_against_a_three_agent_cluster(tmp_path):
                     await client("generate", model=TINY, prompt="w1", keep_alive="soon")
                 assert bad_keep_alive.value.status_code == 400 and "keep_alive" in bad_keep_alive.value.error
 
-            # keep_alive 0 unloads the model after the answer; an empty prompt loads it again
+            # From a client without the admin token, keep_alive 0 unloads nothing (one client does
+            # not take a model away from the others): its own keep_alive ends, the model's idle
+            # rule applies again; an explicit unload (an empty prompt) is refused by name.
             router = leader.app[ROUTER]
+            idle_rule_s = router.scheduler.sleeps_after_s(TINY)
+            await asyncio.to_thread(run_client, others[1].url, "generate", model=TINY, prompt="w3", keep_alive="7m",
+                                    options={"num_predict": 2})
+            assert router.scheduler.sleeps_after_s(TINY) == 420
             await asyncio.to_thread(run_client, others[1].url, "generate", model=TINY, prompt="w3", keep_alive=0,
                                     options={"num_predict": 2})
+            assert router.registry.entries[TINY].state == "ready"
+            assert router.scheduler.sleeps_after_s(TINY) == idle_rule_s
+            for url in (leader.url, others[1].url):
+                with pytest.raises(ollama.ResponseError) as refused:
+                    await asyncio.to_thread(run_client, url, "generate", model=TINY, keep_alive=0)
+                assert refused.value.status_code == 401 and "admin token" in refused.value.error
+            assert router.registry.entries[TINY].state == "ready"
+
+            # With the admin token, keep_alive 0 unloads the model after the answer; an empty
+            # prompt loads it again
+            await asyncio.to_thread(run_client, others[1].url, "generate", model=TINY, prompt="w3", keep_alive=0,
+                                    options={"num_predict": 2}, headers=ADMIN)
             await eventually(lambda: router.registry.entries[TINY].state == "unloaded", timeout_s=10,
                              what="the model unloaded after keep_alive 0")
             loaded = await asyncio.to_thread(run_client, others[1].url, "generate", model=TINY, keep_alive="10m")
@@ -123,17 +142,22 @@ def test_the_official_client_against_a_three_agent_cluster(tmp_path):
     asyncio.run(scenario())
 
 
-def test_pull_takes_known_models_only(tmp_path):
-    """`/api/pull` is `ncm pull`: a model it already stores is a success at once (nothing is
+def test_pull_takes_known_models_only_and_needs_the_admin_token(tmp_path):
+    """`/api/pull` is `ncm pull`: it changes the store, so it needs the admin token (a 401 in
+    Ollama's shape without it); a model it already stores is a success at once (nothing is
     downloaded), a name ncm does not know is a 404 in Ollama's shape."""
     async def scenario() -> None:
         async with tiny_cluster(tmp_path, 1, names=(TINY, "smollm2-135m")) as (leader, _):
-            status = await asyncio.to_thread(run_client, leader.url, "pull", "smollm2-135m")
+            for headers in (None, {"Authorization": "Bearer ncm-admin-guess"}):
+                with pytest.raises(ollama.ResponseError) as refused:
+                    await asyncio.to_thread(run_client, leader.url, "pull", "llama9-900b", headers=headers)
+                assert refused.value.status_code == 401 and "admin token" in refused.value.error
+            status = await asyncio.to_thread(run_client, leader.url, "pull", "smollm2-135m", headers=ADMIN)
             assert status.status == "success"
-            lines = await asyncio.to_thread(run_client, leader.url, "pull", "smollm2-135m", stream=True)
+            lines = await asyncio.to_thread(run_client, leader.url, "pull", "smollm2-135m", stream=True, headers=ADMIN)
             assert [line.status for line in lines][-1] == "success"
             with pytest.raises(ollama.ResponseError) as unknown:
-                await asyncio.to_thread(run_client, leader.url, "pull", "llama9-900b", stream=False)
+                await asyncio.to_thread(run_client, leader.url, "pull", "llama9-900b", stream=False, headers=ADMIN)
             assert unknown.value.status_code == 404 and "llama9-900b" in unknown.value.error
 
     asyncio.run(scenario())

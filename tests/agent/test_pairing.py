@@ -131,11 +131,12 @@ def test_a_removed_device_is_shut_out_by_a_new_cluster_key(smollm2_store, tmp_pa
         wait_for(lambda: first.get("/health", timeout_s=2)[0] == 200, timeout_s=60, what="the first device to start")
         old_key = (first.state_dir / "cluster-key").read_text().strip().encode()
         token = admin_token(old_key)
-        result = ncm("invite", "--uses", "2", "--agent", first.url, "--token", token)
+        result = ncm("invite", "--uses", "3", "--agent", first.url, "--token", token)  # one use stays open
         assert result.returncode == 0, result.stderr
+        join_string = result.stdout.strip()
         for device in others:
             device.state_dir.mkdir(parents=True)
-            (device.state_dir / "pending-join").write_text(result.stdout.strip() + "\n")
+            (device.state_dir / "pending-join").write_text(join_string + "\n")
             device.start([])
         wait_for(lambda: cluster_ready(first, 3), timeout_s=300, what="three paired devices to serve")
         pids = [device.process.pid for device in devices]
@@ -156,5 +157,15 @@ def test_a_removed_device_is_shut_out_by_a_new_cluster_key(smollm2_store, tmp_pa
         wait_for(lambda: sum(n["alive"] for n in others[1].get("/cluster/nodes")[1]["nodes"]) == 1, timeout_s=60,
                  what="the removed device to be alone")
         assert first.post("/cluster/invites", {}, headers={"Authorization": f"Bearer {token}"})[0] == 401
+        # The removed device redeems the invite it joined with, which had a use left: void
+        # since the removal, on the member that issued it, and no key is handed out.
+        join = JoinString.decode(join_string)
+        nonce = secrets.token_hex(8)
+        status, body = http("POST", join.url + "/cluster/pair",
+                            {"invite": join.invite_id, "nonce": nonce, "proof": pairing_proof(join.secret, join.invite_id, nonce)})
+        assert status == 403 and body["error"]["code"] == "invite_refused", body
+        assert "sealed_key" not in body
+        new_token = admin_token((first.state_dir / "joined.toml").read_text().split('cluster_key = "')[1].split('"')[0].encode())
+        assert first.get("/cluster/invites", headers={"Authorization": f"Bearer {new_token}"}) == (200, {"data": []})
     finally:
         shut_down(devices, keep_store=smollm2_store.root)
