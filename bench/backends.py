@@ -26,11 +26,11 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from agent.demo import _ensure_model  # noqa: E402
-from shards.backends import OPENVINO, backend_chain, detect_platform, rknn_backend  # noqa: E402
-from shards.fragment import load_manifest  # noqa: E402
-from shards.runner import OrtFragmentRunner  # noqa: E402
-from shards.store import ModelStore  # noqa: E402
+from agent.cli.demo import _ensure_model  # noqa: E402
+from shards.graph.fragment import load_manifest  # noqa: E402
+from shards.providers.backends import OPENVINO, backend_chain, detect_platform, rknn_backend  # noqa: E402
+from shards.runtime.runner import OrtFragmentRunner  # noqa: E402
+from shards.store.model_store import ModelStore  # noqa: E402
 
 
 def measure(model_dir: Path, backend_names: list[str], threads: int, prompt: int, decode: int,

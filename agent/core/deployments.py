@@ -1,6 +1,6 @@
 """What the orchestrator decides about the deployments it runs (design §6–§8), as data.
 
-The orchestrator's I/O (:mod:`agent.orchestrator`, :mod:`agent.deployer`) gathers what it
+The orchestrator's I/O (:mod:`agent.orchestration.orchestrator`, :mod:`agent.orchestration.deployer`) gathers what it
 knows (live members, the nodes each deployed route uses, faults and fingerprints, the orders
 workers report, the time) and carries out what these functions return, the way
 :meth:`agent.core.model_registry.ModelRegistry.next_action` drives the model router:

@@ -27,7 +27,6 @@ from agent.core.errors import NcmError
 from agent.core.state_enum import StateEnum
 
 
-
 class ModelState(StateEnum):
     """Where a model is in the router (its value is what every view and event shows)::
 

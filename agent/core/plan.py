@@ -14,8 +14,8 @@ import bisect
 import heapq
 import math
 from dataclasses import dataclass, field
-from functools import cached_property
 from fractions import Fraction
+from functools import cached_property
 from typing import Any, Iterable, Mapping
 
 from agent.core.capacity import Number, exact, is_number, validate_node_id

@@ -115,7 +115,7 @@ check_setup_file() {
     PYTHONPATH="$REPO_ROOT${PYTHONPATH:+:$PYTHONPATH}" "$HOST_PYTHON" -c '
 import sys
 from pathlib import Path
-from agent.firstboot import read_setup_file, FirstbootError
+from agent.cli.firstboot import read_setup_file, FirstbootError
 try:
     read_setup_file(Path(sys.argv[1]))
 except FirstbootError as error:

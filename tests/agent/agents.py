@@ -20,8 +20,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from agent.cluster.tls import issue_node_files
 from agent.core.auth import admin_token
-from agent.tls import issue_node_files
 
 REPO = Path(__file__).resolve().parents[2]
 MAIN, FALLBACK = "smollm2-135m", "smollm2-135m-q4"

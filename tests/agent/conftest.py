@@ -10,7 +10,7 @@ from tests.agent.agents import FALLBACK
 @pytest.fixture(scope="session")
 def full_store(smollm2_store, smollm2_gguf):
     """The model store with the default model in f32 and its q4 copy (the fallback)."""
-    from shards.importer import import_model
+    from shards.importers.importer import import_model
 
     if not smollm2_store.has(FALLBACK):
         import_model(smollm2_gguf, name=FALLBACK, weights="q4", store=smollm2_store, progress=False)

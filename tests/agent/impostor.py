@@ -24,11 +24,11 @@ from typing import Any
 from aiohttp import web
 
 from agent import __version__
+from agent.cluster.tls import issue_node_files
 from agent.core.advert import SERVICE_TYPE, NodeAdvert, encode_txt
 from agent.core.auth import HEADER_NODE, HEADER_SIGNATURE
 from agent.core.capacity import NodeCapacity
 from agent.core.election import Election
-from agent.tls import issue_node_files
 
 NODE_ID = "impostor-0000000000000001"
 ANSWER = "The impostor chose this answer."

@@ -21,12 +21,12 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
-from agent import membership
-from agent.config import AgentConfig
-from agent.probe import Accelerators, find_accelerators
-from agent.service import AgentRunner, start_agent
-from agent.service_keys import MEMBERSHIP
-from shards.store import ModelStore
+from agent.cluster import membership
+from agent.http.app_keys import MEMBERSHIP
+from agent.local.config import AgentConfig
+from agent.local.probe import Accelerators, find_accelerators
+from agent.node.service import AgentRunner, start_agent
+from shards.store.model_store import ModelStore
 from tests.agent.agents import CLUSTER_KEY, free_ports
 
 FAST = {"health_interval_s": 0.1, "peer_timeout_s": 1.0, "discovery_grace_s": 0.3, "failure_threshold": 3}
@@ -89,7 +89,7 @@ _calibrating = threading.Lock()
 
 
 def calibrated_once(providers: tuple[str, ...] = (), stop: threading.Event | None = None) -> Accelerators:
-    """:func:`agent.probe.find_accelerators` (the backends' self-test and calibration, a second or
+    """:func:`agent.local.probe.find_accelerators` (the backends' self-test and calibration, a second or
     more on a small machine) run once per test process and providers: in-process agents are on one
     machine, so they may share its result. Opt in with :func:`share_calibration`."""
     with _calibrating:

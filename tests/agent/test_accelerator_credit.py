@@ -21,10 +21,10 @@ from typing import Any
 
 import pytest
 
-from agent import membership
+from agent.cluster import membership
 from agent.core.npu_table import npu_tops_for
-from agent.probe import detect_capacity
-from shards.rknn import has_converter
+from agent.local.probe import detect_capacity
+from shards.providers.rknn import has_converter
 from tests.agent.inprocess import LocalAgent, call, eventually
 from tests.agent.tiny import TINY, tiny_cluster
 

@@ -10,7 +10,7 @@ import logging
 import pytest
 
 from agent.core.auth import admin_token
-from agent.service_keys import MEMBERSHIP
+from agent.http.app_keys import MEMBERSHIP
 from tests.agent.agents import ADMIN, CLUSTER_KEY
 from tests.agent.inprocess import call, eventually, local_agents
 

@@ -15,7 +15,7 @@ from typing import Any
 
 import aiohttp
 
-from agent.service_keys import ORCHESTRATOR, ROUTER
+from agent.http.app_keys import ORCHESTRATOR, ROUTER
 from tests.agent.inprocess import LocalAgent, eventually
 from tests.agent.tiny import TINY, tiny_cluster
 

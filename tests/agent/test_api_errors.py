@@ -14,7 +14,7 @@ import time
 
 import aiohttp
 
-from agent.service_keys import ADMIN_TOKEN, ORCHESTRATOR, ROUTER
+from agent.http.app_keys import ADMIN_TOKEN, ORCHESTRATOR, ROUTER
 from tests.agent.inprocess import call
 from tests.agent.tiny import TINY, tiny_cluster
 

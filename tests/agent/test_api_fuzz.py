@@ -18,7 +18,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from agent.core.auth import sign
-from agent.openapi import openapi_document
+from agent.http.openapi import openapi_document
 from tests.agent.agents import ADMIN, CLUSTER_KEY, cluster_ready, make_agents, member_tls, shut_down, wait_for
 from tests.core.test_wire_fuzz import frame, headers
 

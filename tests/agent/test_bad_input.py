@@ -12,8 +12,8 @@ import aiohttp
 import pytest
 
 from agent.core.auth import sign
-from agent.service_keys import MEMBERSHIP, WORKER
-from agent.worker import FRAME_HEADER_BYTES, MIN_FRAME_LIMIT_BYTES
+from agent.http.app_keys import MEMBERSHIP, WORKER
+from agent.stage.worker import FRAME_HEADER_BYTES, MIN_FRAME_LIMIT_BYTES
 from tests.agent.agents import CLUSTER_KEY, member_tls
 from tests.agent.inprocess import eventually, local_agents
 

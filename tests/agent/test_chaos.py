@@ -25,8 +25,16 @@ import signal
 import psutil
 import pytest
 
-from tests.agent.agents import (MAIN, Agent, cluster_ready, give_small_disk, linked_copy, make_agents,
-                                shut_down, wait_for)
+from tests.agent.agents import (
+    MAIN,
+    Agent,
+    cluster_ready,
+    give_small_disk,
+    linked_copy,
+    make_agents,
+    shut_down,
+    wait_for,
+)
 from tests.agent.test_failover import QUESTION, TOKENS, Stream
 
 pytestmark = pytest.mark.slow

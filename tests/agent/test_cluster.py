@@ -13,10 +13,19 @@ import pytest
 
 from agent.core.auth import sign
 from agent.core.plan import make_plan
-from shards.generate import LocalModel, generate
-from shards.sampling import SamplingParams
+from shards.runtime.generate import LocalModel, generate
+from shards.runtime.sampling import SamplingParams
 from tests.agent.agents import (
-    ADMIN, CLUSTER_KEY, REPO, cluster_ready, free_ports, http, linked_copy, make_agents, member_tls, shut_down,
+    ADMIN,
+    CLUSTER_KEY,
+    REPO,
+    cluster_ready,
+    free_ports,
+    http,
+    linked_copy,
+    make_agents,
+    member_tls,
+    shut_down,
     wait_for,
 )
 from tests.agent.impostor import NODE_ID as IMPOSTOR_ID

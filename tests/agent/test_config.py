@@ -2,8 +2,8 @@ from pathlib import Path
 
 import pytest
 
-from agent.config import AgentConfig, ConfigError, load_config
-from agent.identity import load_or_create_node_id
+from agent.local.config import AgentConfig, ConfigError, load_config
+from agent.local.identity import load_or_create_node_id
 
 
 def write(tmp_path: Path, text: str) -> Path:

@@ -13,7 +13,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from agent.demo import LocalAgent, Supervisor
+from agent.cli.demo import LocalAgent, Supervisor
 from tests.agent.agents import MAIN, REPO, http, linked_copy, wait_for
 from tests.agent.test_demo_failover import consecutive_free_ports
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from agent.demo import start_local_cluster, stop_processes, wait_ready
+from agent.cli.demo import start_local_cluster, stop_processes, wait_ready
 from tests.agent.agents import MAIN, http, linked_copy, wait_for
 from tests.agent.test_failover import QUESTION, TOKENS
 

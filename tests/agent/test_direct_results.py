@@ -9,9 +9,9 @@ import asyncio
 from collections import Counter
 from typing import Any
 
-import agent.dataplane
-import agent.service
-from agent.service_keys import WORKER
+import agent.dataplane.links
+import agent.node.service
+from agent.http.app_keys import WORKER
 from tests.agent.agents import free_ports
 from tests.agent.inprocess import call
 from tests.agent.tiny import TINY, tiny_cluster
@@ -37,8 +37,8 @@ def test_a_token_crosses_each_link_once_and_nothing_comes_back_along_the_chain(t
             # Frames as the agents (all in this process) read them: on the sockets they serve,
             # and on the links they opened to others.
             served, linked = Counter[str](), Counter[str]()
-            monkeypatch.setattr(agent.service, "decode_frame", counting(agent.service.decode_frame, served))
-            monkeypatch.setattr(agent.dataplane, "decode_frame", counting(agent.dataplane.decode_frame, linked))
+            monkeypatch.setattr(agent.node.service, "decode_frame", counting(agent.node.service.decode_frame, served))
+            monkeypatch.setattr(agent.dataplane.links, "decode_frame", counting(agent.dataplane.links.decode_frame, linked))
             status, again = await call("POST", leader.url + "/v1/completions", BODY, timeout_s=30)
             assert status == 200, again
             assert again["choices"][0]["text"] == first["choices"][0]["text"]

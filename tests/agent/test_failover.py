@@ -18,8 +18,18 @@ from pathlib import Path
 
 import pytest
 
-from tests.agent.agents import (FALLBACK, MAIN, Agent, ModelEvents, cluster_ready, give_small_disk, linked_copy,
-                                make_agents, shut_down, wait_for)
+from tests.agent.agents import (
+    FALLBACK,
+    MAIN,
+    Agent,
+    ModelEvents,
+    cluster_ready,
+    give_small_disk,
+    linked_copy,
+    make_agents,
+    shut_down,
+    wait_for,
+)
 
 pytestmark = pytest.mark.slow
 QUESTION = [{"role": "user", "content": "Tell me about the history of Paris, the capital of France, in detail."}]

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from agent import __version__
-from agent.launch import read_thp_mode, runtime_env, thp_mode
+from agent.local.runtime_env import read_thp_mode, runtime_env, thp_mode
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -46,15 +46,15 @@ def test_the_entry_point_runs_the_command_in_the_environment_it_asks_for(tmp_pat
     env = {k: v for k, v in os.environ.items() if k not in ("GLIBC_TUNABLES", "OPENBLAS_NUM_THREADS")}
     env["PYTHONPATH"] = str(REPO)
     script = tmp_path / "ncm"
-    script.write_text("import sys\nfrom agent.launch import main\nsys.exit(main())\n")
+    script.write_text("import sys\nfrom agent.cli.launch import main\nsys.exit(main())\n")
     result = subprocess.run([sys.executable, str(script), "--version"], capture_output=True, text=True, env=env,
                             timeout=60)
     assert result.returncode == 0 and result.stdout.strip() == f"ncm {__version__}", result.stderr
     probe = ("import os, sys, types\n"  # the command started: it prints the environment it got
-             "cli = types.ModuleType('agent.cli')\n"
+             "cli = types.ModuleType('agent.cli.main')\n"
              "cli.main = lambda: print(os.environ.get('GLIBC_TUNABLES'), os.environ.get('OPENBLAS_NUM_THREADS')) or 0\n"
-             "sys.modules['agent.cli'] = cli\n"
-             "from agent.launch import main\nsys.exit(main())\n")
+             "sys.modules['agent.cli.main'] = cli\n"
+             "from agent.cli.launch import main\nsys.exit(main())\n")
     script.write_text(probe)
     seen = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=60)
     wanted = runtime_env(env, read_thp_mode())

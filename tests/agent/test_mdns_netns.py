@@ -15,7 +15,7 @@ import sys
 
 import pytest
 
-from agent.demo import stop_processes
+from agent.cli.demo import stop_processes
 from tests.agent.agents import CLUSTER_KEY, FAST_TIMING, REPO, wait_for
 from tests.agent.impostor import NODE_ID as IMPOSTOR_ID
 from tests.agent.impostor import SEEN_PATH

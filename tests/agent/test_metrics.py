@@ -11,9 +11,9 @@ from typing import Any
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
-from agent.events import EventLog
-from agent.metrics import ClusterStateCollector, Metrics
-from agent.service_keys import ADMIN_TOKEN, EVENTS, MEMBERSHIP
+from agent.http.app_keys import ADMIN_TOKEN, EVENTS, MEMBERSHIP
+from agent.local.events import EventLog
+from agent.local.metrics import ClusterStateCollector, Metrics
 from tests.agent.inprocess import LocalAgent, call, eventually
 from tests.agent.tiny import TINY, tiny_cluster
 

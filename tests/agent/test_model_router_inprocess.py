@@ -21,8 +21,7 @@ import contextlib
 from collections.abc import AsyncIterator
 from typing import Any
 
-
-from agent.service_keys import ADMIN_TOKEN, ORCHESTRATOR, ROUTER, WORKER
+from agent.http.app_keys import ADMIN_TOKEN, ORCHESTRATOR, ROUTER, WORKER
 from tests.agent.inprocess import LocalAgent, SseEvents, call, eventually
 from tests.agent.tiny import TINY, tiny_cluster
 

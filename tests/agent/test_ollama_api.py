@@ -13,7 +13,7 @@ from typing import Any
 import ollama
 import pytest
 
-from agent.service_keys import ROUTER
+from agent.http.app_keys import ROUTER
 from tests.agent.agents import ADMIN
 from tests.agent.inprocess import call, eventually
 from tests.agent.tiny import TINY, tiny_cluster

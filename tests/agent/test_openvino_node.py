@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from shards.generate import LocalModel
+from shards.runtime.generate import LocalModel
 from tests.agent.agents import cluster_ready, make_agents, shut_down, wait_for
 
 pytestmark = pytest.mark.slow

@@ -26,11 +26,11 @@ from typing import Any
 import aiohttp
 import pytest
 
-from agent.peer_client import PeerError
-from agent.protocol import StepFrame
-from agent.service_keys import EVENTS, MEMBERSHIP, ORCHESTRATOR, WORKER
-from shards.importer import import_model
-from shards.store import ModelStore
+from agent.cluster.peer_client import PeerError
+from agent.core.protocol import StepFrame
+from agent.http.app_keys import EVENTS, MEMBERSHIP, ORCHESTRATOR, WORKER
+from shards.importers.importer import import_model
+from shards.store.model_store import ModelStore
 from tests.agent.inprocess import LocalAgent, call, eventually
 from tests.agent.tiny import TINY, tiny_cluster, write_tiny_checkpoint
 

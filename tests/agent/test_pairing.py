@@ -117,8 +117,8 @@ def test_a_fresh_device_joins_with_a_join_string_and_serves_its_share(smollm2_st
 def test_a_removed_device_is_shut_out_by_a_new_cluster_key(smollm2_store, tmp_path):
     """Three devices paired by invites; `ncm remove` of one hands a new key to the others
     (they restart with it, in place); the removed one's old key opens nothing any more."""
+    from agent.cluster.tls import issue_node_files
     from agent.core.auth import admin_token
-    from agent.tls import issue_node_files
 
     template = make_agents(tmp_path / "template", smollm2_store.root, 1, start=False, extra_env=REPLAN)  # its env
     first = fresh_device(tmp_path, template, "first")

@@ -11,10 +11,10 @@ import time
 import aiohttp
 import pytest
 
+from agent.cluster.tls import issue_node_files
 from agent.core.auth import HEADER_NODE, HEADER_SIGNATURE, sign
-from agent.protocol import DESCRIBE_PATH
-from agent.service_keys import MEMBERSHIP
-from agent.tls import issue_node_files
+from agent.core.protocol import DESCRIBE_PATH
+from agent.http.app_keys import MEMBERSHIP
 from tests.agent.agents import ADMIN, CLUSTER_KEY, free_ports, member_tls
 from tests.agent.impostor import NODE_ID as IMPOSTOR_ID
 from tests.agent.impostor import SEEN_PATH, start_impostor
@@ -141,7 +141,7 @@ def test_answers_without_the_key_are_not_believed(tmp_path, forged):
     """The peer client refuses an answer that is not signed for its request, whatever it says."""
     from aiohttp import web
 
-    from agent.peer_client import PeerAuthError
+    from agent.cluster.peer_client import PeerAuthError
 
     async def scenario():
         async def describe(request):

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from agent.cli import main
+from agent.cli.main import main
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "docs" / "examples" / "home-cluster.json"
 

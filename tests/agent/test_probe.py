@@ -6,9 +6,9 @@ import threading
 
 import pytest
 
-from agent.probe import find_accelerators
-from shards.backends import CPU_BACKEND, calibrate
+from agent.local.probe import find_accelerators
 from shards.errors import RunnerError
+from shards.providers.backends import CPU_BACKEND, calibrate
 
 
 def test_this_machine_has_a_self_tested_and_calibrated_cpu():

@@ -1,9 +1,9 @@
 """What a public error may show: the real reason, without the addresses of nodes or what they answered."""
 
+from agent.cluster.peer_client import PeerError
 from agent.core.errors import ClusterError
-from agent.peer_client import PeerError
-from agent.public_errors import public_reason, without_addresses
-from agent.weights import WeightTransferError
+from agent.orchestration.public_errors import public_reason, without_addresses
+from agent.stage.weights import WeightTransferError
 
 
 def test_public_reasons_carry_no_address_or_peer_answer():

@@ -26,7 +26,7 @@ from typing import Any
 
 import pytest
 
-from agent.service_keys import ROUTER
+from agent.http.app_keys import ROUTER
 from tests.agent.agents import ADMIN, FALLBACK, REPO, Agent, ModelEvents, linked_copy, make_agents, shut_down, wait_for
 from tests.agent.inprocess import SseEvents, call, eventually
 from tests.agent.test_admission import Gate, complete

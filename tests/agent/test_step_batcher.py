@@ -13,10 +13,10 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import pytest
 
-from agent.dataplane import StageError
-from agent.service_keys import WORKER
-from agent.step_batcher import StepBatcher
-from shards.runner import OrtFragmentRunner
+from agent.dataplane.links import StageError
+from agent.http.app_keys import WORKER
+from agent.stage.step_batcher import StepBatcher
+from shards.runtime.runner import OrtFragmentRunner
 from tests.agent.inprocess import call
 from tests.agent.tiny import TINY, store_tiny_models, tiny_cluster
 

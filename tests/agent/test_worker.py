@@ -10,17 +10,17 @@ import aiohttp
 import numpy as np
 import pytest
 
-from agent.config import AgentConfig
+from agent.cluster.peer_client import PeerClient
 from agent.core.orders import RoutingOrder
 from agent.core.plan import LayerRange
+from agent.core.protocol import ResultFrame, StepFrame
 from agent.core.routing import Hop, Route
-from agent.dataplane import Links, StageError
-from agent.peer_client import PeerClient
-from agent.protocol import ResultFrame, StepFrame
-from agent.worker import StaleOrderError, Worker
-from shards.manifest import WeightFile
-from shards.store import ModelStore
-from shards.tensorfile import read_tensors, write_tensors
+from agent.dataplane.links import Links, StageError
+from agent.local.config import AgentConfig
+from agent.stage.worker import StaleOrderError, Worker
+from shards.store.manifest import WeightFile
+from shards.store.model_store import ModelStore
+from shards.store.tensorfile import read_tensors, write_tensors
 from tests.agent.agents import CLUSTER_KEY, MAIN, linked_copy
 
 pytestmark = pytest.mark.slow

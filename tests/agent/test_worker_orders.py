@@ -24,14 +24,14 @@ import aiohttp
 import numpy as np
 import pytest
 
+from agent.cluster.peer_client import PeerClient, PeerError
 from agent.core.orders import RoutingOrder
 from agent.core.plan import LayerRange
+from agent.core.protocol import ABORT_PATH, COMMIT_PATH, ROUTING_PATH, UNLOAD_PATH
 from agent.core.routing import Hop, Route
-from agent.compat import timeout
-from agent.dataplane import Links, StageError
-from agent.peer_client import PeerClient, PeerError
-from agent.protocol import ABORT_PATH, COMMIT_PATH, ROUTING_PATH, UNLOAD_PATH
-from agent.service_keys import WORKER
+from agent.dataplane.links import Links, StageError
+from agent.http.app_keys import WORKER
+from agent.local.compat import timeout
 from tests.agent.agents import CLUSTER_KEY, member_tls
 from tests.agent.inprocess import LocalAgent, share_calibration
 from tests.agent.tiny import TINY, tiny_cluster

@@ -10,9 +10,9 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
-from agent.service_keys import MEMBERSHIP, ROUTER
-from shards.importer import import_model
-from shards.store import ModelStore
+from agent.http.app_keys import MEMBERSHIP, ROUTER
+from shards.importers.importer import import_model
+from shards.store.model_store import ModelStore
 from tests.agent.inprocess import LocalAgent, eventually, local_agents
 from tests.shards.fragment_helpers import write_tiny_checkpoint
 

@@ -1,4 +1,4 @@
-"""agent.firstboot: the boot-partition setup file and first-boot provisioning."""
+"""agent.cli.firstboot: the boot-partition setup file and first-boot provisioning."""
 
 from __future__ import annotations
 
@@ -9,9 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from agent import firstboot
-from agent.core.errors import NcmError
-from agent.firstboot import (
+from agent.cli import firstboot
+from agent.cli.firstboot import (
     BootSetup,
     FirstbootError,
     SetupFileError,
@@ -21,6 +20,7 @@ from agent.firstboot import (
     render_config,
     run_firstboot,
 )
+from agent.core.errors import NcmError
 
 KEY = "correct-horse-battery-staple"
 

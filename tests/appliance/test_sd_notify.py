@@ -1,4 +1,4 @@
-"""agent.sd_notify against a real AF_UNIX datagram notification socket."""
+"""agent.local.sd_notify against a real AF_UNIX datagram notification socket."""
 
 from __future__ import annotations
 
@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from agent import sd_notify
-from agent.sd_notify import SystemdNotifier, format_status, run_watchdog, watchdog_interval_s
+from agent.local import sd_notify
+from agent.local.sd_notify import SystemdNotifier, format_status, run_watchdog, watchdog_interval_s
 
 
 class NotifySocket:

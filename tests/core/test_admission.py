@@ -8,8 +8,13 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from agent.core.admission import (
-    DEFAULT_MAX_QUEUED_REQUESTS, DEFAULT_MAX_REQUESTS_IN_FLIGHT, MAX_RETRY_AFTER_S, Admission, AdmissionError,
-    AdmissionLimits, TooManyRequestsError,
+    DEFAULT_MAX_QUEUED_REQUESTS,
+    DEFAULT_MAX_REQUESTS_IN_FLIGHT,
+    MAX_RETRY_AFTER_S,
+    Admission,
+    AdmissionError,
+    AdmissionLimits,
+    TooManyRequestsError,
 )
 from agent.core.model_registry import RouterError
 from tests.examples import examples

@@ -3,7 +3,14 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from agent.core.auth import (
-    ANY_NODE, HEADER_NODE, HEADER_SIGNATURE, ReplayGuard, sign, sign_answer, verify, verify_answer,
+    ANY_NODE,
+    HEADER_NODE,
+    HEADER_SIGNATURE,
+    ReplayGuard,
+    sign,
+    sign_answer,
+    verify,
+    verify_answer,
 )
 from agent.core.errors import AuthError, StaleRequestError
 

@@ -7,8 +7,20 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from agent.core.deployments import (
-    TINY_ALIAS, AdoptAndRecover, NodeFault, Recover, Redeploy, Replan, WaitToReplan, adoption_actions, clear_faults,
-    failovers, newest_orders, replan_decision, resolve_fallback, weight_sources,
+    TINY_ALIAS,
+    AdoptAndRecover,
+    NodeFault,
+    Recover,
+    Redeploy,
+    Replan,
+    WaitToReplan,
+    adoption_actions,
+    clear_faults,
+    failovers,
+    newest_orders,
+    replan_decision,
+    resolve_fallback,
+    weight_sources,
 )
 from agent.core.errors import ClusterError
 from agent.core.orders import RoutingOrder

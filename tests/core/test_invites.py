@@ -3,7 +3,13 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from agent.core.invites import (
-    MAX_INVITES, Invite, InviteBook, InviteError, JoinString, fingerprint, pairing_proof,
+    MAX_INVITES,
+    Invite,
+    InviteBook,
+    InviteError,
+    JoinString,
+    fingerprint,
+    pairing_proof,
 )
 
 SECRET = bytes(range(24))

@@ -8,7 +8,15 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from agent.core.model_registry import (
-    MIB, CapacityError, DeviceMemory, Evict, Load, ModelLoadError, ModelRegistry, Refuse, UnknownModelError,
+    MIB,
+    CapacityError,
+    DeviceMemory,
+    Evict,
+    Load,
+    ModelLoadError,
+    ModelRegistry,
+    Refuse,
+    UnknownModelError,
 )
 from tests.examples import examples
 

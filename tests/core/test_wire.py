@@ -67,8 +67,9 @@ def test_garbage_never_crashes_the_decoder(data):
 
 
 def test_forged_tensor_description_is_rejected():
-    import msgpack
     import struct
+
+    import msgpack
 
     header = dict(STEP, tensor={"dtype": "object", "shape": [1]})
     packed = msgpack.packb(header)

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import numpy as np
 
-from shards.runner import FragmentRunner, chain_forward, open_chain
-from shards.tensorfile import write_tensors
+from shards.runtime.runner import FragmentRunner, chain_forward, open_chain
+from shards.store.tensorfile import write_tensors
 
 SMOLLM2 = "smollm2-135m"
 SMOLLM2_Q4 = "smollm2-135m-q4"
@@ -150,7 +150,7 @@ def write_gguf_from_hf(model, path: Path, arch: str, extra: dict[str, np.ndarray
     Every tensor of the model is written (AssertionError otherwise), then the ``extra`` ones."""
     import gguf
 
-    from shards.hf_import import llama3_freq_factors
+    from shards.importers.hf import llama3_freq_factors
 
     cfg = model.config
     sd = {k: v.detach().float().numpy() for k, v in model.state_dict().items()}
@@ -219,7 +219,7 @@ def write_gguf_from_hf(model, path: Path, arch: str, extra: dict[str, np.ndarray
 
 def add_tensors(checkpoint: Path, extra: dict[str, np.ndarray]) -> None:
     """Add ``extra`` tensors to a one-file Hugging Face checkpoint's ``model.safetensors``."""
-    from shards.tensorfile import read_tensors, write_tensors
+    from shards.store.tensorfile import read_tensors, write_tensors
 
     path = checkpoint / "model.safetensors"
     write_tensors(path, read_tensors(path) | extra)
@@ -230,8 +230,8 @@ def load_dequantised(model, model_dir: Path, manifest) -> None:
     by those a q4 import stored, dequantised (the lm_head untied; biases are stored as they are)."""
     import torch
 
-    from shards.quant import dequantize
-    from shards.tensorfile import read_tensors
+    from shards.importers.quant import dequantize
+    from shards.store.tensorfile import read_tensors
 
     def deq(t: dict, name: str) -> torch.Tensor:
         return torch.from_numpy(dequantize({k.split(".", 1)[1]: v for k, v in t.items() if k.startswith(name + ".")}))

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from shards import cli
+from shards.cli import commands as cli
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 

@@ -14,11 +14,11 @@ from typing import Any
 import pytest
 from tqdm import tqdm
 
-from shards import cli
-from shards import pull as pull_module
-from shards.importer import import_model
-from shards.pull import download_wheel, extract_gguf
-from shards.store import ModelStore
+from shards.cli import commands as cli
+from shards.importers import pull as pull_module
+from shards.importers.importer import import_model
+from shards.importers.pull import download_wheel, extract_gguf
+from shards.store.model_store import ModelStore
 from tests.shards.fragment_helpers import write_tiny_checkpoint
 
 REPO_ROOT = Path(__file__).resolve().parents[2]

@@ -10,11 +10,11 @@ import time
 import numpy as np
 import onnx
 import pytest
-
 from fragment_helpers import PROMPT_IDS, SMOLLM2, chain, greedy
+
 from shards.errors import FragmentError
-from shards.fragment import BLOB_POOL, TMP_PREFIX, build_fragment, prune_blobs, sweep_fragments
-from shards.runner import chain_forward
+from shards.graph.fragment import BLOB_POOL, TMP_PREFIX, build_fragment, prune_blobs, sweep_fragments
+from shards.runtime.runner import chain_forward
 
 SPLITS = {
     1: [(0, 29)],

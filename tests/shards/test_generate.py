@@ -7,8 +7,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from shards.errors import RunnerError, SamplingError
-from shards.generate import FINISH_LENGTH, FINISH_STOP, LocalModel, TextStream, generate, prompt_ids_for
-from shards.sampling import SamplingParams
+from shards.runtime.generate import FINISH_LENGTH, FINISH_STOP, LocalModel, TextStream, generate, prompt_ids_for
+from shards.runtime.sampling import SamplingParams
 from tests.examples import examples
 
 MODEL = "smollm2-135m"

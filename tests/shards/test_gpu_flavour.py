@@ -9,12 +9,12 @@ import numpy as np
 import pytest
 from fragment_helpers import PROMPT_IDS, SMOLLM2, greedy, write_tiny_checkpoint
 
-import shards.fragment as fragment_module
-import shards.runner as runner_module
-from shards.backends import CPU, Backend
-from shards.importer import import_model
-from shards.runner import OrtFragmentRunner, chain_forward
-from shards.store import ModelStore
+import shards.graph.fragment as fragment_module
+import shards.runtime.runner as runner_module
+from shards.importers.importer import import_model
+from shards.providers.backends import CPU, Backend
+from shards.runtime.runner import OrtFragmentRunner, chain_forward
+from shards.store.model_store import ModelStore
 
 GROWTH = 16
 HALF_TOLERANCE = 2e-2  # logits of the tiny models are a few units: float16 keeps ~3 digits

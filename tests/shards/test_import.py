@@ -10,14 +10,14 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
 from fragment_helpers import PROMPT_IDS, SMOLLM2, add_tensors, chain, write_tiny_checkpoint
+
 from shards.errors import ModelFormatError, TokenizerError, UnmappedTensorError, UnsupportedArchitectureError
-from shards.gguf_import import unpermute_rope_rows
-from shards.importer import default_name, import_model
-from shards.runner import chain_forward, open_chain
-from shards.store import ModelStore
-from shards.tensorfile import read_tensors
+from shards.importers.gguf import unpermute_rope_rows
+from shards.importers.importer import default_name, import_model
+from shards.runtime.runner import chain_forward, open_chain
+from shards.store.model_store import ModelStore
+from shards.store.tensorfile import read_tensors
 
 
 def write_gguf(path: Path, arch: str) -> Path:

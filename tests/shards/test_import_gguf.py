@@ -6,12 +6,12 @@ import re
 
 import numpy as np
 import pytest
-
 from fragment_helpers import load_dequantised, make_hf_checkpoint, write_gguf_from_hf
+
 from shards.errors import UnmappedTensorError
-from shards.importer import import_model
-from shards.runner import chain_forward, open_chain
-from shards.store import ModelStore
+from shards.importers.importer import import_model
+from shards.runtime.runner import chain_forward, open_chain
+from shards.store.model_store import ModelStore
 
 pytestmark = pytest.mark.slow
 
@@ -52,7 +52,7 @@ def test_q4_fragments_compute_the_dequantised_model(tmp_path, monkeypatch) -> No
     # default accuracy_level 4 (int8 activations, fast): close on this chaotic random net
     assert (fast.argmax(-1) == ref.argmax(-1)).mean() >= 0.9
     # accuracy_level 0 (float activations): the very same function as the dequantised weights
-    monkeypatch.setattr("shards.fragment.Q4_ACCURACY_LEVEL", 0)
+    monkeypatch.setattr("shards.graph.fragment.Q4_ACCURACY_LEVEL", 0)
     exact = chain_forward(open_chain(d, [(0, 2)], threads=1), "s", ids)[0]
     np.testing.assert_allclose(exact, ref, atol=1e-4, rtol=0)
 

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-
 from fragment_helpers import greedy, load_dequantised, make_hf_checkpoint
-from shards.importer import import_model
-from shards.runner import chain_forward, open_chain
-from shards.store import ModelStore
-from shards.tensorfile import read_tensors
+
+from shards.importers.importer import import_model
+from shards.runtime.runner import chain_forward, open_chain
+from shards.store.model_store import ModelStore
+from shards.store.tensorfile import read_tensors
 
 pytestmark = pytest.mark.slow
 
@@ -131,7 +131,7 @@ def test_biased_llama_q4_computes_the_dequantised_model(tmp_path, monkeypatch) -
     layer = read_tensors(d / m.files["layer.0"].path)
     assert {layer[b].dtype for b in ("q_bias", "o_bias", "gate_bias", "up_bias", "down_bias")} == {np.dtype(np.float32)}
     load_dequantised(model, d, m)
-    monkeypatch.setattr("shards.fragment.Q4_ACCURACY_LEVEL", 0)  # float activations: exact
+    monkeypatch.setattr("shards.graph.fragment.Q4_ACCURACY_LEVEL", 0)  # float activations: exact
     ids = np.arange(3, 50, dtype=np.int64)
     ours = chain_forward(open_chain(d, [(0, 2)], threads=1), "s", ids)[0]
     np.testing.assert_allclose(ours, torch_logits(model, ids), atol=1e-4, rtol=0)

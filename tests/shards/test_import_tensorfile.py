@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from shards.errors import ModelFormatError
-from shards.tensorfile import read_header, read_tensors, write_tensors
+from shards.store.tensorfile import read_header, read_tensors, write_tensors
 
 
 def test_round_trip(tmp_path) -> None:

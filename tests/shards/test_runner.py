@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-
 from fragment_helpers import PROMPT_IDS, SMOLLM2, chain
+
 from shards.errors import RunnerError
-from shards.runner import FragmentRunner, OrtFragmentRunner, chain_forward, open_chain
+from shards.runtime.runner import FragmentRunner, OrtFragmentRunner, chain_forward, open_chain
 
 
 @pytest.fixture(scope="module")

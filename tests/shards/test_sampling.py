@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
 
 from shards.errors import SamplingError
-from shards.sampling import Sampler, SamplingParams
+from shards.runtime.sampling import Sampler, SamplingParams
 from tests.examples import examples
 
 _logits = arrays(np.float32, st.integers(2, 64), elements=st.floats(-30, 30, width=32))

@@ -8,8 +8,8 @@ import json
 import pytest
 
 from shards.errors import ModelFormatError, ModelNotFoundError
-from shards.manifest import Manifest, WeightFile, layer_key
-from shards.store import ModelStore, ncm_home
+from shards.store.manifest import Manifest, WeightFile, layer_key
+from shards.store.model_store import ModelStore, ncm_home
 
 SHA = "ab" * 32
 

@@ -13,8 +13,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from shards.errors import TokenizerError
-from shards.tokenizer import Tokenizer
-from shards.tokenizer_spec import (
+from shards.text.tokenizer import Tokenizer
+from shards.text.tokenizer_spec import (
     TokenizerSpec,
     load_tokenizer_spec,
     save_tokenizer_spec,

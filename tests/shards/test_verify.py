@@ -9,11 +9,11 @@ from pathlib import Path
 import pytest
 from fragment_helpers import write_tiny_checkpoint
 
-import shards.verify as verify
+import shards.store.verify as verify
 from shards.errors import CorruptWeightsError
-from shards.fragment import build_fragment
-from shards.importer import import_model
-from shards.store import ModelStore
+from shards.graph.fragment import build_fragment
+from shards.importers.importer import import_model
+from shards.store.model_store import ModelStore
 
 
 @pytest.fixture(scope="module")

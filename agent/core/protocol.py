@@ -1,0 +1,119 @@
+"""What agents say to each other: every internal endpoint, and the frames of the data plane.
+
+Internal endpoints answer only over mutual TLS on the peer port, to requests signed with the
+cluster key (`agent/core/auth.py`); their answers are signed too. What they carry is
+validated by the wire schemas of :mod:`agent.core.wire` and :mod:`agent.core.orders`.
+
+The data plane (:data:`STREAM_PATH`, a WebSocket per pair of nodes) carries frames: a
+:class:`StepFrame` (with its tensor: token ids at the head, hidden states after) goes from the
+orchestrator to the head and from each stage to the next. A step names its ``reply`` node,
+the orchestrator: the tail sends its :class:`ResultFrame` (the sampled token) straight there,
+and a stage that fails, or whose next stage does not take the step, sends its error frame
+(:meth:`agent.dataplane.links.StageError.to_header`) there too; nothing goes back along the chain,
+so a token crosses each link once. The orchestrator finds frozen and vanished stages itself:
+``ping`` frames, which a live node answers with ``pong`` at once. A :class:`CloseFrame`
+frees a session on a stage.
+Each frame is a header validated by :data:`agent.core.wire.SCHEMAS` on decode; the link adds
+``cid``, which pairs a pong with its ping on that link.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
+from typing import Any
+
+INTERNAL_PREFIX = "/internal/"
+DESCRIBE_PATH = "/internal/describe"  # membership: a node's advert, extras and the peers it knows
+STATE_PATH = "/internal/state"  # a node's worker and fault state
+ROUTING_PATH = "/internal/routing"  # stage a routing order (build its fragments)
+COMMIT_PATH = "/internal/routing/commit"  # serve the staged order
+ABORT_PATH = "/internal/routing/abort"  # drop the staged order
+UNLOAD_PATH = "/internal/unload"  # drop a model's orders and fragments
+COPY_PATH = "/internal/copy"  # keep a whole copy of a model (the fallback)
+REKEY_PATH = "/internal/rekey"  # the new cluster key after a node is removed
+STREAM_PATH = "/internal/stream"  # the data plane: a WebSocket of step, result, error, close and ping frames
+MODEL_LISTING_PATH = "/internal/models/{name}"  # a stored model's files, sizes and sha256
+MODEL_FILE_PATH = "/internal/models/{name}/files/{path}"  # one file (Range requests resume)
+PAIR_PATH = "/cluster/pair"  # public: a new device redeems an invite (it holds no key yet)
+
+
+def model_listing_path(name: str) -> str:
+    return MODEL_LISTING_PATH.format(name=name)
+
+
+def model_file_path(name: str, relative: str) -> str:
+    return MODEL_FILE_PATH.format(name=name, path=relative)
+
+
+@dataclass(frozen=True)
+class StepFrame:
+    """Run the layers from ``layer`` on, for session ``sid`` at positions ``start``...; the
+    tail samples the next token when ``sample`` (with ``params``, sent on a session's first
+    step). Its result, or the failure of any stage, goes straight to ``reply`` (a node id,
+    reached at ``reply_url``): the orchestrator, which names itself there before it sends
+    the step (:meth:`replying_to`)."""
+
+    sid: str
+    seq: int
+    layer: int
+    start: int
+    epoch: int
+    plan: int
+    sample: bool
+    params: Mapping[str, Any] | None = None
+    reply: str | None = None
+    reply_url: str | None = None
+
+    def header(self) -> dict[str, Any]:
+        header = {"kind": "step", "sid": self.sid, "seq": self.seq, "layer": self.layer, "start": self.start,
+                  "epoch": self.epoch, "plan": self.plan, "sample": self.sample}
+        if self.params is not None:
+            header["params"] = dict(self.params)
+        if self.reply is not None and self.reply_url is not None:
+            header["reply"], header["reply_url"] = self.reply, self.reply_url
+        return header
+
+    @classmethod
+    def from_header(cls, header: Mapping[str, Any]) -> StepFrame:
+        """The step of a decoded (so validated) header."""
+        return cls(header["sid"], header["seq"], header["layer"], header["start"], header["epoch"], header["plan"],
+                   header["sample"], header.get("params"), header.get("reply"), header.get("reply_url"))
+
+    def replying_to(self, node_id: str, url: str) -> StepFrame:
+        """The same step, its outcome sent straight to ``node_id`` (at ``url``)."""
+        return replace(self, reply=node_id, reply_url=url)
+
+    def at_layer(self, layer: int) -> StepFrame:
+        """The same step, for the stage whose layers start at ``layer``."""
+        return replace(self, layer=layer)
+
+
+@dataclass(frozen=True)
+class ResultFrame:
+    """The tail's answer to a step: the sampled token (None when the step did not sample)."""
+
+    sid: str
+    seq: int
+    token: int | None
+
+    def header(self) -> dict[str, Any]:
+        return {"kind": "result", "sid": self.sid, "seq": self.seq, "token": self.token}
+
+    @classmethod
+    def from_header(cls, header: Mapping[str, Any]) -> ResultFrame:
+        return cls(header["sid"], header["seq"], header["token"])
+
+
+@dataclass(frozen=True)
+class CloseFrame:
+    """Free session ``sid`` on the stage whose layers start at ``layer`` (of plan ``plan``)."""
+
+    sid: str
+    layer: int
+    plan: int
+
+    def header(self) -> dict[str, Any]:
+        return {"kind": "close", "sid": self.sid, "layer": self.layer, "plan": self.plan}
+
+

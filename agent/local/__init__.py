@@ -1,0 +1,1 @@
+"""What this device is and has: configuration, files, identity, the capacity probe, events, metrics, the process's lifecycle and environment."""

@@ -1,0 +1,1 @@
+"""The agent process: the application's wiring, the internal endpoints and the serve loop."""

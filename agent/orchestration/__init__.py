@@ -1,0 +1,1 @@
+"""The orchestrator: deploying plans, the token loop of each request, failover and degraded mode."""

@@ -1,0 +1,218 @@
+"""A request's token loop (design §6): prefill the prompt through the pipeline in chunks, then
+one step per token, each through every stage of the route, sampled at the tail.
+
+When a stage fails, the request asks for what to use now (the orchestrator's failover),
+replays its tokens so far on that route and goes on: nothing is lost or repeated.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from agent.cluster.membership import Membership
+from agent.core.chat_request import InvalidRequestError
+from agent.core.errors import ClusterError
+from agent.core.orders import RoutingOrder
+from agent.core.protocol import CloseFrame, StepFrame
+from agent.dataplane.links import SILENCE_S, StageError, StageLink
+from agent.local.compat import timeout
+from agent.orchestration.deployer import Deployment
+from agent.stage.worker import Worker
+from shards.runtime.generate import FINISH_LENGTH, TextStream
+from shards.runtime.sampling import SamplingParams
+
+log = logging.getLogger(__name__)
+PREFILL_STEP_TIMEOUT_S = 300.0
+DECODE_STEP_TIMEOUT_S = 60.0
+MAX_RECOVERIES_PER_REQUEST = 4
+
+
+@dataclass(frozen=True)
+class Completion:
+    """One event of a completion as the API streams it; ``model`` is the model that produced it."""
+
+    text: str
+    model: str
+    finish_reason: str | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    tokens: tuple[int, ...] = ()  # the sampled ids behind this event's text (since the previous event)
+
+
+class TokenLoop:
+    """Runs requests through the pipeline from this node. ``recover(deployment, dead)`` fails
+    over from a deployment whose ``dead`` nodes failed, and returns the one to go on with."""
+
+    def __init__(self, node_id: str, membership: Membership, worker: Worker,
+                 recover: Callable[[Deployment, set[str]], Awaitable[Deployment]]) -> None:
+        self.node_id = node_id
+        self.membership = membership
+        self.worker = worker
+        self._recover = recover
+        self._running = 0
+        self._none_running = asyncio.Event()
+        self._none_running.set()
+
+    async def drained(self, timeout_s: float) -> bool:
+        """Wait until no request runs here (an agent that stops lets them finish); False when
+        some still ran after ``timeout_s``."""
+        try:
+            async with timeout(timeout_s):
+                await self._none_running.wait()
+        except asyncio.TimeoutError:
+            return False
+        return True
+
+    async def _step(self, order: RoutingOrder, step: StepFrame, tensor: np.ndarray, timeout_s: float) -> int | None:
+        """Hand ``step`` to the head and return the token the tail sends straight here: each
+        hop is one network trip, and nothing comes back along the chain. A stage that fails,
+        or whose next stage does not take the step, reports it here. One that vanishes or
+        freezes says nothing: the step fails at once when this node's link to a stage of the
+        route drops (a request links to every stage first), and every :data:`SILENCE_S`
+        without the result the other stages are pinged, the first that does not answer blamed."""
+        head = order.route.hops[0].node_id
+        # the address the order gives this node (the one stage links use), else the current one
+        url = order.addresses.get(self.node_id) or self.membership.peer_address_of(self.node_id)
+        step = step.replying_to(self.node_id, url)
+        loop = asyncio.get_running_loop()
+        result = self.worker.replies.expect(step.sid, step.seq)
+        lost = self.worker.links.loss()
+        sent_at = loop.time()
+        deadline = sent_at + timeout_s
+        try:
+            await self.worker.hand_on(order, head, step, tensor)
+            while not result.done():
+                await asyncio.wait((result, lost), timeout=max(min(SILENCE_S, deadline - loop.time()), 0.0),
+                                   return_when=asyncio.FIRST_COMPLETED)
+                if result.done():
+                    break
+                if lost.done():
+                    node_id = lost.result()
+                    if node_id != self.node_id and node_id in order.route.nodes:
+                        raise StageError("stage_unreachable", f"the link to node {node_id} dropped while a step "
+                                         "was on its way", node_id)
+                    lost = self.worker.links.loss()
+                elif loop.time() >= deadline:
+                    raise StageError("stage_timeout", f"the pipeline did not answer within {timeout_s:g} s", head)
+                else:
+                    await self._probe(order)
+            token = result.result().token
+            self.worker.metrics.child(self.worker.metrics.step_latency, order.name).observe(loop.time() - sent_at)
+            return token
+        finally:
+            self.worker.replies.forget(step.sid, step.seq)
+
+    async def _links_to_stages(self, order: RoutingOrder) -> list[StageLink]:
+        """This node's links to the other stages of ``order``'s route, in route order."""
+        return [await self.worker.links.get(node_id, order.addresses[node_id])
+                for node_id in order.route.nodes if node_id != self.node_id]
+
+    async def _probe(self, order: RoutingOrder) -> None:
+        """Ping the other stages of ``order``'s route at once; the failure of the first (in
+        route order) that does not answer."""
+        links = await self._links_to_stages(order)
+        outcomes = await asyncio.gather(*(link.ping(SILENCE_S) for link in links), return_exceptions=True)
+        for outcome in outcomes:
+            if isinstance(outcome, BaseException):
+                raise outcome
+
+    async def _prefill(self, deployment: Deployment, order: RoutingOrder, sid: str, ids: list[int],
+                       sampling: dict[str, Any]) -> int:
+        """Feed ``ids`` from position 0 in chunks; the last chunk samples the next token."""
+        for link in await self._links_to_stages(order):  # linked to every stage: one that dies is noticed at once
+            await link.connect()
+        chunk = deployment.settings.prefill_chunk
+        token: int | None = None
+        for seq, start in enumerate(range(0, len(ids), chunk)):
+            step = StepFrame(sid, seq, 0, start, order.epoch, order.plan_version, start + chunk >= len(ids), sampling)
+            token = await self._step(order, step, np.asarray([ids[start:start + chunk]], dtype=np.int64),
+                                     PREFILL_STEP_TIMEOUT_S)
+        assert token is not None
+        return token
+
+    async def complete(self, deployment: Deployment, prompt_ids: list[int], params: SamplingParams,
+                       generated: Sequence[int] = ()) -> AsyncIterator[Completion]:
+        """Generate from ``prompt_ids``: yields text pieces, the last event has the finish reason.
+
+        ``generated``: the ids an earlier orchestrator sampled for this request before it was
+        lost (their text was sent already): the request goes on after them.
+        """
+        max_context = deployment.settings.max_context
+        if len(prompt_ids) + len(generated) + 1 > max_context:
+            raise ValueError(f"the prompt has {len(prompt_ids)} tokens; the context of {deployment.name} is {max_context}")
+        sampling = {"temperature": params.temperature, "top_k": params.top_k, "top_p": params.top_p, "seed": params.seed}
+        stream = TextStream(deployment.tokenizer, params)
+        for token in generated:  # their text went out already: only the stream's state matters
+            stream.push(token)
+            if stream.done:
+                raise InvalidRequestError("the tokens to go on after end the generation already", "ncm_resume")
+        context = [*prompt_ids, *generated]  # every token whose KV the stages must hold before the next step
+        unsent: list[int] = []  # sampled ids whose text has not gone out yet
+        recoveries = 0
+        sid = uuid.uuid4().hex
+        self._running += 1
+        self._none_running.clear()
+        try:
+            token = None
+            while True:
+                order = deployment.order
+                served = order.model if order.degraded else order.name
+                try:
+                    if token is None:
+                        token = await self._prefill(deployment, order, sid, context, sampling)
+                    text = stream.push(token)
+                    unsent.append(token)
+                    if stream.done:
+                        yield Completion(text, served, stream.finish_reason, len(prompt_ids), stream.completion_tokens,
+                                         tuple(unsent))
+                        return
+                    if len(context) + 1 >= max_context:
+                        yield Completion(text + stream.finish(FINISH_LENGTH), served, FINISH_LENGTH,
+                                         len(prompt_ids), stream.completion_tokens, tuple(unsent))
+                        return
+                    if text:
+                        yield Completion(text, served, tokens=tuple(unsent))
+                        unsent.clear()
+                    context.append(token)
+                    step = StepFrame(sid, len(context), 0, len(context) - 1, order.epoch, order.plan_version, True)
+                    token = None
+                    token = await self._step(order, step, np.asarray([[context[-1]]], dtype=np.int64),
+                                             DECODE_STEP_TIMEOUT_S)
+                except StageError as error:
+                    if error.node is None or error.node == self.node_id or recoveries >= MAX_RECOVERIES_PER_REQUEST:
+                        raise
+                    recoveries += 1
+                    log.warning("request %s: stage %s failed (%s); failing over", sid[:8], error.node, error.code)
+                    self.membership.mark_unreachable(error.node)
+                    await self._close(order, sid)
+                    previous = deployment
+                    deployment = await self._recover(deployment, {error.node})
+                    if deployment.order.model != previous.order.model and deployment.tokenizer.vocab_size != previous.tokenizer.vocab_size:
+                        raise ClusterError("the fallback model uses another tokenizer; the request cannot continue on it") from None
+                    sid = uuid.uuid4().hex
+                    token = None  # replay everything so far on the new route
+        finally:
+            self._running -= 1
+            if not self._running:
+                self._none_running.set()
+            await self._close(deployment.order, sid)
+
+    async def _close(self, order: RoutingOrder, sid: str) -> None:
+        """Free ``sid`` on every stage of ``order``'s route: each is told directly, so that a
+        dead or frozen stage does not keep the ones after it holding the session (its own go
+        when it has been idle for a while)."""
+        alive = self.membership.alive_nodes()
+        for node_id in order.route.nodes:
+            if node_id == self.node_id:
+                self.worker.close_session(sid)
+            elif node_id in alive:
+                link = await self.worker.links.get(node_id, order.addresses[node_id])
+                layer = order.hops_of(node_id)[0].layers.first
+                await link.send(CloseFrame(sid, layer, order.plan_version).header())

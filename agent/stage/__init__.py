@@ -1,0 +1,1 @@
+"""What a node serves: its order book and step handler, the step batcher, fragments, weights and whole copies."""

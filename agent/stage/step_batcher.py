@@ -1,0 +1,218 @@
+"""A worker's compute queue: steps run one call at a time on the worker's compute thread, and
+the decode steps (one position each) of different sessions on the same fragment that wait
+while that thread is busy run together as one batched call.
+
+Batches form by themselves: the steps that arrive while the thread is busy run together next.
+Only one thing waits: when the first decode step of a new round arrives while sessions of
+the fragment's previous batch (still open) have not sent theirs, it waits for them up to
+:data:`GATHER_S`, and never longer than :data:`GATHER_SHARE` of that batch's compute time,
+so a round does not split into one step alone and the rest after it (the sessions come back
+together, a round trip of the chain later) and a session that stalls (its client reads
+slowly) costs the others little. A step whose session is out of step, or whose batch fails,
+gets its own error: the other rows run alone. A lone stream's quick decode steps run on the
+event loop itself (:meth:`StepBatcher._inline`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import weakref
+from collections import deque
+from concurrent.futures import Executor
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from agent.dataplane.links import StageError
+from shards.errors import ShardsError
+from shards.runtime.runner import FragmentRunner
+
+log = logging.getLogger(__name__)
+MAX_BATCH_ROWS = 32  # decode steps one call runs at most
+GATHER_S = 0.003  # how long a decode step waits for the rest of its fragment's previous batch
+GATHER_SHARE = 0.25  # ... and never more than this share of that batch's compute time
+INLINE_DECODE_S = 0.05  # a lone stream's decode step runs on the event loop when its fragment's last one took less
+
+
+@dataclass
+class _Pending:
+    runner: FragmentRunner
+    sid: str
+    start: int  # the position the step starts at
+    x: np.ndarray
+    future: asyncio.Future[np.ndarray] = field(repr=False)
+    arrived_s: float = 0.0  # event-loop time
+
+    @property
+    def decode(self) -> bool:
+        return self.x.shape[1] == 1
+
+
+def _prepare(runner: FragmentRunner, sid: str, start: int) -> None:
+    """Open ``sid`` on ``runner`` where needed; a step from position 0 (a replay) starts its
+    cache anew. StageError if the cache does not end where the step starts."""
+    if start == 0 and sid in runner.sessions():
+        runner.close_session(sid)
+    if sid not in runner.sessions():
+        runner.open_session(sid)
+    length = runner.session_length(sid)
+    if length != start:
+        raise StageError("session_out_of_sync", f"session {sid} holds {length} positions, step starts at {start}", None)
+
+
+def run_batch(runner: FragmentRunner, steps: list[tuple[str, int, np.ndarray]]) -> list[np.ndarray | BaseException]:
+    """Run ``steps`` ((session, start, input) each) on ``runner``: one batched call for the
+    rows that are ready, each row alone if that call fails. Per step its output or its error."""
+    results: list[np.ndarray | BaseException | None] = [None] * len(steps)
+    ready = []
+    for index, (sid, start, _) in enumerate(steps):
+        try:
+            _prepare(runner, sid, start)
+            ready.append(index)
+        except (StageError, ShardsError) as error:
+            results[index] = error
+    if len(ready) > 1:
+        try:
+            out = runner.forward_batch([steps[i][0] for i in ready], np.concatenate([steps[i][2] for i in ready]))
+            for row, index in enumerate(ready):
+                results[index] = out[row:row + 1]
+            ready = []
+        except ShardsError as error:
+            log.warning("a batch of %d steps failed, running them one by one: %s", len(ready), error)
+    for index in ready:
+        sid, _, x = steps[index]
+        try:
+            results[index] = runner.forward(sid, x, last_only=True)  # a tail's step samples its last row
+        except (StageError, ShardsError) as error:
+            results[index] = error
+    return results  # type: ignore[return-value]
+
+
+class StepBatcher:
+    """Queues steps for the compute thread (``executor``, one worker) and batches decode steps."""
+
+    def __init__(self, executor: Executor) -> None:
+        self.executor = executor
+        self._queue: deque[_Pending] = deque()
+        self._busy = False
+        # per fragment, the sessions of its last decode batch: the next round waits for them
+        self._last_batch: weakref.WeakKeyDictionary[FragmentRunner, set[str]] = weakref.WeakKeyDictionary()
+        self._last_compute_s: weakref.WeakKeyDictionary[FragmentRunner, float] = weakref.WeakKeyDictionary()
+        self._timer: asyncio.TimerHandle | None = None
+        self.batches = 0  # calls that ran more than one step
+        self.batched_steps = 0  # steps that ran in those calls
+
+    async def compute(self, runner: FragmentRunner, sid: str, start: int, x: np.ndarray) -> np.ndarray:
+        """Run ``x`` (positions from ``start`` on) through ``runner`` for session ``sid``."""
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[np.ndarray] = loop.create_future()
+        self._queue.append(_Pending(runner, sid, start, x, future, loop.time()))
+        self._next()
+        return await future
+
+    def _missing(self, runner: FragmentRunner) -> set[str]:
+        """Sessions of ``runner``'s last decode batch, still open, with no step queued."""
+        expected = self._last_batch.get(runner, set()) & set(runner.sessions())
+        return expected - {p.sid for p in self._queue if p.runner is runner}
+
+    def _wake(self) -> None:
+        self._timer = None
+        self._next()
+
+    def _take(self) -> list[_Pending]:
+        """The oldest step, and when it is a decode step every queued decode step of another
+        session on the same fragment (up to :data:`MAX_BATCH_ROWS`)."""
+        first = self._queue.popleft()
+        batch = [first]
+        if not first.decode:
+            return batch
+        sids = {first.sid}
+        for pending in list(self._queue):
+            if len(batch) >= MAX_BATCH_ROWS:
+                break
+            if pending.runner is first.runner and pending.decode and pending.sid not in sids:
+                batch.append(pending)
+                sids.add(pending.sid)
+                self._queue.remove(pending)
+        return batch
+
+    def _next(self) -> None:
+        while self._queue and self._queue[0].future.done():  # its caller left
+            self._queue.popleft()
+        if self._busy or not self._queue:
+            return
+        first, loop = self._queue[0], asyncio.get_running_loop()
+        gather_s = min(GATHER_S, GATHER_SHARE * self._last_compute_s.get(first.runner, 0.0))
+        wait_s = first.arrived_s + gather_s - loop.time()
+        if first.decode and wait_s > 0 and self._missing(first.runner):
+            if self._timer is None:
+                self._timer = loop.call_later(wait_s, self._wake)
+            return
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        batch = [p for p in self._take() if not p.future.done()]
+        if not batch:
+            self._next()
+            return
+        self._busy = True
+        if batch[0].decode:
+            self._last_batch[batch[0].runner] = {p.sid for p in batch}
+        if len(batch) > 1:
+            self.batches += 1
+            self.batched_steps += len(batch)
+        started_s = loop.time()
+        steps = [(p.sid, p.start, p.x) for p in batch]
+        if self._inline(batch):
+            try:
+                results: list[np.ndarray | BaseException | None] = list(run_batch(batch[0].runner, steps))
+            except Exception as error:  # noqa: BLE001 - a bug: the caller hears it
+                results = [error]
+            self._finish(batch, results, started_s)
+            return
+        work = loop.run_in_executor(self.executor, run_batch, batch[0].runner, steps)
+        work.add_done_callback(lambda done: self._finish(batch, self._outcome(done, len(batch)), started_s))
+
+    def _inline(self, batch: list[_Pending]) -> bool:
+        """Whether ``batch`` runs right here, on the event loop: a decode step of the only
+        session its fragment holds (no other session's step could join its batch) whose last
+        decode step took less than :data:`INLINE_DECODE_S` (the loop, which answers pings
+        and requests, is held that long at most). Handing a small step to the compute thread
+        and back wakes two threads, a share of the step a stage of a pipeline feels."""
+        first = batch[0]
+        return (first.decode and len(batch) == 1
+                and self._last_compute_s.get(first.runner, INLINE_DECODE_S) < INLINE_DECODE_S
+                and set(first.runner.sessions()) <= {first.sid})
+
+    @staticmethod
+    def _outcome(done: asyncio.Future[list[np.ndarray | BaseException]], rows: int) -> list[np.ndarray | BaseException | None]:
+        """Per step of a batch run on the compute thread, its output, error or None (cancelled)."""
+        if done.cancelled():  # the executor shut down
+            return [None] * rows
+        if done.exception() is not None:  # a bug: every caller of the batch hears it
+            return [done.exception()] * rows
+        return list(done.result())
+
+    def _finish(self, batch: list[_Pending], results: list[np.ndarray | BaseException | None], started_s: float) -> None:
+        self._busy = False
+        if batch[0].decode:
+            self._last_compute_s[batch[0].runner] = asyncio.get_running_loop().time() - started_s
+        for pending, result in zip(batch, results):
+            if pending.future.done():
+                continue
+            if result is None:
+                pending.future.cancel()
+            elif isinstance(result, BaseException):
+                pending.future.set_exception(result)
+            else:
+                pending.future.set_result(result)
+        self._next()
+
+    def close(self) -> None:
+        """Cancel the steps still queued (the agent is stopping)."""
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        while self._queue:
+            self._queue.popleft().future.cancel()

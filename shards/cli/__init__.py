@@ -1,0 +1,1 @@
+"""The model commands (`ncm pull`, `ncm import`, `ncm generate`), also runnable alone."""

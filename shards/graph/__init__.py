@@ -1,0 +1,1 @@
+"""ONNX layer fragments: their spec, how they are built from stored weights and cached."""

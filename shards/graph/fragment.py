@@ -1,0 +1,174 @@
+"""ONNX layer fragments of a stored model: the flavours, the cache and its keys.
+
+A fragment holds layers [first, last]; the head fragment (first == 0) also holds the token
+embedding, the tail fragment (last == n_layers - 1) the final norm and lm_head. Every fragment
+computes its own prologue (positions from the past length, rotary tables, causal mask) from
+its own inputs, so chains of any split give the same logits as the whole model.
+
+Flavours (one logical model, several graphs):
+
+- ``"cpu"``: dynamic shapes, fused ``com.microsoft`` ops (GroupQueryAttention with rotary,
+  SkipSimplifiedLayerNormalization, MatMulNBits for q4), a KV cache written in place and
+  batches of rows. Inputs ``input_ids`` int64 [B, T] or ``hidden_states`` float32
+  [B, T, hidden], ``past_length`` int64 [B] (positions each row holds already) and
+  ``past_key.L`` / ``past_value.L`` float32 [B, kv_heads, C, head_dim], a buffer of capacity
+  C >= past_length + T; outputs ``logits`` [B, T, vocab] or ``hidden_states_out``, plus
+  ``present_key.L`` / ``present_value.L`` [B, kv_heads, C, head_dim]. Bound (IOBinding) to
+  the same buffer as the past, the present is that buffer with the T new positions written at
+  past_length: nothing else is copied.
+- ``"gpu"``: the "cpu" flavour's graph and contract in mixed precision, for CUDA (whose
+  GroupQueryAttention kernel takes float16 only): weights, matrix products, attention and the
+  KV buffers (float16 [B, kv_heads, C, head_dim]) are half precision; the residual stream and
+  its norms stay float32 (as in llama.cpp), and so do ``hidden_states`` in and out and
+  ``logits``, so its fragments chain with any other flavour's.
+- ``"portable"``: plain opset-17 ops only (MatMulNBits stays for q4), for GPU providers that
+  lack the fused float32 kernels: inputs as "cpu" but batch 1, no ``past_length`` and a past
+  of exactly P positions; the present is a new [1, kv_heads, P + T, head_dim] tensor.
+- ``"static"``: plain opset-17 ops and fixed shapes for NPUs: T == prefill_chunk, the KV
+  inputs have max_context positions, plus ``past_length`` int64 [1]; outputs ``new_key.L`` /
+  ``new_value.L`` [1, kv_heads, T, head_dim] (the caller writes them into its fixed cache).
+  Rows past the valid length of a padded chunk are garbage and must be ignored.
+
+Weights go to ONNX external data so no protobuf limit applies: one file per tensor, named by
+its content hash and hard-linked from the cache's blob pool (``.blobs/``), so fragments that
+share layers (standby ranges, re-plans, other flavours or context lengths) share their bytes
+on disk. Blobs no fragment links to any more are removed when the cache is pruned.
+
+The graphs themselves are emitted by :mod:`shards.graph.fragment_graph`, imported only to build one.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+from shards.errors import ModelFormatError
+from shards.graph.spec import IR_VERSION, ONNX_FILE, FragmentSpec
+from shards.store.manifest import Manifest
+from shards.store.model_store import MANIFEST_FILE
+from shards.store.verify import verify_weight_files
+
+log = logging.getLogger(__name__)
+BUILDER_VERSION = 13
+FRAGMENTS_DIR = "fragments"  # the default cache, inside the model's directory
+BLOB_POOL = ".blobs"
+TMP_PREFIX = ".tmp-frag-"
+# accuracy_level of MatMulNBits: 4 = int8 activations (fast on CPU); 0 = as precise as A.
+Q4_ACCURACY_LEVEL = 4
+
+
+def load_manifest(model_dir: Path) -> Manifest:
+    """The manifest of a model directory (ModelFormatError if missing or bad)."""
+    p = Path(model_dir) / MANIFEST_FILE
+    if not p.is_file():
+        raise ModelFormatError(f"{model_dir}: no {MANIFEST_FILE}")
+    return Manifest.from_json(p.read_text(encoding="utf-8"))
+
+
+def fragment_key(m: Manifest, spec: FragmentSpec) -> str:
+    """Cache key: changes when the builder, the weights, the range, flavour or shapes change."""
+    doc = {
+        "builder": BUILDER_VERSION, "ir": IR_VERSION, "q4_level": Q4_ACCURACY_LEVEL,
+        "model": m.to_dict() | {"files": None},
+        "files": {k: m.files[k].sha256 for k in m.fragment_files(spec.first_layer, spec.last_layer)},
+        "spec": [spec.first_layer, spec.last_layer, spec.flavour, spec.max_context, spec.prefill_chunk],
+    }
+    return hashlib.sha256(json.dumps(doc, sort_keys=True).encode()).hexdigest()
+
+
+def build_fragment(model_dir: Path, first_layer: int, last_layer: int, *, flavour: str = "cpu",
+                   max_context: int | None = None, prefill_chunk: int | None = None,
+                   cache_dir: Path | None = None) -> Path:
+    """Build (or reuse from cache) the ONNX fragment for layers [first, last]; returns its path.
+
+    The cache lives under ``cache_dir`` or ``<model_dir>/fragments/`` and is keyed by the
+    model's weights, the range, the flavour and the shapes; writes are atomic. A fragment is
+    built only from weight files that match the manifest's sha256 (CorruptWeightsError if not).
+    """
+    model_dir = Path(model_dir)
+    m = load_manifest(model_dir)
+    mc = int(max_context) if max_context is not None else m.context_length
+    if flavour == "static":
+        pc = int(prefill_chunk) if prefill_chunk is not None else min(64, mc)
+    else:
+        pc = 0
+    spec = FragmentSpec(int(first_layer), int(last_layer), flavour, mc, pc)
+    spec.validate(m)
+    key = fragment_key(m, spec)
+    root = Path(cache_dir) if cache_dir is not None else model_dir / FRAGMENTS_DIR
+    prefix = f"{m.name}-{spec.first_layer:03d}-{spec.last_layer:03d}-{flavour}-c{mc}-p{pc}-"
+    final = root / (prefix + key[:20])
+    if (final / ONNX_FILE).is_file():
+        return final / ONNX_FILE
+    verify_weight_files(model_dir, m, m.fragment_files(spec.first_layer, spec.last_layer))
+    (root / BLOB_POOL).mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=TMP_PREFIX, dir=root))
+    try:
+        from shards.graph.fragment_graph import write_fragment  # onnx: imported only to build
+
+        weight_bytes = write_fragment(model_dir, m, spec, tmp, root / BLOB_POOL, q4_level=Q4_ACCURACY_LEVEL)
+        (tmp / "fragment.json").write_text(json.dumps({"key": key, "builder": BUILDER_VERSION,
+                                                       "weight_bytes": weight_bytes, "spec": spec.__dict__}),
+                                           encoding="utf-8")
+        try:
+            os.replace(tmp, final)
+        except OSError:  # another process built it first
+            if not (final / ONNX_FILE).is_file():
+                raise
+            shutil.rmtree(tmp, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        prune_blobs(root)
+        raise
+    stale = [p for p in root.glob(prefix + "*") if p != final]  # from older weights or builder
+    for path in stale:
+        shutil.rmtree(path, ignore_errors=True)
+    if stale:
+        prune_blobs(root)
+    log.info("built fragment %s", final.name)
+    return final / ONNX_FILE
+
+
+def prune_blobs(cache_dir: Path) -> int:
+    """Remove pooled blobs that no fragment under ``cache_dir`` links to; returns bytes freed."""
+    freed = 0
+    pool = Path(cache_dir) / BLOB_POOL
+    for blob in pool.glob("*") if pool.is_dir() else ():
+        try:
+            st = blob.stat()
+            if st.st_nlink == 1:
+                blob.unlink()
+                freed += st.st_size
+        except OSError:  # gone meanwhile, or not ours to delete: pruning is best effort
+            continue
+    return freed
+
+
+def sweep_fragments(cache_dir: Path, *, now_s: float, tmp_age_s: float = 3600.0) -> int:
+    """Delete what an upgrade or a crash left in a fragment cache: fragments of another builder
+    version, and temporary build directories older than ``tmp_age_s`` (``now_s`` is a
+    ``time.time()`` value); then prune the blobs. Returns how many directories went."""
+    root = Path(cache_dir)
+    removed = 0
+    for path in root.iterdir() if root.is_dir() else ():
+        if not path.is_dir() or path.name == BLOB_POOL:
+            continue
+        try:
+            if path.name.startswith(TMP_PREFIX):
+                doomed = now_s - path.stat().st_mtime > tmp_age_s
+            else:
+                info = json.loads((path / "fragment.json").read_text(encoding="utf-8"))
+                doomed = info.get("builder") != BUILDER_VERSION
+        except (OSError, ValueError, AttributeError):  # no or unreadable fragment.json: not ours to trust
+            doomed = not path.name.startswith(TMP_PREFIX)
+        if doomed:
+            shutil.rmtree(path, ignore_errors=True)
+            removed += 1
+    if removed:
+        prune_blobs(root)
+    return removed

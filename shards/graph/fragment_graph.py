@@ -1,0 +1,414 @@
+"""The graphs of :mod:`shards.graph.fragment`, emitted with ``onnx.helper``.
+
+:mod:`shards.graph.fragment` (the flavours, the cache, the keys) imports this module only when a
+fragment is not in the cache yet: loading ``onnx`` costs most of a second, which a start
+that finds its fragments built does not pay.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+from pathlib import Path
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper
+
+from shards.graph.spec import FUSED_FLAVOURS, IR_VERSION, ONNX_FILE, FragmentSpec
+from shards.store.manifest import Manifest, layer_key
+from shards.store.tensorfile import read_tensors
+
+log = logging.getLogger(__name__)
+RMS_SCALE_FLOOR = 1e-3  # the static flavour's RMS norms divide a row by its largest |x|, at least this
+MS = "com.microsoft"
+_NEG = -1e30
+_INLINE_BYTES = 1024
+
+
+def write_fragment(model_dir: Path, m: Manifest, spec: FragmentSpec, out_dir: Path, pool: Path, *,
+                   q4_level: int) -> int:
+    """Write the fragment ``spec`` of model ``m`` into ``out_dir`` (weights linked from
+    ``pool``); returns its weight bytes. ``q4_level``: MatMulNBits' accuracy_level on CPU."""
+    g = _Graph(out_dir, pool)
+    onnx.save_model(_Builder(model_dir, m, spec, g, q4_level).build(), out_dir / ONNX_FILE)
+    return g.weight_bytes
+
+
+def rope_tables(m: Manifest, n_positions: int) -> tuple[np.ndarray, np.ndarray]:
+    """cos, sin tables float32 [n_positions, head_dim/2] (with llama3 frequency factors)."""
+    hd = m.head_dim
+    inv = 1.0 / (m.rope_theta ** (np.arange(0, hd, 2, dtype=np.float64) / hd))
+    if m.rope_freq_factors is not None:
+        inv = inv / np.asarray(m.rope_freq_factors, dtype=np.float64)
+    ang = np.arange(n_positions, dtype=np.float64)[:, None] * inv[None, :]
+    return np.cos(ang).astype(np.float32), np.sin(ang).astype(np.float32)
+
+
+class _Graph:
+    """Accumulates nodes and initializers; big initializers go to content-addressed files."""
+
+    def __init__(self, out_dir: Path, pool: Path) -> None:
+        self.nodes: list[onnx.NodeProto] = []
+        self.inits: list[TensorProto] = []
+        self.out_dir, self.pool = out_dir, pool
+        self._n = 0
+        self._consts: set[str] = set()
+        self.weight_bytes = 0
+
+    def name(self, hint: str) -> str:
+        self._n += 1
+        return f"{hint}_{self._n}"
+
+    def const(self, name: str, arr: np.ndarray) -> str:
+        """Register initializer ``name`` (a repeated name is reused: same name, same value)."""
+        if name in self._consts:
+            return name
+        self._consts.add(name)
+        arr = np.asarray(arr)
+        if not arr.flags.c_contiguous:  # (np.ascontiguousarray would turn 0-d into 1-d)
+            arr = arr.copy(order="C")
+        if arr.nbytes <= _INLINE_BYTES:
+            self.inits.append(onnx.numpy_helper.from_array(arr, name))
+            return name
+        t = TensorProto()
+        t.name = name
+        t.data_type = helper.np_dtype_to_tensor_dtype(arr.dtype)
+        t.dims.extend(arr.shape)
+        location = self._blob(arr)
+        t.data_location = TensorProto.EXTERNAL
+        for k, v in (("location", location), ("offset", "0"), ("length", str(arr.nbytes))):
+            e = t.external_data.add()
+            e.key, e.value = k, v
+        self.inits.append(t)
+        self.weight_bytes += arr.nbytes
+        return name
+
+    def _blob(self, arr: np.ndarray) -> str:
+        """Put ``arr``'s bytes in the fragment as ``<sha256>.bin``, linked from the pool if there."""
+        digest = hashlib.sha256(arr.data.cast("B")).hexdigest()
+        name = digest + ".bin"
+        target, pooled = self.out_dir / name, self.pool / digest
+        if target.exists():  # the same bytes twice in one fragment
+            return name
+        try:
+            if pooled.stat().st_size == arr.nbytes:
+                os.link(pooled, target)
+                return name
+            pooled.unlink()  # cut short (a power loss while it was written): written again below
+        except OSError:  # not pooled yet, or no hard links on this file system: write it
+            pass
+        with open(target, "wb") as f:
+            f.write(arr.data.cast("B"))
+        try:
+            os.link(target, pooled)
+        except FileExistsError:  # another build pooled it meanwhile
+            pass
+        except OSError as error:
+            log.debug("fragment blob %s not pooled: %s", digest[:12], error)
+        return name
+
+    def op(self, op_type: str, inputs: list[str], n_out: int = 1, domain: str = "", out: list[str] | None = None,
+           **attrs: object) -> list[str]:
+        outs = out or [self.name(op_type) for _ in range(n_out)]
+        self.nodes.append(helper.make_node(op_type, inputs, outs, name=self.name("n_" + op_type),
+                                           domain=domain or None, **attrs))
+        return outs
+
+    def op1(self, op_type: str, inputs: list[str], domain: str = "", **attrs: object) -> str:
+        return self.op(op_type, inputs, 1, domain, **attrs)[0]
+
+
+class _Builder:
+    """Emits one fragment graph for a manifest, a layer range and a flavour."""
+
+    def __init__(self, model_dir: Path, m: Manifest, spec: FragmentSpec, g: _Graph, q4_level: int) -> None:
+        self.dir, self.m, self.s, self.g = model_dir, m, spec, g
+        self.q4_level = q4_level
+        self.q4 = m.weight_format == "q4"
+        self.fused = spec.flavour in FUSED_FLAVOURS
+        half = spec.flavour == "gpu"
+        self.dtype = np.float16 if half else np.float32  # what the graph computes in
+        self.elem = TensorProto.FLOAT16 if half else TensorProto.FLOAT
+
+    # --- weights ------------------------------------------------------------------------
+    def _load(self, key: str) -> dict[str, np.ndarray]:
+        return read_tensors(self.dir / self.m.files[key].path)
+
+    def linear(self, x: str, t: dict[str, np.ndarray], names: list[str], label: str) -> str:
+        """x @ concat(W_names)^T, float32 MatMul or MatMulNBits."""
+        g = self.g
+        if self.q4:
+            return self._linear_nbits(x, t, names, label)
+        w = np.concatenate([t[n].astype(self.dtype) for n in names], axis=0)
+        return g.op1("MatMul", [x, g.const(label + ".weight", np.ascontiguousarray(w.T))])
+
+    def _linear_nbits(self, x: str, t: dict[str, np.ndarray], names: list[str], label: str) -> str:
+        """MatMulNBits; 4-bit weights also add ``blocksum(x) @ offsets^T`` (see shards.importers.quant)."""
+        g = self.g
+        qw = np.concatenate([t[f"{n}.qweight"] for n in names], axis=0)
+        sc = np.concatenate([t[f"{n}.scales"] for n in names], axis=0)
+        n_out, kb, blob = qw.shape
+        bits = blob * 8 // 32
+        ins = [x, g.const(label + ".qweight", qw), g.const(label + ".scales", sc.reshape(-1).astype(self.dtype))]
+        if bits == 8:
+            zp = np.concatenate([t[f"{n}.zeros"] for n in names], axis=0)
+            ins.append(g.const(label + ".zeros", zp.reshape(-1)))
+        y = g.op1("MatMulNBits", ins, domain=MS, K=kb * 32, N=n_out, bits=bits, block_size=32,
+                  accuracy_level=0 if self.s.flavour == "gpu" else self.q4_level)
+        off = np.concatenate([t[f"{n}.offsets"] for n in names], axis=0) if bits == 4 else None
+        if off is not None and off.any():  # all zero: symmetric blocks (GGUF Q4_0), nothing to add
+            xb = g.op1("Reshape", [x, g.const(f"blocks_shape_{kb}", np.array([0, 0, kb, 32], np.int64))])
+            bsum = g.op1("ReduceSum", [xb, g.const("axis_last", np.array([-1], np.int64))], keepdims=0)
+            offsets = np.ascontiguousarray(off.T.astype(self.dtype))
+            y = g.op1("Add", [y, g.op1("MatMul", [bsum, g.const(label + ".offsets", offsets)])])
+        return y
+
+    # --- norms ----------------------------------------------------------------------------
+    def rms(self, x: str, w: np.ndarray, label: str) -> str:
+        """RMS norm from plain ops (the "cpu" flavour uses the fused add_rms everywhere).
+
+        The static flavour runs on fp16 NPUs, where x * x overflows (65504) once |x| passes 256,
+        and hidden states reach thousands: it normalises x' = x / s with s = max |x| of the row
+        (at least RMS_SCALE_FLOOR, so a padded row of zeros stays finite), which gives the same
+        value for any s > 0: x / sqrt(mean(x^2) + eps) = x' / sqrt(mean(x'^2) + eps / s^2)."""
+        g, eps = self.g, float(self.m.rms_norm_eps)
+        wn = g.const(label, w.astype(np.float32))
+        eps_term = g.const("rms_eps", np.array(eps, np.float32))
+        if self.s.flavour == "static":
+            peak = g.op1("ReduceMax", [g.op1("Abs", [x])], axes=[-1], keepdims=1)
+            inv_s = g.op1("Reciprocal", [g.op1("Max", [peak, g.const("rms_scale_floor", np.array(RMS_SCALE_FLOOR, np.float32))])])
+            x = g.op1("Mul", [x, inv_s])
+            eps_term = g.op1("Mul", [g.op1("Mul", [eps_term, inv_s]), inv_s])  # in this order: no fp16 overflow
+        sq = g.op1("Mul", [x, x])
+        ms = g.op1("ReduceMean", [sq], axes=[-1], keepdims=1)
+        inv = g.op1("Reciprocal", [g.op1("Sqrt", [g.op1("Add", [ms, eps_term])])])
+        return g.op1("Mul", [g.op1("Mul", [x, inv]), wn])
+
+    def add_rms(self, x: str, residual: str, w: np.ndarray, label: str) -> tuple[str, str]:
+        """(rms(x + residual) * w, x + residual)."""
+        g = self.g
+        if self.fused:
+            out = g.op("SkipSimplifiedLayerNormalization", [self.residual_precision(x), residual,
+                                                            g.const(label, w.astype(np.float32))],
+                       out=[g.name("skipnorm"), "", "", g.name("resid")], domain=MS, epsilon=float(self.m.rms_norm_eps))
+            return self.compute_precision(out[0]), out[3]
+        s = g.op1("Add", [x, residual])
+        return self.rms(s, w, label), s
+
+    def residual_precision(self, x: str) -> str:
+        """``x`` (a sublayer's output) in the residual stream's float32."""
+        return x if self.elem == TensorProto.FLOAT else self.g.op1("Cast", [x], to=TensorProto.FLOAT)
+
+    def compute_precision(self, x: str) -> str:
+        """``x`` (float32) in the precision the matrix products run in."""
+        return x if self.elem == TensorProto.FLOAT else self.g.op1("Cast", [x], to=self.elem)
+
+    # --- prologue ---------------------------------------------------------------------------
+    def prologue_cpu(self, x: str) -> dict[str, str]:
+        """Per row b: positions past_length[b] .. past_length[b] + T - 1 (rows of a batch may hold
+        different lengths; GroupQueryAttention reads each row's from ``seqlens``)."""
+        g = self.g
+        t_len = g.op1("Shape", [x], start=1, end=2)
+        total = g.op1("Add", ["past_length", t_len])
+        one = g.const("one_i64", np.array([1], np.int64))
+        seqlens = g.op1("Cast", [g.op1("Sub", [total, one])], to=TensorProto.INT32)
+        longest = g.op1("ReduceMax", [total], keepdims=0)
+        total_s = g.op1("Cast", [longest], to=TensorProto.INT32)
+        steps = g.op1("Range", [g.const("zero_s_i64", np.array(0, np.int64)), g.op1("Squeeze", [t_len]),
+                                g.const("one_s_i64", np.array(1, np.int64))])
+        pos = g.op1("Add", [g.op1("Unsqueeze", ["past_length", g.const("one_ax", np.array([1], np.int64))]),
+                            g.op1("Unsqueeze", [steps, g.const("zero_ax", np.array([0], np.int64))])])
+        cos, sin = rope_tables(self.m, self.s.max_context)
+        return {"seqlens": seqlens, "total": total_s, "pos": pos,
+                "cos": g.const("rope.cos", cos.astype(self.dtype)), "sin": g.const("rope.sin", sin.astype(self.dtype))}
+
+    def prologue_static(self) -> dict[str, str]:
+        g, c, mc = self.g, self.s.prefill_chunk, self.s.max_context
+        pos = g.op1("Add", ["past_length", g.const("chunk_arange", np.arange(c, dtype=np.int64))])
+        cos, sin = rope_tables(self.m, mc + c)
+        cos_full = g.const("rope.cos", np.concatenate([cos, cos], axis=1))
+        sin_full = g.const("rope.sin", np.concatenate([sin, sin], axis=1))
+        cos_p = g.op1("Gather", [cos_full, pos], axis=0)
+        sin_p = g.op1("Gather", [sin_full, pos], axis=0)
+        visible = g.op1("Less", [g.const("ctx_arange", np.arange(mc, dtype=np.int64)), "past_length"])
+        past_mask = g.op1("Where", [visible, g.const("zero_f", np.array(0.0, np.float32)),
+                                    g.const("neg_f", np.array(_NEG, np.float32))])
+        past_mask = g.op1("Expand", [g.op1("Unsqueeze", [past_mask, g.const("zero_ax", np.array([0], np.int64))]),
+                                     g.const("mask_shape", np.array([c, mc], np.int64))])
+        causal = np.where(np.tril(np.ones((c, c), bool)), 0.0, _NEG).astype(np.float32)
+        mask = g.op1("Concat", [past_mask, g.const("causal", causal)], axis=1)
+        return {"cos": cos_p, "sin": sin_p, "mask": mask}
+
+    def prologue_portable(self, x: str, past0: str) -> dict[str, str]:
+        """Dynamic T and P: positions P..P+T-1, mask [T, P+T] (key j visible to row i iff j <= P+i)."""
+        g = self.g
+        t_len = g.op1("Squeeze", [g.op1("Shape", [x], start=1, end=2)])
+        p_len = g.op1("Squeeze", [g.op1("Shape", [past0], start=2, end=3)])
+        total = g.op1("Add", [p_len, t_len])
+        one = g.const("one_s_i64", np.array(1, np.int64))
+        pos = g.op1("Range", [p_len, total, one])
+        kpos = g.op1("Range", [g.const("zero_s_i64", np.array(0, np.int64)), total, one])
+        ax = g.const("one_ax", np.array([1], np.int64))
+        visible = g.op1("LessOrEqual", [g.op1("Unsqueeze", [kpos, g.const("zero_ax", np.array([0], np.int64))]),
+                                        g.op1("Unsqueeze", [pos, ax])])
+        mask = g.op1("Where", [visible, g.const("zero_f", np.array(0.0, np.float32)),
+                               g.const("neg_f", np.array(_NEG, np.float32))])
+        cos, sin = rope_tables(self.m, self.s.max_context)
+        cos_full = g.const("rope.cos", np.concatenate([cos, cos], axis=1))
+        sin_full = g.const("rope.sin", np.concatenate([sin, sin], axis=1))
+        return {"cos": g.op1("Gather", [cos_full, pos], axis=0), "sin": g.op1("Gather", [sin_full, pos], axis=0),
+                "mask": mask}
+
+    # --- attention ----------------------------------------------------------------------------
+    def attention_cpu(self, xn: str, t: dict[str, np.ndarray], li: int, pro: dict[str, str]) -> tuple[str, str, str]:
+        g, m = self.g, self.m
+        qkv = self.linear(xn, t, ["q_proj", "k_proj", "v_proj"], f"l{li}.qkv")
+        if m.attention_bias:
+            qkv = self.add_bias(qkv, t, ["q_bias", "k_bias", "v_bias"], f"l{li}.qkv")
+        outs = g.op("GroupQueryAttention",
+                    [qkv, "", "", f"past_key.{li}", f"past_value.{li}", pro["seqlens"], pro["total"],
+                     pro["cos"], pro["sin"], pro["pos"]],
+                    out=[g.name("attn"), f"present_key.{li}", f"present_value.{li}"], domain=MS,
+                    num_heads=m.n_heads, kv_num_heads=m.n_kv_heads, do_rotary=1, rotary_interleaved=0,
+                    scale=float(1.0 / np.sqrt(m.head_dim)))
+        return outs[0], outs[1], outs[2]
+
+    def _proj_heads(self, xn: str, t: dict[str, np.ndarray], name: str, bias: str, n_heads: int, li: int) -> str:
+        """[1, C, hidden] -> [1, n_heads, C, head_dim]."""
+        g, m = self.g, self.m
+        y = self.linear(xn, t, [name], f"l{li}.{name}")
+        if m.attention_bias:
+            y = g.op1("Add", [y, g.const(f"l{li}.{bias}", t[bias].astype(np.float32))])
+        y = g.op1("Reshape", [y, g.const(f"heads_shape_{n_heads}", np.array([1, -1, n_heads, m.head_dim], np.int64))])
+        return g.op1("Transpose", [y], perm=[0, 2, 1, 3])
+
+    def _rotate(self, x: str, pro: dict[str, str]) -> str:
+        g, half = self.g, self.m.head_dim // 2
+        x1, x2 = g.op("Split", [x, g.const("split_half", np.array([half, half], np.int64))], n_out=2, axis=-1)
+        rot = g.op1("Concat", [g.op1("Neg", [x2]), x1], axis=-1)
+        return g.op1("Add", [g.op1("Mul", [x, pro["cos"]]), g.op1("Mul", [rot, pro["sin"]])])
+
+    def attention_plain(self, xn: str, t: dict[str, np.ndarray], li: int, pro: dict[str, str]) -> tuple[str, str, str]:
+        """Attention from plain ops; returns (output, key out, value out) per the flavour's KV contract."""
+        g, m, static = self.g, self.m, self.s.flavour == "static"
+        kvh, hd = m.n_kv_heads, m.head_dim
+        q = self._rotate(self._proj_heads(xn, t, "q_proj", "q_bias", m.n_heads, li), pro)
+        k = self._rotate(self._proj_heads(xn, t, "k_proj", "k_bias", kvh, li), pro)
+        v = self._proj_heads(xn, t, "v_proj", "v_bias", kvh, li)
+        if static:  # the caller writes the chunk's keys/values into its fixed-size cache
+            k_out = g.op("Identity", [k], out=[f"new_key.{li}"])[0]
+            v_out = g.op("Identity", [v], out=[f"new_value.{li}"])[0]
+            k_all = g.op1("Concat", [f"past_key.{li}", k_out], axis=2)
+            v_all = g.op1("Concat", [f"past_value.{li}", v_out], axis=2)
+        else:
+            k_all = k_out = g.op("Concat", [f"past_key.{li}", k], out=[f"present_key.{li}"], axis=2)[0]
+            v_all = v_out = g.op("Concat", [f"past_value.{li}", v], out=[f"present_value.{li}"], axis=2)[0]
+        # group the query heads of each KV head: [1, kvh, grp * T, hd] (head h uses KV head h // grp)
+        qg = g.op1("Reshape", [q, g.const("q_group_shape", np.array([1, kvh, -1, hd], np.int64))])
+        sc = g.op1("MatMul", [qg, g.op1("Transpose", [k_all], perm=[0, 1, 3, 2])])
+        sc = g.op1("Mul", [sc, g.const("attn_scale", np.array(1.0 / np.sqrt(hd), np.float32))])
+        p = g.op1("Softmax", [g.op1("Add", [sc, pro["mask_grouped"]])], axis=-1)
+        o = g.op1("MatMul", [p, v_all])
+        o = g.op1("Reshape", [o, g.const("o_heads_shape", np.array([1, m.n_heads, -1, hd], np.int64))])
+        o = g.op1("Transpose", [o], perm=[0, 2, 1, 3])
+        o = g.op1("Reshape", [o, g.const("o_flat_shape", np.array([1, -1, m.n_heads * hd], np.int64))])
+        return o, k_out, v_out
+
+    def add_bias(self, y: str, t: dict[str, np.ndarray], names: list[str], label: str) -> str:
+        """y + concat(t[names]) (in the graph's precision, whatever the weight format)."""
+        b = np.concatenate([t[n].astype(self.dtype) for n in names])
+        return self.g.op1("Add", [y, self.g.const(label + ".bias", b)])
+
+    def mlp(self, xn: str, t: dict[str, np.ndarray], li: int) -> str:
+        g, f = self.g, self.m.intermediate_size
+        gu = self.linear(xn, t, ["gate_proj", "up_proj"], f"l{li}.gate_up")
+        if self.m.mlp_bias:
+            gu = self.add_bias(gu, t, ["gate_bias", "up_bias"], f"l{li}.gate_up")
+        gate, up = g.op("Split", [gu, g.const("split_ff", np.array([f, f], np.int64))], n_out=2, axis=-1)
+        act = g.op1("Mul", [gate, g.op1("Sigmoid", [gate])])
+        down = self.linear(g.op1("Mul", [act, up]), t, ["down_proj"], f"l{li}.down")
+        if self.m.mlp_bias:
+            down = self.add_bias(down, t, ["down_bias"], f"l{li}.down")
+        return down
+
+    # --- whole graph ----------------------------------------------------------------------------
+    def build(self) -> onnx.ModelProto:
+        g, m, s = self.g, self.m, self.s
+        static = s.flavour == "static"
+        head, tail = s.first_layer == 0, s.last_layer == m.n_layers - 1
+        fused = self.fused
+        b_dim: int | str = "B" if fused else 1
+        t_dim: int | str = s.prefill_chunk if static else "T"
+        kv_len: int | str = s.max_context if static else ("C" if fused else "P")
+        kv_shape = [b_dim, m.n_kv_heads, kv_len, m.head_dim]
+        inputs, outputs = [], []
+        if head:
+            inputs.append(helper.make_tensor_value_info("input_ids", TensorProto.INT64, [b_dim, t_dim]))
+            emb = self._load("embed")["embed"]
+            x = g.op1("Gather", [g.const("embed", emb), "input_ids"], axis=0)
+            if emb.dtype != np.float32:
+                x = g.op1("Cast", [x], to=TensorProto.FLOAT)
+            del emb
+        else:
+            inputs.append(helper.make_tensor_value_info("hidden_states", TensorProto.FLOAT, [b_dim, t_dim, m.hidden_size]))
+            x = "hidden_states"
+        if static or fused:
+            inputs.append(helper.make_tensor_value_info("past_length", TensorProto.INT64, [b_dim]))
+        if static:
+            pro = self.prologue_static()
+        elif fused:
+            pro = self.prologue_cpu(x)
+        else:
+            pro = self.prologue_portable(x, f"past_key.{s.first_layer}")
+        if "mask" in pro:  # rows of grouped query heads repeat the mask grp times
+            tile = g.const("mask_tile", np.array([m.group_size, 1], np.int64))
+            pro["mask_grouped"] = g.op1("Tile", [pro["mask"], tile])
+        residual, pending = x, None
+        for li in range(s.first_layer, s.last_layer + 1):
+            for kind in ("key", "value"):
+                inputs.append(helper.make_tensor_value_info(f"past_{kind}.{li}", self.elem, kv_shape))
+            t = self._load(layer_key(li))
+            if pending is None and fused:
+                # Same fused kernel as between layers (skip = 0 is exact): chains stay bit-exact.
+                zeros = g.op1("ConstantOfShape", [g.op1("Shape", [residual])],
+                              value=helper.make_tensor("zero", TensorProto.FLOAT, [1], [0.0]))
+                xn, residual = self.add_rms(zeros, residual, t["input_norm"], f"l{li}.input_norm")
+            elif pending is None:
+                xn = self.rms(residual, t["input_norm"], f"l{li}.input_norm")  # plain flavours
+            else:
+                xn, residual = self.add_rms(pending, residual, t["input_norm"], f"l{li}.input_norm")
+            att = self.attention_cpu if fused else self.attention_plain
+            a, k_out, v_out = att(xn, t, li, pro)
+            o = self.linear(a, t, ["o_proj"], f"l{li}.o_proj")
+            if m.attention_output_bias:
+                o = self.add_bias(o, t, ["o_bias"], f"l{li}.o_proj")
+            xn2, residual = self.add_rms(o, residual, t["post_norm"], f"l{li}.post_norm")
+            pending = self.mlp(xn2, t, li)
+            new_len: int | str = s.prefill_chunk if static else ("C" if fused else "P_plus_T")
+            for kind, name in (("key", k_out), ("value", v_out)):
+                outputs.append(helper.make_tensor_value_info(name, self.elem,
+                                                             [b_dim, m.n_kv_heads, new_len, m.head_dim]))
+        if tail:
+            h = self._load("head")
+            normed, _ = self.add_rms(pending, residual, h["norm"], "final_norm")
+            if fused:  # logits for positions logits_from.. only: a prompt's sampling needs its last row
+                inputs.append(helper.make_tensor_value_info("logits_from", TensorProto.INT64, [1]))
+                normed = g.op1("Slice", [normed, "logits_from", g.const("int64_max", np.array([2**63 - 1], np.int64)),
+                                         g.const("one_ax", np.array([1], np.int64))])
+            logits = self.linear(normed, h, ["lm_head"], "lm_head")
+            g.op("Identity" if self.elem == TensorProto.FLOAT else "Cast", [logits], out=["logits"],
+                 **({} if self.elem == TensorProto.FLOAT else {"to": TensorProto.FLOAT}))
+            rows: int | str = "L" if fused else t_dim
+            outputs.insert(0, helper.make_tensor_value_info("logits", TensorProto.FLOAT, [b_dim, rows, m.vocab_size]))
+        else:
+            g.op("Add", [self.residual_precision(pending), residual], out=["hidden_states_out"])
+            outputs.insert(0, helper.make_tensor_value_info("hidden_states_out", TensorProto.FLOAT,
+                                                            [b_dim, t_dim, m.hidden_size]))
+        graph = helper.make_graph(g.nodes, f"ncm_{m.name}_{s.first_layer}_{s.last_layer}_{s.flavour}",
+                                  inputs, outputs, initializer=g.inits)
+        opsets = [helper.make_opsetid("", 17), helper.make_opsetid(MS, 1)]
+        model = helper.make_model(graph, opset_imports=opsets, producer_name="ncm")
+        model.ir_version = IR_VERSION
+        return model

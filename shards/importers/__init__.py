@@ -1,0 +1,1 @@
+"""Importing models: GGUF and Hugging Face safetensors into the store, quantisation, pulling by name."""

@@ -1,0 +1,196 @@
+"""Read a GGUF file (llama / qwen2) as float32 tensors with ncm's canonical names.
+
+llama.cpp's converter permutes the rows of llama ``attn_q`` / ``attn_k`` so that rotary pairs
+are interleaved (GPT-J style); we undo that permutation so stored weights are in the Hugging
+Face layout (rotate-half rotary), the layout every ncm fragment uses. qwen2 is not permuted.
+
+Optional tensors are all-or-nothing per model, decided by layer 0: ``attn_q/k/v.bias``
+(q/k/v biases), ``attn_output.bias`` and ``ffn_gate/up/down.bias``. Every tensor of the file
+must be one of the model's or on :data:`IGNORED_LAYER_TENSORS`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from shards.errors import ModelFormatError, UnsupportedArchitectureError
+
+log = logging.getLogger(__name__)
+SUPPORTED = ("llama", "qwen2")
+_LAYER_NAMES = {
+    "attn_norm.weight": "input_norm",
+    "ffn_norm.weight": "post_norm",
+    "attn_q.weight": "q_proj",
+    "attn_k.weight": "k_proj",
+    "attn_v.weight": "v_proj",
+    "attn_output.weight": "o_proj",
+    "ffn_gate.weight": "gate_proj",
+    "ffn_up.weight": "up_proj",
+    "ffn_down.weight": "down_proj",
+}
+_QKV_BIASES = {"attn_q.bias": "q_bias", "attn_k.bias": "k_bias", "attn_v.bias": "v_bias"}
+_O_BIAS = {"attn_output.bias": "o_bias"}
+_MLP_BIASES = {"ffn_gate.bias": "gate_bias", "ffn_up.bias": "up_bias", "ffn_down.bias": "down_bias"}
+# Per-layer tensors (``blk.N.<name>``) skipped by name because they hold nothing the model
+# needs: rotary inverse frequencies (GGUF's name for Hugging Face's ``rotary_emb.inv_freq``
+# buffer), which the rope metadata determines.
+IGNORED_LAYER_TENSORS = ("attn_rot_embd",)
+
+
+def unpermute_rope_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
+    """Undo llama.cpp's Q/K row permutation: per head, rows (pair, 2) -> (2, pair)."""
+    rows = w.shape[0]
+    half = rows // n_heads // 2
+    return w.reshape(n_heads, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def file_sha256(path: Path, chunk_bytes: int = 1 << 22) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk_bytes):
+            h.update(block)
+    return h.hexdigest()
+
+
+class GgufSource:
+    """A GGUF model opened for import: ``params`` (manifest fields) and tensor getters."""
+
+    def __init__(self, path: Path) -> None:
+        import gguf
+
+        self.path = Path(path)
+        try:
+            self.reader = gguf.GGUFReader(self.path)
+        except Exception as e:  # gguf raises ValueError/struct errors/IndexError on bad files
+            raise ModelFormatError(f"{self.path.name}: not a readable GGUF file ({type(e).__name__}: {e})") from e
+        arch = self._field("general.architecture")
+        if arch not in SUPPORTED:
+            raise UnsupportedArchitectureError(
+                f"{self.path.name}: architecture {arch!r} is not supported (supported: {', '.join(SUPPORTED)})")
+        self.arch = arch
+        self.tensors = {t.name: t for t in self.reader.tensors}
+        self.consumed: set[str] = set()
+        self._check_sizes()
+        self.params = self._params()
+        self._layer_map = dict(_LAYER_NAMES)
+        for on, names in ((self.params["attention_bias"], _QKV_BIASES),
+                          (self.params["attention_output_bias"], _O_BIAS), (self.params["mlp_bias"], _MLP_BIASES)):
+            if on:
+                self._layer_map |= names
+
+    def _field(self, key: str, default: Any = ModelFormatError) -> Any:
+        f = self.reader.fields.get(key)
+        if f is None:
+            if default is ModelFormatError:
+                raise ModelFormatError(f"{self.path.name}: GGUF metadata {key!r} is missing")
+            return default
+        v = f.contents()
+        return v
+
+    def _check_sizes(self) -> None:
+        size = self.path.stat().st_size
+        for t in self.reader.tensors:
+            if t.data_offset + t.n_bytes > size:
+                raise ModelFormatError(f"{self.path.name}: tensor {t.name} is truncated")
+
+    def _params(self) -> dict[str, Any]:
+        a = self.arch
+        n_heads = int(self._field(f"{a}.attention.head_count"))
+        hidden = int(self._field(f"{a}.embedding_length"))
+        emb = self.tensors.get("token_embd.weight")
+        if emb is None:
+            raise ModelFormatError(f"{self.path.name}: token_embd.weight is missing")
+        vocab = int(self._field(f"{a}.vocab_size", 0)) or int(emb.shape[-1])
+        head_dim = int(self._field(f"{a}.attention.key_length", 0)) or hidden // n_heads
+        rope_dim = int(self._field(f"{a}.rope.dimension_count", head_dim))
+        if rope_dim != head_dim:
+            raise UnsupportedArchitectureError(
+                f"{self.path.name}: partial rotary ({rope_dim} of {head_dim}) is not supported")
+        ff = None
+        if "rope_freqs.weight" in self.tensors:  # llama3-style per-frequency divisors
+            ff = tuple(float(x) for x in self._tensor("rope_freqs.weight").reshape(-1))
+        kind = self._field(f"{a}.rope.scaling.type", "none")
+        if kind == "linear":
+            factor = float(self._field(f"{a}.rope.scaling.factor", 1.0))
+            ff = tuple(f * factor for f in (ff or (1.0,) * (head_dim // 2)))
+        elif kind not in ("none", ""):
+            raise UnsupportedArchitectureError(f"{self.path.name}: rope scaling {kind!r} is not supported")
+        kv = self._field(f"{a}.attention.head_count_kv", n_heads)
+        return {
+            "architecture": a,
+            "n_layers": int(self._field(f"{a}.block_count")),
+            "hidden_size": hidden,
+            "intermediate_size": int(self._field(f"{a}.feed_forward_length")),
+            "n_heads": n_heads,
+            "n_kv_heads": int(kv),
+            "head_dim": head_dim,
+            "vocab_size": vocab,
+            "rope_theta": float(self._field(f"{a}.rope.freq_base", 10000.0)),
+            "rms_norm_eps": float(self._field(f"{a}.attention.layer_norm_rms_epsilon")),
+            "context_length": int(self._field(f"{a}.context_length")),
+            "tied_embeddings": "output.weight" not in self.tensors,
+            "attention_bias": "blk.0.attn_q.bias" in self.tensors,
+            "attention_output_bias": "blk.0.attn_output.bias" in self.tensors,
+            "mlp_bias": "blk.0.ffn_gate.bias" in self.tensors,
+            "rope_freq_factors": ff,
+        }
+
+    def tensor_names(self) -> set[str]:
+        return set(self.tensors)
+
+    def planned_names(self) -> set[str]:
+        names = {"token_embd.weight", "output_norm.weight"}
+        names.update(n for n in ("output.weight", "rope_freqs.weight") if n in self.tensors)
+        for i in range(self.params["n_layers"]):
+            names.update(f"blk.{i}.{gname}" for gname in self._layer_map)
+        return names
+
+    def ignored_names(self) -> set[str]:
+        n = self.params["n_layers"]
+        return {f"blk.{i}.{s}" for i in range(n) for s in IGNORED_LAYER_TENSORS} & set(self.tensors)
+
+    def _tensor(self, name: str) -> np.ndarray:
+        import gguf
+
+        t = self.tensors.get(name)
+        if t is None:
+            raise ModelFormatError(f"{self.path.name}: tensor {name} is missing")
+        self.consumed.add(name)
+        try:
+            arr = gguf.quants.dequantize(t.data, t.tensor_type)
+        except (NotImplementedError, ValueError) as e:
+            raise ModelFormatError(f"{self.path.name}: cannot dequantise {name} ({t.tensor_type.name}): {e}") from e
+        arr = np.asarray(arr, dtype=np.float32)
+        shape = tuple(int(d) for d in reversed(t.shape))
+        return arr.reshape(shape)
+
+    def layer(self, i: int) -> dict[str, np.ndarray]:
+        """Float32 tensors of layer ``i`` (HF layout, linear weights [out, in])."""
+        out = {cname: self._tensor(f"blk.{i}.{gname}") for gname, cname in self._layer_map.items()}
+        if self.arch == "llama":
+            out["q_proj"] = unpermute_rope_rows(out["q_proj"], self.params["n_heads"])
+            out["k_proj"] = unpermute_rope_rows(out["k_proj"], self.params["n_kv_heads"])
+            for b, n in (("q_bias", "n_heads"), ("k_bias", "n_kv_heads")):
+                if b in out:
+                    out[b] = unpermute_rope_rows(out[b], self.params[n])
+        return out
+
+    def embed(self) -> np.ndarray:
+        return self._tensor("token_embd.weight")
+
+    def head(self) -> dict[str, np.ndarray]:
+        w = self._tensor("token_embd.weight" if self.params["tied_embeddings"] else "output.weight")
+        return {"norm": self._tensor("output_norm.weight"), "lm_head": w}
+
+    def tokenizer_spec(self) -> Any:
+        from shards.text.tokenizer_spec import tokenizer_spec_from_gguf
+
+        return tokenizer_spec_from_gguf(self.reader)
+
+    def digest(self) -> str:
+        return file_sha256(self.path)

@@ -1,0 +1,214 @@
+"""Read a Hugging Face model folder (config.json + *.safetensors + tokenizer.json).
+
+Supported ``model_type``: ``llama`` (incl. ``rope_scaling`` type "llama3", ``attention_bias``:
+q/k/v/o biases, ``mlp_bias``: gate/up/down biases) and ``qwen2`` (q/k/v biases, tied
+embeddings). Tensors are read with numpy (see :mod:`shards.store.tensorfile`). Every tensor of the
+checkpoint must be one the config calls for, or on :data:`IGNORED_LAYER_TENSORS`; a tied
+checkpoint may also store ``lm_head.weight`` if it equals the embedding.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import math
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from shards.errors import ModelFormatError, TokenizerError, UnmappedTensorError, UnsupportedArchitectureError
+from shards.store.tensorfile import read_header, read_tensors
+
+log = logging.getLogger(__name__)
+SUPPORTED = ("llama", "qwen2")
+_LAYER_NAMES = {
+    "input_layernorm.weight": "input_norm",
+    "post_attention_layernorm.weight": "post_norm",
+    "self_attn.q_proj.weight": "q_proj",
+    "self_attn.k_proj.weight": "k_proj",
+    "self_attn.v_proj.weight": "v_proj",
+    "self_attn.o_proj.weight": "o_proj",
+    "mlp.gate_proj.weight": "gate_proj",
+    "mlp.up_proj.weight": "up_proj",
+    "mlp.down_proj.weight": "down_proj",
+}
+_QKV_BIASES = {"self_attn.q_proj.bias": "q_bias", "self_attn.k_proj.bias": "k_bias", "self_attn.v_proj.bias": "v_bias"}
+_O_BIAS = {"self_attn.o_proj.bias": "o_bias"}
+_MLP_BIASES = {"mlp.gate_proj.bias": "gate_bias", "mlp.up_proj.bias": "up_bias", "mlp.down_proj.bias": "down_bias"}
+# Per-layer tensors (``model.layers.N.<name>``) skipped by name because they hold nothing the
+# model needs: rotary inverse frequencies, a buffer older transformers versions saved, which
+# the rope settings of config.json determine.
+IGNORED_LAYER_TENSORS = ("self_attn.rotary_emb.inv_freq",)
+
+
+def llama3_freq_factors(head_dim: int, theta: float, scaling: dict[str, Any]) -> tuple[float, ...]:
+    """Per-frequency divisors of Llama 3 rope scaling (inv_freq / scaled inv_freq)."""
+    factor = float(scaling["factor"])
+    low = float(scaling.get("low_freq_factor", 1.0))
+    high = float(scaling.get("high_freq_factor", 4.0))
+    old_ctx = float(scaling["original_max_position_embeddings"])
+    out = []
+    for i in range(head_dim // 2):
+        inv = 1.0 / theta ** (2 * i / head_dim)
+        wavelen = 2 * math.pi / inv
+        if wavelen < old_ctx / high:
+            out.append(1.0)
+        elif wavelen > old_ctx / low:
+            out.append(factor)
+        else:
+            smooth = (old_ctx / wavelen - low) / (high - low)
+            out.append(1.0 / ((1 - smooth) / factor + smooth))
+    return tuple(out)
+
+
+class HfSource:
+    """A Hugging Face checkpoint folder opened for import."""
+
+    def __init__(self, folder: Path) -> None:
+        self.path = Path(folder)
+        cfg_path = self.path / "config.json"
+        if not cfg_path.is_file():
+            raise ModelFormatError(f"{self.path}: config.json is missing")
+        try:
+            self.config = json.loads(cfg_path.read_text(encoding="utf-8"))
+        except ValueError as e:
+            raise ModelFormatError(f"{cfg_path}: not valid JSON ({e})") from e
+        mt = self.config.get("model_type")
+        if mt not in SUPPORTED:
+            raise UnsupportedArchitectureError(
+                f"{self.path.name}: model_type {mt!r} is not supported (supported: {', '.join(SUPPORTED)})")
+        self.arch = mt
+        if not (self.path / "tokenizer.json").is_file():
+            raise TokenizerError(f"{self.path.name}: tokenizer.json is missing")
+        index_file = self.path / "model.safetensors.index.json"
+        if index_file.is_file():  # sharded checkpoint: only the files the index names
+            try:
+                names = sorted(set(json.loads(index_file.read_text(encoding="utf-8"))["weight_map"].values()))
+            except (ValueError, KeyError, TypeError, AttributeError) as e:
+                raise ModelFormatError(f"{index_file.name}: malformed ({e})") from e
+            files = [self.path / n for n in names]
+            missing = [f.name for f in files if not f.is_file()]
+            if missing:
+                raise ModelFormatError(f"{self.path.name}: weight shard(s) missing: {', '.join(missing[:3])}")
+        else:
+            files = sorted(self.path.glob("*.safetensors"))
+        if not files:
+            raise ModelFormatError(f"{self.path.name}: no *.safetensors weight files")
+        self.files = files
+        self.index: dict[str, Path] = {}
+        for f in files:
+            header, _ = read_header(f)
+            for name in header:
+                self.index[name] = f
+        self.prefix = "model."
+        self.consumed: set[str] = set()
+        self.params = self._params()
+        self._layer_map = dict(_LAYER_NAMES)
+        for on, names in ((self.params["attention_bias"], _QKV_BIASES),
+                          (self.params["attention_output_bias"], _O_BIAS), (self.params["mlp_bias"], _MLP_BIASES)):
+            if on:
+                self._layer_map |= names
+
+    def _params(self) -> dict[str, Any]:
+        c = self.config
+        try:
+            hidden = int(c["hidden_size"])
+            n_heads = int(c["num_attention_heads"])
+            head_dim = int(c.get("head_dim") or hidden // n_heads)
+            rp = c.get("rope_parameters") or {}  # transformers >= 5 nests rope settings here
+            theta = float(c.get("rope_theta", rp.get("rope_theta", 10000.0)))
+            rs = c.get("rope_scaling") or rp
+            ff = None
+            if c.get("hidden_act", "silu") != "silu":
+                raise UnsupportedArchitectureError(f"{self.path.name}: only SiLU MLPs are supported")
+            if c.get("use_sliding_window"):
+                raise UnsupportedArchitectureError(f"{self.path.name}: sliding-window attention is not supported")
+            if rs:
+                kind = rs.get("rope_type", rs.get("type"))
+                if kind == "llama3":
+                    ff = llama3_freq_factors(head_dim, theta, rs)
+                elif kind == "linear":
+                    ff = (float(rs["factor"]),) * (head_dim // 2)
+                elif kind not in (None, "default"):
+                    raise UnsupportedArchitectureError(f"{self.path.name}: rope scaling {kind!r} is not supported")
+            tied = bool(c.get("tie_word_embeddings", False)) or "lm_head.weight" not in self.index
+            # as transformers builds them: qwen2 has q/k/v biases only; llama's attention_bias
+            # gives q/k/v and o_proj biases, its mlp_bias gate/up/down ones
+            llama = self.arch == "llama"
+            attention_bias = bool(c.get("attention_bias", False)) if llama else True
+            return {
+                "architecture": self.arch,
+                "n_layers": int(c["num_hidden_layers"]),
+                "hidden_size": hidden,
+                "intermediate_size": int(c["intermediate_size"]),
+                "n_heads": n_heads,
+                "n_kv_heads": int(c.get("num_key_value_heads") or n_heads),
+                "head_dim": head_dim,
+                "vocab_size": int(c["vocab_size"]),
+                "rope_theta": theta,
+                "rms_norm_eps": float(c.get("rms_norm_eps", 1e-6)),
+                "context_length": int(c.get("max_position_embeddings", 4096)),
+                "tied_embeddings": tied,
+                "attention_bias": attention_bias,
+                "attention_output_bias": llama and attention_bias,
+                "mlp_bias": llama and bool(c.get("mlp_bias", False)),
+                "rope_freq_factors": ff,
+            }
+        except (KeyError, TypeError, ValueError) as e:
+            raise ModelFormatError(f"{self.path.name}: config.json lacks or garbles {e}") from e
+
+    def tensor_names(self) -> set[str]:
+        return set(self.index)
+
+    def planned_names(self) -> set[str]:
+        names = {"model.embed_tokens.weight", "model.norm.weight"}
+        if "lm_head.weight" in self.index:  # read, or (tied) compared with the embedding
+            names.add("lm_head.weight")
+        for i in range(self.params["n_layers"]):
+            names.update(f"model.layers.{i}.{hname}" for hname in self._layer_map)
+        return names
+
+    def ignored_names(self) -> set[str]:
+        n = self.params["n_layers"]
+        return {f"model.layers.{i}.{s}" for i in range(n) for s in IGNORED_LAYER_TENSORS} & set(self.index)
+
+    def _get(self, name: str) -> np.ndarray:
+        f = self.index.get(name)
+        if f is None:
+            raise ModelFormatError(f"{self.path.name}: tensor {name} is missing")
+        self.consumed.add(name)
+        return read_tensors(f, [name])[name].astype(np.float32, copy=False)
+
+    def layer(self, i: int) -> dict[str, np.ndarray]:
+        return {cname: self._get(f"model.layers.{i}.{hname}") for hname, cname in self._layer_map.items()}
+
+    def embed(self) -> np.ndarray:
+        return self._get("model.embed_tokens.weight")
+
+    def head(self) -> dict[str, np.ndarray]:
+        norm = self._get("model.norm.weight")
+        if not self.params["tied_embeddings"]:
+            return {"norm": norm, "lm_head": self._get("lm_head.weight")}
+        w = self._get("model.embed_tokens.weight")
+        if "lm_head.weight" in self.index:  # a stored copy of the tied matrix is fine, another matrix is not
+            copy = self._get("lm_head.weight")
+            if copy.shape != w.shape or not np.array_equal(copy, w):
+                raise UnmappedTensorError(f"{self.path.name}: lm_head.weight differs from the embedding that "
+                                          "config.json ties it to, so the import would drop it", ["lm_head.weight"])
+        return {"norm": norm, "lm_head": w}
+
+    def tokenizer_spec(self) -> Any:
+        from shards.text.tokenizer_spec import tokenizer_spec_from_hf
+
+        return tokenizer_spec_from_hf(self.path)
+
+    def digest(self) -> str:
+        h = hashlib.sha256()
+        for f in [self.path / "config.json", *self.files, self.path / "tokenizer.json"]:
+            h.update(f.name.encode())
+            with open(f, "rb") as fh:
+                while block := fh.read(1 << 22):
+                    h.update(block)
+        return h.hexdigest()

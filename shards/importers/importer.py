@@ -1,0 +1,216 @@
+"""Import a GGUF file or a Hugging Face folder into the model store.
+
+Weights are stored per layer (``weights/layer_NNN.safetensors``) plus ``weights/embed`` and
+``weights/head``, in one of three formats:
+
+- ``f32``: float32 everywhere.
+- ``f16``: float16 linear weights and embeddings (norms and biases stay float32); fragments
+  cast them to float32 when built, so compute is float32 and only disk/transfer size halves.
+- ``q4``: the layers' linear weights as 4-bit blocks for ``MatMulNBits`` (see
+  :mod:`shards.importers.quant`), quantised from the dequantised float32 weights; lm_head as 8-bit
+  blocks (the logits are the most sensitive matrix), or 4-bit ones when asked
+  (``lm_head_bits=4``: fewer bytes read per token, logits a little further from the source);
+  the embedding table as float16.
+
+Every tensor of the checkpoint is used or the import is refused (UnmappedTensorError, naming
+them): a tensor the importer does not map would be a weight silently dropped. Each source
+names the few harmless extras it skips in an explicit, documented list.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any, Protocol
+
+import numpy as np
+from tqdm import tqdm
+
+from shards.errors import ModelFormatError, UnmappedTensorError
+from shards.importers.quant import quantize_q4, quantize_q8
+from shards.store.manifest import WEIGHT_FORMATS, Manifest, WeightFile, layer_key
+from shards.store.model_store import ModelStore
+from shards.store.tensorfile import write_tensors
+
+log = logging.getLogger(__name__)
+LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+WEIGHTS_DIR = "weights"
+
+
+class ModelSource(Protocol):
+    """What the importer needs from a checkpoint (GgufSource, HfSource): float32 tensors in
+    the Hugging Face layout (linear weights [out, in]) under ncm's canonical names."""
+
+    params: dict[str, Any]  # Manifest fields describing the model's shape
+    consumed: set[str]  # checkpoint names of the tensors read so far
+
+    def tensor_names(self) -> set[str]: ...  # every tensor the checkpoint holds
+
+    def planned_names(self) -> set[str]: ...  # those layer()/embed()/head() will read, per params
+
+    def ignored_names(self) -> set[str]: ...  # those on the source's documented harmless list
+
+    def layer(self, i: int) -> dict[str, np.ndarray]: ...
+
+    def embed(self) -> np.ndarray: ...
+
+    def head(self) -> dict[str, np.ndarray]: ...  # {"norm", "lm_head"}
+
+    def tokenizer_spec(self) -> Any: ...
+
+    def digest(self) -> str: ...
+
+
+def open_source(path: Path) -> ModelSource:
+    """A GgufSource or HfSource for ``path`` (ModelFormatError if it is neither)."""
+    path = Path(path)
+    if path.is_dir():
+        from shards.importers.hf import HfSource
+
+        return HfSource(path)
+    if path.is_file():
+        from shards.importers.gguf import GgufSource
+
+        with open(path, "rb") as f:
+            magic = f.read(4)
+        if magic != b"GGUF":
+            raise ModelFormatError(f"{path.name}: not a GGUF file (bad magic) nor a model folder")
+        return GgufSource(path)
+    raise ModelFormatError(f"{path}: no such file or folder")
+
+
+def default_name(path: Path) -> str:
+    """Model name derived from a file or folder name."""
+    stem = Path(path).name
+    if stem.lower().endswith(".gguf"):
+        stem = stem[:-5]
+    clean = "".join(c if c.isalnum() or c in "._-" else "-" for c in stem).strip("-.") or "model"
+    return clean.lower()[:100]
+
+
+def convert_tensors(tensors: dict[str, np.ndarray], weights: str, lm_head_bits: int = 8) -> dict[str, np.ndarray]:
+    """Canonical float32 tensors -> the stored form for ``weights`` (pure)."""
+    out: dict[str, np.ndarray] = {}
+    for name, arr in tensors.items():
+        if name in LINEAR or name == "lm_head":
+            if weights == "q4":
+                eight = name == "lm_head" and lm_head_bits == 8
+                for part, val in (quantize_q8(arr) if eight else quantize_q4(arr)).items():
+                    out[f"{name}.{part}"] = val
+            elif weights == "f16":
+                out[name] = arr.astype(np.float16)
+            else:
+                out[name] = arr.astype(np.float32, copy=False)
+        elif name == "embed":
+            out[name] = arr.astype(np.float32 if weights == "f32" else np.float16)
+        else:
+            out[name] = arr.astype(np.float32, copy=False)
+    return out
+
+
+def _write(model_dir: Path, rel: str, tensors: dict[str, np.ndarray]) -> WeightFile:
+    path = model_dir / rel
+    write_tensors(path, tensors)
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(1 << 22):
+            h.update(block)
+    return WeightFile(path=rel, bytes=path.stat().st_size, sha256=h.hexdigest())
+
+
+def _check_layer(src_params: dict[str, Any], i: int, t: dict[str, np.ndarray]) -> None:
+    h, f = src_params["hidden_size"], src_params["intermediate_size"]
+    q = src_params["n_heads"] * src_params["head_dim"]
+    kv = src_params["n_kv_heads"] * src_params["head_dim"]
+    want = {"q_proj": (q, h), "k_proj": (kv, h), "v_proj": (kv, h), "o_proj": (h, q),
+            "gate_proj": (f, h), "up_proj": (f, h), "down_proj": (h, f),
+            "input_norm": (h,), "post_norm": (h,), "q_bias": (q,), "k_bias": (kv,), "v_bias": (kv,),
+            "o_bias": (h,), "gate_bias": (f,), "up_bias": (f,), "down_bias": (h,)}
+    for name, arr in t.items():
+        if tuple(arr.shape) != want[name]:
+            raise ModelFormatError(f"layer {i}: {name} has shape {arr.shape}, expected {want[name]}")
+        if not np.isfinite(arr).all():
+            raise ModelFormatError(f"layer {i}: {name} holds NaN or infinite values")
+
+
+def refuse_unused(source: str, unused: Iterable[str], shown: int = 5) -> None:
+    """UnmappedTensorError naming the first ``shown`` of ``unused`` (then a count), if any."""
+    names = sorted(unused)
+    if names:
+        more = f" and {len(names) - shown} more" if len(names) > shown else ""
+        plural = "tensor" if len(names) == 1 else "tensors"
+        raise UnmappedTensorError(f"{source}: {len(names)} {plural} the importer does not map (importing would "
+                                  f"drop them): {', '.join(names[:shown])}{more}", names)
+
+
+def _estimated_bytes(embed_bytes: int, layer_bytes: int, n_layers: int) -> int:
+    """Expected size of an import's weight files, for the progress bar: every layer like the
+    first, and the head (lm_head has the embedding's shape) like the embedding."""
+    return 2 * embed_bytes + n_layers * layer_bytes
+
+
+def import_model(path: Path | str, *, name: str | None = None, weights: str = "f32",
+                 store: ModelStore | None = None, progress: bool = True, lm_head_bits: int = 8) -> Manifest:
+    """Import a GGUF file or HF folder as model ``name``; returns its manifest.
+    ``lm_head_bits``: 8, or 4 for a 4-bit lm_head (q4 weights only).
+
+    Raises UnsupportedArchitectureError, UnmappedTensorError (a tensor the import would not
+    use), ModelFormatError or TokenizerError; on any error nothing is left in the store.
+    """
+    if weights not in WEIGHT_FORMATS:
+        raise ModelFormatError(f"unknown weight format {weights!r} (use one of {', '.join(WEIGHT_FORMATS)})")
+    if lm_head_bits not in (4, 8) or (lm_head_bits != 8 and weights != "q4"):
+        raise ModelFormatError(f"lm_head_bits must be 8, or 4 with q4 weights; got {lm_head_bits} with {weights}")
+    store = store or ModelStore()
+    path = Path(path)
+    src = open_source(path)
+    everything, ignored = src.tensor_names(), src.ignored_names()
+    refuse_unused(path.name, everything - src.planned_names() - ignored)  # before any work
+    name = name or default_name(path)
+    spec = src.tokenizer_spec()  # TokenizerError before anything is written
+    params = dict(src.params)
+    n = params["n_layers"]
+    from shards.text.tokenizer_spec import save_tokenizer_spec
+
+    with store.staging(name) as tmp:
+        (tmp / WEIGHTS_DIR).mkdir()
+        files: dict[str, WeightFile] = {}
+        # Bytes written; the total is estimated once the first layer is written (layers are
+        # alike) and set exactly at the end.
+        bar = tqdm(desc=f"import {name}", unit="B", unit_scale=True, unit_divisor=1024, disable=not progress)
+        try:
+            emb = src.embed()
+            if emb.shape != (params["vocab_size"], params["hidden_size"]):
+                raise ModelFormatError(f"embedding has shape {emb.shape}, expected "
+                                       f"({params['vocab_size']}, {params['hidden_size']})")
+            files["embed"] = _write(tmp, f"{WEIGHTS_DIR}/embed.safetensors", convert_tensors({"embed": emb}, weights))
+            del emb
+            bar.update(files["embed"].bytes)
+            for i in range(n):
+                t = src.layer(i)
+                _check_layer(params, i, t)
+                files[layer_key(i)] = _write(tmp, f"{WEIGHTS_DIR}/layer_{i:03d}.safetensors",
+                                             convert_tensors(t, weights))
+                if i == 0:
+                    bar.total = _estimated_bytes(files["embed"].bytes, files[layer_key(0)].bytes, n)
+                bar.update(files[layer_key(i)].bytes)
+            head = src.head()
+            if head["lm_head"].shape != (params["vocab_size"], params["hidden_size"]):
+                raise ModelFormatError(f"lm_head has shape {head['lm_head'].shape}")
+            files["head"] = _write(tmp, f"{WEIGHTS_DIR}/head.safetensors", convert_tensors(head, weights, lm_head_bits))
+            bar.update(files["head"].bytes)
+            bar.total = bar.n
+            refuse_unused(path.name, everything - src.consumed - ignored)  # what was actually read
+        finally:
+            bar.close()
+        save_tokenizer_spec(spec, tmp)
+        manifest = Manifest(name=name, weight_format=weights, files=files, source_digest=src.digest(),
+                            source=path.name, **params)
+        store.write_manifest(tmp, manifest)
+    log.info("imported %s (%s, %d layers, %s)", name, params["architecture"], n, weights)
+    return manifest
+
+
+__all__ = ["import_model", "open_source", "convert_tensors", "default_name", "refuse_unused"]

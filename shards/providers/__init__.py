@@ -1,0 +1,1 @@
+"""Execution providers and fragment flavours: onnxruntime's providers and the RKNN backend."""

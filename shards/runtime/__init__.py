@@ -1,0 +1,1 @@
+"""Running fragments: runners and chains, the KV pool, sampling, local generation."""

@@ -1,0 +1,1 @@
+"""The model store: models on disk, their manifests, weight files and checksums."""

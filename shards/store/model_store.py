@@ -1,0 +1,111 @@
+"""The model store: one directory per model under ``<ncm_home>/models``, written atomically."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+from shards.errors import ModelFormatError, ModelNotFoundError
+from shards.store.manifest import Manifest, valid_model_name
+
+log = logging.getLogger(__name__)
+MANIFEST_FILE = "manifest.json"
+_TMP_PREFIX = ".tmp-"
+
+
+def ncm_home() -> Path:
+    """$NCM_HOME, else $XDG_DATA_HOME/ncm, else ~/.local/share/ncm."""
+    if os.environ.get("NCM_HOME"):
+        return Path(os.environ["NCM_HOME"])
+    if os.environ.get("XDG_DATA_HOME"):
+        return Path(os.environ["XDG_DATA_HOME"]) / "ncm"
+    return Path.home() / ".local" / "share" / "ncm"
+
+
+class ModelStore:
+    """Models on disk: ``models/NAME/manifest.json`` plus weight and tokenizer files."""
+
+    def __init__(self, root: Path | None = None) -> None:
+        self.root = Path(root) if root is not None else ncm_home()
+        self.models_dir = self.root / "models"
+        self._parsed: dict[str, tuple[str, Manifest]] = {}  # name -> (manifest text, what it parsed to)
+
+    def _names(self) -> list[str]:
+        if not self.models_dir.is_dir():
+            return []
+        return sorted(p.name for p in self.models_dir.iterdir()
+                      if not p.name.startswith(".") and (p / MANIFEST_FILE).is_file())
+
+    def list(self) -> list[Manifest]:
+        """Manifests of every stored model (unreadable ones are logged and skipped)."""
+        out = []
+        for name in self._names():
+            try:
+                out.append(self.manifest(name))
+            except ModelFormatError as e:
+                log.warning("skipping model %s: %s", name, e)
+        return out
+
+    def has(self, name: str) -> bool:
+        return valid_model_name(name) and (self.models_dir / name / MANIFEST_FILE).is_file()
+
+    def model_dir(self, name: str) -> Path:
+        """Directory of model ``name`` (ModelNotFoundError if absent)."""
+        if not self.has(name):
+            known = ", ".join(self._names()) or "none"
+            raise ModelNotFoundError(f"model {name!r} is not in the store (known models: {known})")
+        return self.models_dir / name
+
+    def manifest(self, name: str) -> Manifest:
+        """Model ``name``'s manifest, as its file says now (parsed again only when its text
+        changed: peers ask what this node holds every few seconds)."""
+        text = (self.model_dir(name) / MANIFEST_FILE).read_text(encoding="utf-8")
+        parsed = self._parsed.get(name)
+        if parsed is None or parsed[0] != text:
+            parsed = self._parsed[name] = (text, Manifest.from_json(text))
+        return parsed[1]
+
+    def remove(self, name: str) -> None:
+        """Delete model ``name`` (ModelNotFoundError if absent)."""
+        d = self.model_dir(name)
+        self._parsed.pop(name, None)
+        trash = self.models_dir / f"{_TMP_PREFIX}rm-{name}-{os.getpid()}"
+        os.replace(d, trash)
+        shutil.rmtree(trash, ignore_errors=True)
+
+    @contextlib.contextmanager
+    def staging(self, name: str) -> Iterator[Path]:
+        """Yield a temp dir inside models_dir; on success it becomes models/NAME, else it is removed.
+
+        The caller writes manifest.json last. An existing model of the same name is replaced.
+        """
+        if not valid_model_name(name):
+            raise ModelFormatError(f"bad model name {name!r}: use letters, digits, '.', '_', '-'")
+        self.models_dir.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f"{_TMP_PREFIX}{name}-", dir=self.models_dir))
+        try:
+            yield tmp
+            if not (tmp / MANIFEST_FILE).is_file():
+                raise ModelFormatError(f"import of {name} wrote no manifest")
+            final = self.models_dir / name
+            if final.exists():
+                old = self.models_dir / f"{_TMP_PREFIX}old-{name}-{os.getpid()}"
+                os.replace(final, old)
+                os.replace(tmp, final)
+                shutil.rmtree(old, ignore_errors=True)
+            else:
+                os.replace(tmp, final)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+
+    def write_manifest(self, model_dir: Path, manifest: Manifest) -> None:
+        """Write ``manifest.json`` into ``model_dir`` atomically."""
+        tmp = model_dir / (MANIFEST_FILE + ".part")
+        tmp.write_text(manifest.to_json(), encoding="utf-8")
+        os.replace(tmp, model_dir / MANIFEST_FILE)
