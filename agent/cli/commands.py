@@ -18,7 +18,7 @@ from typing import Any
 
 from agent.core.errors import NcmError
 from agent.core.invites import JOIN_PREFIX
-from agent.local.config import ConfigError, load_config, read_config_file
+from agent.local.config import ConfigError, load_config, read_config_file, write_config_file
 
 log = logging.getLogger(__name__)
 DEFAULT_AGENT_URL = "http://127.0.0.1:8080"
@@ -139,27 +139,13 @@ def http_json(method: str, url: str, payload: Any = None, *, token: str | None =
         raise NcmError(f"cannot reach {url}: {reason}") from None
 
 
-def format_toml_value(value: Any) -> str:
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, (int, float)):
-        return repr(value)
-    if isinstance(value, (list, tuple)):
-        return "[" + ", ".join(format_toml_value(v) for v in value) + "]"
-    return json.dumps(str(value))  # a JSON string is a valid TOML basic string
-
-
 def save_peer(config_path: Path, url: str) -> None:
     values = read_config_file(config_path) if config_path.exists() else {}
     peers = list(values.get("peers", []))
     if url not in peers:
         peers.append(url)
     values["peers"] = peers
-    text = "".join(f"{key} = {format_toml_value(value)}\n" for key, value in values.items())
-    config_path.parent.mkdir(parents=True, exist_ok=True)
-    temporary = config_path.with_suffix(".tmp")
-    temporary.write_text(text, encoding="utf-8")
-    temporary.replace(config_path)
+    write_config_file(config_path, values)
 
 
 def parse_duration_s(text: str) -> float:

@@ -25,23 +25,20 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import grp
-import ipaddress
 import logging
-import os
 import re
 import secrets
 import socket
-import tempfile
-import uuid
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from urllib.parse import urlsplit
 
 from agent.core.errors import NcmError
 from agent.core.invites import JOIN_PREFIX, InviteError, JoinString
+from agent.local import identity, settings
 from agent.local.compat import tomllib
-from agent.local.config import PENDING_JOIN_FILE
+from agent.local.config import PENDING_JOIN_FILE, ConfigError, render_config_file
+from agent.local.files import write_atomic
 from shards.cli import commands as shards_cli
 
 log = logging.getLogger(__name__)
@@ -51,18 +48,14 @@ ERROR_FILE_NAME = "ncm-setup-error.txt"
 DEFAULT_BOOT_DIRS = (Path("/boot/efi"), Path("/boot/firmware"), Path("/boot"))
 DEFAULT_CONFIG_PATH = Path("/etc/ncm/agent.toml")
 DEFAULT_STATE_DIR = Path("/var/lib/ncm")
-NODE_ID_FILE = "node-id"
 PULL_REQUEST_FILE = "pull-model"
 SERVICE_GROUP = "ncm"
-MIN_CLUSTER_KEY_CHARS = 16
 MAX_SETUP_FILE_BYTES = 64 * 1024
 SECRET_KEYS = frozenset({"cluster_key", "api_token"})
 
-_CLUSTER_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,31}$")
 _MODEL_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:/@+-]{0,127}$")
 _HOSTNAME_RE = re.compile(r"^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$")
 _INTERFACE_RE = re.compile(r"^[A-Za-z0-9_.:@-]{1,15}$")
-_NODE_ID_RE = re.compile(r"^[0-9a-f]{12,64}$")
 _TRUE = {"1", "yes", "true", "on"}
 _FALSE = {"0", "no", "false", "off"}
 
@@ -135,35 +128,6 @@ def _parse_bool(value: str) -> bool:
     raise ValueError("expected yes or no")
 
 
-def validate_peer_url(url: str) -> str:
-    """A static peer: ``http(s)://host[:port]`` without credentials; returns it normalised."""
-    parts = urlsplit(url.strip())
-    if parts.scheme not in ("http", "https"):
-        raise ValueError("a peer must start with http:// or https://")
-    if not parts.hostname:
-        raise ValueError("a peer URL needs a host")
-    if parts.username or parts.password:
-        raise ValueError("a peer URL must not carry a user or password")
-    try:
-        port = parts.port
-    except ValueError as error:
-        raise ValueError(f"bad port in peer URL: {error}") from None
-    if port == 0:
-        raise ValueError("bad port in peer URL")
-    if parts.query or parts.fragment:
-        raise ValueError("a peer URL takes no ?query or #fragment (use join = URL#key for a join string)")
-    path = parts.path.rstrip("/")
-    if path:
-        raise ValueError("a peer URL has no path: give only http://host:port")
-    host = parts.hostname
-    try:
-        if ipaddress.ip_address(host).version == 6:
-            host = f"[{host}]"
-    except ValueError:
-        pass
-    return f"{parts.scheme}://{host}" + (f":{port}" if port else "")
-
-
 def parse_join_string(join: str) -> tuple[str, str, str | None]:
     """``http://host:port[/?cluster=NAME]#KEY`` → ``(peer_url, cluster_key, cluster_name)``.
 
@@ -180,28 +144,11 @@ def parse_join_string(join: str) -> tuple[str, str, str | None]:
         for item in parts.query.split("&"):
             name, _, value = item.partition("=")
             if name == "cluster" and value:
-                cluster_name = validate_cluster_name(value)
+                cluster_name = settings.cluster_name(value)
             else:
                 raise ValueError(f"unknown join-string parameter {name!r} (only cluster=NAME)")
-    url = validate_peer_url(parts._replace(query="", fragment="").geturl())
-    return url, validate_cluster_key(key), cluster_name
-
-
-def validate_cluster_key(key: str) -> str:
-    key = key.strip()
-    if len(key) < MIN_CLUSTER_KEY_CHARS:
-        raise ValueError(f"the cluster key must have at least {MIN_CLUSTER_KEY_CHARS} characters")
-    if len(key) > 256:
-        raise ValueError("the cluster key must have at most 256 characters")
-    if any(ch.isspace() or not ch.isprintable() for ch in key):
-        raise ValueError("the cluster key must not contain spaces or control characters")
-    return key
-
-
-def validate_cluster_name(name: str) -> str:
-    if not _CLUSTER_NAME_RE.match(name):
-        raise ValueError("a cluster name is 1-32 letters, digits, '-' or '_', starting with a letter or digit")
-    return name
+    url = settings.peer_url(parts._replace(query="", fragment="").geturl())
+    return url, settings.cluster_key(key.strip()), cluster_name
 
 
 def validate_hostname(name: str) -> str:
@@ -218,15 +165,15 @@ def _split_list(value: str) -> list[str]:
 def _setup_value(key: str, raw: str) -> object:
     """Validate one ``key = value`` of the setup file; returns the typed value."""
     if key in ("cluster_name",):
-        return validate_cluster_name(raw)
+        return settings.cluster_name(raw)
     if key == "cluster_key":
-        return validate_cluster_key(raw)
+        return settings.cluster_key(raw.strip())
     if key == "api_token":
         if not raw or any(ch.isspace() for ch in raw) or len(raw) > 256:
             raise ValueError("the API token must be 1-256 characters without spaces")
         return raw
     if key == "peers":
-        return tuple(validate_peer_url(item) for item in _split_list(raw))
+        return tuple(settings.peer_url(item) for item in _split_list(raw))
     if key == "join":
         if raw.strip().startswith(JOIN_PREFIX):  # an invite from `ncm invite`: redeemed by the agent
             try:
@@ -334,10 +281,6 @@ def parse_setup_text(text: str, *, source: str = SETUP_FILE_NAME) -> BootSetup:
     return BootSetup(peers=unique_peers, **values)  # type: ignore[arg-type]
 
 
-def new_node_id() -> str:
-    return uuid.uuid4().hex
-
-
 def short_id(node_id: str) -> str:
     return node_id[:6]
 
@@ -347,10 +290,10 @@ def default_hostname(node_id: str) -> str:
 
 
 def validate_node_id(text: str) -> str:
-    node_id = text.strip()
-    if not _NODE_ID_RE.match(node_id):
-        raise FirstbootError("the node-id file does not hold 12-64 lowercase hex characters")
-    return node_id
+    try:
+        return identity.node_id(text)
+    except ValueError as error:
+        raise FirstbootError(str(error)) from None
 
 
 def merge_config(existing: Mapping[str, object], setup: BootSetup, *, state_dir: Path) -> tuple[dict[str, object], bool]:
@@ -379,54 +322,12 @@ def merge_config(existing: Mapping[str, object], setup: BootSetup, *, state_dir:
     return config, generated
 
 
-def _toml_string(text: str) -> str:
-    out = []
-    for ch in text:
-        if ch == "\\":
-            out.append("\\\\")
-        elif ch == '"':
-            out.append('\\"')
-        elif ch == "\n":
-            out.append("\\n")
-        elif ch == "\t":
-            out.append("\\t")
-        elif ord(ch) < 0x20 or ord(ch) == 0x7F:
-            out.append(f"\\u{ord(ch):04x}")
-        else:
-            out.append(ch)
-    return '"' + "".join(out) + '"'
-
-
-def _toml_value(key: str, value: object) -> str:
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, int):
-        return str(value)
-    if isinstance(value, float):
-        return repr(value)
-    if isinstance(value, str):
-        return _toml_string(value)
-    if isinstance(value, (list, tuple)):
-        return "[" + ", ".join(_toml_value(key, item) for item in value) + "]"
-    raise FirstbootError(f"cannot write config key {key!r}: only flat strings, numbers, booleans and lists")
-
-
-_KEY_ORDER = ("cluster_name", "cluster_key", "host", "port", "peers", "state_dir", "model", "orchestrator",
-              "api_token", "mdns", "interfaces", "npu_tops")
-
-
 def render_config(config: Mapping[str, object]) -> str:
     """Flat TOML for ``agent.toml`` (pure; keys in a stable order)."""
-    ordered = [key for key in _KEY_ORDER if key in config] + sorted(key for key in config if key not in _KEY_ORDER)
-    lines = [
-        "# ncm agent configuration (written by `ncm firstboot`; edit freely, then",
-        "# `systemctl restart ncm-agent`). Keep this file private: it holds the cluster key.",
-    ]
-    for key in ordered:
-        if not re.match(r"^[A-Za-z0-9_-]+$", key):
-            raise FirstbootError(f"cannot write config key {key!r}")
-        lines.append(f"{key} = {_toml_value(key, config[key])}")
-    return "\n".join(lines) + "\n"
+    try:
+        return render_config_file(config)
+    except ConfigError as error:
+        raise FirstbootError(str(error)) from None
 
 
 def hosts_with_hostname(hosts_text: str, hostname: str) -> str:
@@ -453,27 +354,6 @@ def find_boot_file(candidates: Iterable[Path]) -> Path | None:
 
 
 # --------------------------------------------------------------------------------- file I/O
-
-
-def _write_atomic(path: Path, content: str, *, mode: int, group: str | None = None) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as handle:
-            handle.write(content)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.chmod(tmp, mode)
-        if group is not None and os.geteuid() == 0:
-            try:
-                os.chown(tmp, 0, grp.getgrnam(group).gr_gid)
-            except KeyError:
-                log.warning("group %s does not exist; %s stays readable by root only", group, path)
-                os.chmod(tmp, mode & 0o700)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 def read_setup_file(path: Path) -> BootSetup:
@@ -522,10 +402,10 @@ def _clear_error_on_boot_partition(boot_file: Path) -> None:
 
 
 def _apply_hostname(hostname: str, etc_dir: Path, *, live: bool) -> None:
-    _write_atomic(etc_dir / "hostname", hostname + "\n", mode=0o644)
+    write_atomic(etc_dir / "hostname", hostname + "\n", mode=0o644)
     hosts = etc_dir / "hosts"
     current = hosts.read_text(encoding="utf-8") if hosts.exists() else "127.0.0.1\tlocalhost\n"
-    _write_atomic(hosts, hosts_with_hostname(current, hostname), mode=0o644)
+    write_atomic(hosts, hosts_with_hostname(current, hostname), mode=0o644)
     if live:
         try:
             socket.sethostname(hostname)
@@ -560,15 +440,15 @@ def run_firstboot(
     if boot_file is not None:
         _clear_error_on_boot_partition(boot_file)
 
-    node_id_path = state_dir / NODE_ID_FILE
+    node_id_path = state_dir / identity.NODE_ID_FILE
     node_id: str | None = None
     if node_id_path.exists():
         node_id = validate_node_id(node_id_path.read_text(encoding="utf-8"))
     created = node_id is None
     if node_id is None:
-        node_id = new_node_id()
+        node_id = identity.new_node_id()
 
-    _write_atomic(config_path, text, mode=0o640, group=group)
+    write_atomic(config_path, text, mode=0o640, group=group)
     log.info("wrote %s (cluster %s, %d static peer(s)%s)", config_path, config["cluster_name"],
              len(config.get("peers", []) or []), ", generated a new cluster key" if generated else "")
 
@@ -581,16 +461,16 @@ def run_firstboot(
     pull_model = setup.model if setup.pull else None
     state_dir.mkdir(parents=True, exist_ok=True)
     if pull_model:
-        _write_atomic(state_dir / PULL_REQUEST_FILE, pull_model + "\n", mode=0o644)
+        write_atomic(state_dir / PULL_REQUEST_FILE, pull_model + "\n", mode=0o644)
         log.info("model %s will be pulled once the network is up", pull_model)
 
     if setup.invite:  # the agent redeems it once the member it names answers
-        _write_atomic(state_dir / PENDING_JOIN_FILE, setup.invite + "\n", mode=0o640, group=group)
+        write_atomic(state_dir / PENDING_JOIN_FILE, setup.invite + "\n", mode=0o640, group=group)
         log.info("the agent will join the cluster of the join string once its member answers")
 
     if created:
         # Written last: its presence tells ncm-firstboot.service that provisioning is done.
-        _write_atomic(node_id_path, node_id + "\n", mode=0o644)
+        write_atomic(node_id_path, node_id + "\n", mode=0o644)
         log.info("created node id %s", node_id)
     else:
         log.info("kept node id %s", node_id)

@@ -32,7 +32,7 @@ from agent.core.invites import (
     pairing_proof,
 )
 from agent.core.protocol import PAIR_PATH, REKEY_PATH
-from agent.local.config import JOINED_FILE, PENDING_JOIN_FILE, AgentConfig
+from agent.local.config import JOINED_FILE, PENDING_JOIN_FILE, AgentConfig, write_config_file
 from agent.local.files import write_private
 from agent.local.lifecycle import Lifecycle
 
@@ -132,9 +132,8 @@ def keep_membership(config: AgentConfig, cluster: str, key: bytes, peers: list[s
     ``joined.toml`` in its state directory (0600), above its configuration file, below
     environment and flags. The invites issued under the old key go: they would let a removed
     device (or anyone holding one) into the cluster under its new key."""
-    lines = [f"cluster_name = {json.dumps(cluster)}", f"cluster_key = {json.dumps(key.decode())}",
-             "peers = [" + ", ".join(json.dumps(p) for p in peers) + "]"]
-    write_private(config.state_dir / JOINED_FILE, "\n".join(lines) + "\n")
+    write_config_file(config.state_dir / JOINED_FILE, {"cluster_name": cluster, "cluster_key": key.decode(),
+                                                       "peers": list(peers)}, mode=0o600)
     (config.state_dir / INVITES_FILE).unlink(missing_ok=True)
 
 

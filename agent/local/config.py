@@ -9,12 +9,15 @@ import math
 import os
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any, Mapping
-from urllib.parse import urlsplit
+from typing import Any, Callable, Mapping
+
+import tomli_w
 
 from agent.core.errors import NcmError
 from agent.core.threads import SPIN_CHOICES
+from agent.local import settings
 from agent.local.compat import tomllib
+from agent.local.files import write_atomic
 from shards.store.model_store import ncm_home
 
 INSTALLED_CONFIG_PATH = Path("/etc/ncm/agent.toml")
@@ -22,11 +25,17 @@ CLUSTER_KEY_FILE = "cluster-key"  # in state_dir: the key generated when none is
 JOINED_FILE = "joined.toml"  # in state_dir: the cluster key, name and peers a join by invite brought (0600)
 PENDING_JOIN_FILE = "pending-join"  # in state_dir: a join string from the setup file, until it is redeemed
 ENV_PREFIX = "NCM_"
-MIN_CLUSTER_KEY_LENGTH = 16
 
 
 class ConfigError(NcmError, ValueError):
     """A configuration value is missing, unknown or of the wrong type."""
+
+
+def _check(name: str, rule: Callable[[str], str], value: str) -> None:
+    try:
+        rule(value)
+    except ValueError as error:
+        raise ConfigError(f"{name}: {error}") from None
 
 
 def default_state_dir() -> Path:
@@ -89,17 +98,14 @@ class AgentConfig:
     explicit: frozenset[str] = field(default=frozenset(), compare=False)
 
     def __post_init__(self) -> None:
-        if not self.cluster_name or len(self.cluster_name) > 63 or not self.cluster_name.replace("-", "").replace("_", "").isalnum():
-            raise ConfigError(f"cluster_name must be 1-63 letters, digits, '-' or '_', got {self.cluster_name!r}")
-        if self.cluster_key and len(self.cluster_key) < MIN_CLUSTER_KEY_LENGTH:
-            raise ConfigError(f"cluster_key must be at least {MIN_CLUSTER_KEY_LENGTH} characters")
+        for name, rule in (("cluster_name", settings.cluster_name), ("cluster_key", settings.cluster_key)):
+            if name == "cluster_name" or getattr(self, name):  # an empty key: one is generated at start
+                _check(name, rule, getattr(self, name))
         if not all(0 <= p <= 65535 for p in (self.port, self.peer_port, self.advertise_peer_port)):
             raise ConfigError(f"port, peer_port and advertise_peer_port must be in 0-65535, got {self.port}, "
                               f"{self.peer_port} and {self.advertise_peer_port}")
         for peer in self.peers:
-            parts = urlsplit(peer)
-            if parts.scheme not in ("http", "https") or not parts.hostname:
-                raise ConfigError(f"peers: {peer!r} is not an http(s)://host:port URL")
+            _check("peers", settings.peer_url, peer)
         if not self.model:
             raise ConfigError("model must not be empty")
         if any(len(k) < 8 or len(k) > 256 or any(c.isspace() for c in k) for k in self.api_keys):
@@ -247,6 +253,40 @@ def read_config_file(path: Path) -> dict[str, Any]:
     if set(data) == {"agent"} and isinstance(data["agent"], dict):
         data = data["agent"]
     return data
+
+
+CONFIG_FILE_HEADER = (
+    "# ncm agent configuration, written by ncm (`ncm firstboot`, `ncm join`, a join by invite).\n"
+    "# Edit freely, then `systemctl restart ncm-agent`. Keep this file private: it holds the cluster key.\n"
+)
+# The first keys of a written file, in this order; the others follow sorted.
+_FILE_KEY_ORDER = ("cluster_name", "cluster_key", "host", "port", "peers", "state_dir", "model", "orchestrator",
+                   "api_token", "mdns", "interfaces", "npu_tops")
+
+
+def render_config_file(values: Mapping[str, Any]) -> str:
+    """The TOML text of a flat configuration file (strings, numbers, booleans, lists of them),
+    under :data:`CONFIG_FILE_HEADER`; ConfigError for anything else."""
+    order = [k for k in _FILE_KEY_ORDER if k in values] + sorted(k for k in values if k not in _FILE_KEY_ORDER)
+    for key in order:
+        value = values[key]
+        items = value if isinstance(value, (list, tuple)) else [value]
+        if not all(isinstance(item, (str, int, float, bool)) for item in items):
+            raise ConfigError(f"cannot write config key {key!r}: only flat strings, numbers, booleans and lists")
+    return CONFIG_FILE_HEADER + tomli_w.dumps({key: values[key] for key in order})
+
+
+def write_config_file(path: Path, values: Mapping[str, Any], *, mode: int | None = None,
+                      group: str | None = None) -> None:
+    """The one writer of configuration files (``agent.toml``, ``joined.toml``): whole, atomic,
+    with ``mode`` (default: the mode of the file it replaces, else 0600, since these files
+    hold the cluster key) and ``group`` (see :func:`~agent.local.files.write_atomic`)."""
+    if mode is None:
+        try:
+            mode = path.stat().st_mode & 0o777
+        except FileNotFoundError:
+            mode = 0o600
+    write_atomic(path, render_config_file(values), mode=mode, group=group)
 
 
 def environment_settings(environ: Mapping[str, str]) -> dict[str, str]:

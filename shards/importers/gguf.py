@@ -11,7 +11,6 @@ must be one of the model's or on :data:`IGNORED_LAYER_TENSORS`.
 
 from __future__ import annotations
 
-import hashlib
 import logging
 from pathlib import Path
 from typing import Any
@@ -19,6 +18,7 @@ from typing import Any
 import numpy as np
 
 from shards.errors import ModelFormatError, UnsupportedArchitectureError
+from shards.store.verify import hash_file
 
 log = logging.getLogger(__name__)
 SUPPORTED = ("llama", "qwen2")
@@ -47,14 +47,6 @@ def unpermute_rope_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
     rows = w.shape[0]
     half = rows // n_heads // 2
     return w.reshape(n_heads, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
-
-
-def file_sha256(path: Path, chunk_bytes: int = 1 << 22) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(chunk_bytes):
-            h.update(block)
-    return h.hexdigest()
 
 
 class GgufSource:
@@ -193,4 +185,4 @@ class GgufSource:
         return tokenizer_spec_from_gguf(self.reader)
 
     def digest(self) -> str:
-        return file_sha256(self.path)
+        return hash_file(self.path).hexdigest()

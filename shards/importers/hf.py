@@ -20,6 +20,7 @@ import numpy as np
 
 from shards.errors import ModelFormatError, TokenizerError, UnmappedTensorError, UnsupportedArchitectureError
 from shards.store.tensorfile import read_header, read_tensors
+from shards.store.verify import hash_file
 
 log = logging.getLogger(__name__)
 SUPPORTED = ("llama", "qwen2")
@@ -208,7 +209,5 @@ class HfSource:
         h = hashlib.sha256()
         for f in [self.path / "config.json", *self.files, self.path / "tokenizer.json"]:
             h.update(f.name.encode())
-            with open(f, "rb") as fh:
-                while block := fh.read(1 << 22):
-                    h.update(block)
+            hash_file(f, h)
         return h.hexdigest()

@@ -19,7 +19,6 @@ names the few harmless extras it skips in an explicit, documented list.
 
 from __future__ import annotations
 
-import hashlib
 import logging
 from collections.abc import Iterable
 from pathlib import Path
@@ -33,6 +32,7 @@ from shards.importers.quant import quantize_q4, quantize_q8
 from shards.store.manifest import WEIGHT_FORMATS, Manifest, WeightFile, layer_key
 from shards.store.model_store import ModelStore
 from shards.store.tensorfile import write_tensors
+from shards.store.verify import hash_file
 
 log = logging.getLogger(__name__)
 LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -113,11 +113,7 @@ def convert_tensors(tensors: dict[str, np.ndarray], weights: str, lm_head_bits: 
 def _write(model_dir: Path, rel: str, tensors: dict[str, np.ndarray]) -> WeightFile:
     path = model_dir / rel
     write_tensors(path, tensors)
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(1 << 22):
-            h.update(block)
-    return WeightFile(path=rel, bytes=path.stat().st_size, sha256=h.hexdigest())
+    return WeightFile(path=rel, bytes=path.stat().st_size, sha256=hash_file(path).hexdigest())
 
 
 def _check_layer(src_params: dict[str, Any], i: int, t: dict[str, np.ndarray]) -> None:

@@ -26,9 +26,10 @@ _CHUNK_BYTES = 1 << 20
 _lock = threading.Lock()  # one writer of the cache file per process
 
 
-def hash_file(path: Path) -> Any:
-    """The sha256 object of ``path``'s bytes (it can go on hashing bytes appended later)."""
-    digest = hashlib.sha256()
+def hash_file(path: Path, digest: Any = None) -> Any:
+    """The sha256 object of ``path``'s bytes (it can go on hashing bytes appended later), or
+    ``digest`` (a hashlib object) fed with them: the one file hasher of ncm."""
+    digest = hashlib.sha256() if digest is None else digest
     with Path(path).open("rb") as handle:
         for block in iter(lambda: handle.read(_CHUNK_BYTES), b""):
             digest.update(block)

@@ -27,8 +27,8 @@ def test_file_then_environment_then_flags(tmp_path):
     [
         ("port = 'high'\n", "port (from config file"),
         ("colour = 'blue'\n", "unknown setting 'colour'"),
-        ("peers = ['ftp://x']\n", "peers: 'ftp://x' is not an http"),
-        ("cluster_key = 'short'\n", "cluster_key must be at least 16"),
+        ("peers = ['ftp://x']\n", "peers: a peer URL starts with http:// or https://, got 'ftp://x'"),
+        ("cluster_key = 'short'\n", "cluster_key: the cluster key must have 16-256 characters"),
         ("failure_threshold = 0\n", "failure_threshold must be >= 1"),
         ("advertise_peer_port = 70000\n", "port, peer_port and advertise_peer_port must be in 0-65535"),
         ("port = [\n", "not valid TOML"),
@@ -54,7 +54,7 @@ def test_node_id_is_created_once_and_kept(tmp_path):
     first = load_or_create_node_id(tmp_path / "state")
     assert len(first) == 32 and first == load_or_create_node_id(tmp_path / "state")
     (tmp_path / "state" / "node-id").write_text("../../etc\n")
-    with pytest.raises(ConfigError, match="malformed node id"):
+    with pytest.raises(ConfigError, match="does not hold 12-64 lowercase hex characters; delete the file"):
         load_or_create_node_id(tmp_path / "state")
 
 

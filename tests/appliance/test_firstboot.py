@@ -69,7 +69,7 @@ def test_join_string() -> None:
     [
         ("cluster_nmae = home\n", "line 1: unknown setting 'cluster_nmae'"),
         ("\n\nport = 99999\n", "line 3: port"),
-        ("cluster_key = short\n", "at least 16"),
+        ("cluster_key = short\n", "16-256 characters"),
         ("peers = ftp://x\n", "http://"),
         ("peers = http://user:pw@x:8080\n", "user or password"),
         ("hostname = -bad-\n", "hostname"),
