@@ -33,8 +33,8 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from urllib.parse import urlsplit
 
-from agent.core.errors import NcmError
-from agent.core.invites import JOIN_PREFIX, InviteError, JoinString
+from agent.core.errors import InviteError, NcmError
+from agent.core.invites import JOIN_PREFIX, JoinString
 from agent.local import identity, settings
 from agent.local.compat import tomllib
 from agent.local.config import PENDING_JOIN_FILE, ConfigError, render_config_file

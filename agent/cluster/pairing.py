@@ -22,16 +22,9 @@ from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
-from agent.core.invites import (
-    Invite,
-    InviteBook,
-    InviteError,
-    JoinString,
-    MemberUnreachable,
-    fingerprint,
-    pairing_proof,
-)
-from agent.core.protocol import PAIR_PATH, REKEY_PATH
+from agent.core.errors import InviteError, KeyChangeRefusedError, MemberUnreachable
+from agent.core.invites import Invite, InviteBook, JoinString, fingerprint, pairing_proof
+from agent.core.protocol import PAIR_PATH, REKEY_PATH, RekeyOrder
 from agent.local.config import JOINED_FILE, PENDING_JOIN_FILE, AgentConfig, write_config_file
 from agent.local.files import write_private
 from agent.local.lifecycle import Lifecycle
@@ -138,10 +131,10 @@ def keep_membership(config: AgentConfig, cluster: str, key: bytes, peers: list[s
 
 
 def check_environment_allows_a_new_key() -> None:
-    """InviteError when this process's environment sets what a join or rekey would change."""
+    """KeyChangeRefusedError when this process's environment sets what a join or rekey would change."""
     overridden = [name for name in ("NCM_CLUSTER_KEY", "NCM_CLUSTER_NAME") if os.environ.get(name)]
     if overridden:
-        raise InviteError(f"{' and '.join(overridden)} in the environment would override the new cluster key; "
+        raise KeyChangeRefusedError(f"{' and '.join(overridden)} in the environment would override the new cluster key; "
                           "remove them to join by invite or take part in a removal")
 
 
@@ -184,22 +177,11 @@ async def join_pending(config: AgentConfig, session: aiohttp.ClientSession, life
 REKEY_TIMEOUT_S = 10.0
 
 
-def take_new_key(config: AgentConfig, body: Any) -> None:
+def take_new_key(config: AgentConfig, order: RekeyOrder) -> None:
     """Keep the new key of a rekey order (the orchestrator removed a node); the agent must
-    restart to use it. InviteError when the order is malformed or the environment forbids it."""
+    restart to use it. KeyChangeRefusedError when the environment forbids it."""
     check_environment_allows_a_new_key()
-    cluster, key, peers = _parse_rekey(body)
-    keep_membership(config, cluster, key, peers)
-
-
-def _parse_rekey(body: Any) -> tuple[str, bytes, list[str]]:
-    if not isinstance(body, dict):
-        raise InviteError("a rekey order is a JSON object")
-    cluster, key, peers = body.get("cluster"), body.get("key"), body.get("peers")
-    if not (isinstance(cluster, str) and isinstance(key, str) and 16 <= len(key) <= 256 and isinstance(peers, list)
-            and all(isinstance(p, str) and p.startswith(("http://", "https://")) for p in peers)):
-        raise InviteError("a rekey order has 'cluster', 'key' (16-256 characters) and 'peers' (URLs)")
-    return cluster, key.encode(), peers[:16]
+    keep_membership(config, order.cluster, order.key.encode(), list(order.peers))
 
 
 async def rotate_key(membership: Membership, client: PeerClient, config: AgentConfig, lifecycle: Lifecycle,
@@ -211,10 +193,10 @@ async def rotate_key(membership: Membership, client: PeerClient, config: AgentCo
     stays = removed != membership.node_id  # this node keeps its membership (it is not the one removed)
     members = [n for n in membership.alive_nodes() if n not in (removed, membership.node_id)]
     others = membership.live_peer_urls(without=removed)
-    order = {"cluster": config.cluster_name, "key": new_key, "peers": others + ([membership.self_url()] if stays else [])}
+    order = RekeyOrder(config.cluster_name, new_key, tuple(others + ([membership.self_url()] if stays else [])))
 
     async def hand_over(node_id: str) -> None:
-        await client.request_json("POST", membership.peer_address_of(node_id), REKEY_PATH, order, target=node_id,
+        await client.request_json("POST", membership.peer_address_of(node_id), REKEY_PATH, order.to_json(), target=node_id,
                                   timeout_s=REKEY_TIMEOUT_S)
 
     results = await asyncio.gather(*(hand_over(n) for n in members), return_exceptions=True)

@@ -15,7 +15,7 @@ import math
 from collections import deque
 from dataclasses import dataclass, field
 
-from agent.core.model_registry import RouterError
+from agent.core.errors import AdmissionError, TooManyRequestsError
 
 DEFAULT_MAX_REQUESTS_IN_FLIGHT = 4
 DEFAULT_MAX_QUEUED_REQUESTS = 32
@@ -23,18 +23,6 @@ DEFAULT_REQUEST_DURATION_S = 5.0  # assumed until a request of the model has fin
 DURATION_WEIGHT = 0.2  # weight of the newest duration in the moving average
 MIN_RETRY_AFTER_S = 1
 MAX_RETRY_AFTER_S = 60
-
-
-class AdmissionError(RouterError):
-    """A request could not be admitted."""
-
-
-class TooManyRequestsError(AdmissionError):
-    """Every slot of the model is busy and its queue is full: retry after ``retry_after_s``."""
-
-    def __init__(self, message: str, retry_after_s: int) -> None:
-        super().__init__(message)
-        self.retry_after_s = retry_after_s
 
 
 @dataclass(frozen=True)

@@ -10,23 +10,13 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from agent.core.errors import NcmError
+from agent.core.errors import InvalidRequestError
 
 MAX_MESSAGES = 1024
 MAX_CONTENT_CHARS = 1_000_000
 MAX_STOP_STRINGS = 4
 MAX_STOP_CHARS = 256
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
-
-
-class InvalidRequestError(NcmError, ValueError):
-    """A caller's request is malformed; ``param`` names the offending field."""
-
-    def __init__(self, message: str, param: str | None = None, code: str | None = None, status: int = 400) -> None:
-        super().__init__(message)
-        self.param = param
-        self.code = code
-        self.status = status
 
 
 @dataclass(frozen=True)

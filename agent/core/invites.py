@@ -20,19 +20,11 @@ import json
 from dataclasses import dataclass, replace
 from typing import Any
 
-from agent.core.errors import NcmError
+from agent.core.errors import InvalidRequestError, InviteError, InviteNotFoundError
 
 JOIN_PREFIX = "ncm1."
 DEFAULT_INVITE_TTL_S = 3600.0
 MAX_INVITES = 256
-
-
-class InviteError(NcmError):
-    """An invite or join string cannot be used; the message says why."""
-
-
-class MemberUnreachable(InviteError):
-    """The member a join string names did not answer (try again later)."""
 
 
 def fingerprint(cluster_key: bytes) -> str:
@@ -123,12 +115,13 @@ class InviteBook:
     def create(self, invite_id: str, secret: bytes, *, now: float, key_fingerprint: str,
                ttl_s: float = DEFAULT_INVITE_TTL_S, uses: int = 1) -> Invite:
         if not 0 < ttl_s <= 30 * 86400:
-            raise InviteError("an invite lasts more than 0 s and at most 30 days")
+            raise InvalidRequestError("an invite lasts more than 0 s and at most 30 days", "ttl_s")
         if not 1 <= uses <= 100:
-            raise InviteError("an invite can be used 1 to 100 times")
+            raise InvalidRequestError("an invite can be used 1 to 100 times", "uses")
         self.expire(now)
         if len(self._invites) >= MAX_INVITES:
-            raise InviteError(f"{MAX_INVITES} invites are open already; revoke some first")
+            raise InvalidRequestError(f"{MAX_INVITES} invites are open already; revoke some first", code="too_many_invites",
+                                      status=409)
         invite = Invite(invite_id, secret, now, now + ttl_s, uses, key_fingerprint)
         self._invites[invite_id] = invite
         return invite
@@ -143,7 +136,7 @@ class InviteBook:
 
     def revoke(self, invite_id: str) -> None:
         if self._invites.pop(invite_id, None) is None:
-            raise InviteError(f"no open invite {invite_id!r}")
+            raise InviteNotFoundError(f"no open invite {invite_id!r}")
 
     def revoke_all(self) -> None:
         """Every open invite is void: the cluster key changed (a device was removed)."""

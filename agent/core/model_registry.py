@@ -23,7 +23,14 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
-from agent.core.errors import NcmError
+from agent.core.errors import (
+    RETRY_AFTER_LOAD_S,
+    CapacityError,
+    ModelLoadError,
+    ModelNotLoadedError,
+    RouterError,
+    UnknownModelError,
+)
 from agent.core.state_enum import StateEnum
 
 
@@ -48,39 +55,7 @@ class ModelState(StateEnum):
 
 STATES = tuple(state.value for state in ModelState)
 RETRY_AFTER_BUSY_S = 10.0
-RETRY_AFTER_LOAD_S = 5.0
 MIB = 1024 * 1024
-
-
-class RouterError(NcmError):
-    """The model router cannot serve the request."""
-
-
-class UnknownModelError(RouterError):
-    def __init__(self, name: str, known: Iterable[str]) -> None:
-        self.known = tuple(sorted(known))
-        super().__init__(f"model {name!r} does not exist; known models: {', '.join(self.known) or 'none'}")
-
-
-class ModelNotLoadedError(RouterError):
-    """Autoload is off and the model is not loaded."""
-
-
-class CapacityError(RouterError):
-    """The model does not fit now (``retry_after_s`` set) or at all (None)."""
-
-    def __init__(self, message: str, retry_after_s: float | None) -> None:
-        super().__init__(message)
-        self.retry_after_s = retry_after_s
-
-
-class ModelLoadError(RouterError):
-    """Loading (or measuring) the model failed; a new request may try again after
-    ``retry_after_s`` (None: not before something changes, the message says what)."""
-
-    def __init__(self, message: str, retry_after_s: float | None = RETRY_AFTER_LOAD_S) -> None:
-        super().__init__(message)
-        self.retry_after_s = retry_after_s
 
 
 @dataclass(frozen=True)

@@ -23,6 +23,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
+from agent.core.errors import WireError
+
 INTERNAL_PREFIX = "/internal/"
 DESCRIBE_PATH = "/internal/describe"  # membership: a node's advert, extras and the peers it knows
 STATE_PATH = "/internal/state"  # a node's worker and fault state
@@ -117,3 +119,93 @@ class CloseFrame:
         return {"kind": "close", "sid": self.sid, "layer": self.layer, "plan": self.plan}
 
 
+
+
+# --- the control plane: bodies of the internal POSTs ------------------------------------------
+# Each is built by its sender with the class and read by its handler with ``from_json``, which
+# raises WireError (answered 400) for a body that is not one.
+def _fields(body: Any, what: str, spec: Mapping[str, type | tuple[type, ...]]) -> list[Any]:
+    """The fields ``spec`` names, each of its type (no bool for an int), or WireError naming ``what``."""
+    wanted = ", ".join(f"{name!r}: {getattr(kind, '__name__', 'value')}" for name, kind in spec.items())
+    if not isinstance(body, Mapping):
+        raise WireError(f"{what} is a JSON object {{{wanted}}}")
+    values = []
+    for name, kind in spec.items():
+        value = body.get(name)
+        if not isinstance(value, kind) or (isinstance(value, bool) and kind is int):
+            raise WireError(f"{what} needs {wanted}; {name!r} is missing or of another type")
+        values.append(value)
+    return values
+
+
+@dataclass(frozen=True)
+class OrderStep:
+    """Commit or abort (by the path it is sent to) the staged order of ``name``."""
+
+    name: str
+    plan_version: int
+    epoch: int
+
+    def to_json(self) -> dict[str, Any]:
+        return {"name": self.name, "plan_version": self.plan_version, "epoch": self.epoch}
+
+    @classmethod
+    def from_json(cls, body: Any) -> OrderStep:
+        return cls(*_fields(body, "an order step", {"name": str, "plan_version": int, "epoch": int}))
+
+
+@dataclass(frozen=True)
+class UnloadOrder:
+    """Drop model ``name``'s orders and fragments (unloaded, evicted or asleep)."""
+
+    name: str
+    epoch: int
+
+    def to_json(self) -> dict[str, Any]:
+        return {"name": self.name, "epoch": self.epoch}
+
+    @classmethod
+    def from_json(cls, body: Any) -> UnloadOrder:
+        return cls(*_fields(body, "an unload order", {"name": str, "epoch": int}))
+
+
+@dataclass(frozen=True)
+class CopyOrder:
+    """Hold a whole copy of ``model`` (the fallback), fetched from ``sources``: (node, URL) pairs."""
+
+    model: str
+    sources: tuple[tuple[str, str], ...]
+
+    def to_json(self) -> dict[str, Any]:
+        return {"model": self.model, "sources": [list(source) for source in self.sources]}
+
+    @classmethod
+    def from_json(cls, body: Any) -> CopyOrder:
+        model, sources = _fields(body, "a copy order", {"model": str, "sources": list})
+        if not all(isinstance(s, list) and len(s) == 2 and all(isinstance(x, str) for x in s) for s in sources):
+            raise WireError("a copy order's 'sources' are [node, url] pairs")
+        return cls(model, tuple((node, url) for node, url in sources))
+
+
+MAX_REKEY_PEERS = 16
+
+
+@dataclass(frozen=True)
+class RekeyOrder:
+    """The new cluster key after a node was removed, and the members' URLs."""
+
+    cluster: str
+    key: str
+    peers: tuple[str, ...]
+
+    def to_json(self) -> dict[str, Any]:
+        return {"cluster": self.cluster, "key": self.key, "peers": list(self.peers)}
+
+    @classmethod
+    def from_json(cls, body: Any) -> RekeyOrder:
+        cluster, key, peers = _fields(body, "a rekey order", {"cluster": str, "key": str, "peers": list})
+        if not 16 <= len(key) <= 256:
+            raise WireError("a rekey order's key has 16-256 characters")
+        if not all(isinstance(p, str) and p.startswith(("http://", "https://")) for p in peers):
+            raise WireError("a rekey order's 'peers' are http(s) URLs")
+        return cls(cluster, key, tuple(peers[:MAX_REKEY_PEERS]))

@@ -12,7 +12,7 @@ import aiohttp
 import numpy as np
 
 from agent.cluster.peer_client import PeerClient, PeerError
-from agent.core.errors import NcmError, WireError
+from agent.core.errors import NcmError, PublicAnswer, WireError, without_addresses
 from agent.core.protocol import STREAM_PATH, ResultFrame
 from agent.core.wire import decode_frame, encode_frame
 from agent.local.compat import timeout
@@ -30,6 +30,14 @@ class StageError(NcmError):
         super().__init__(message)
         self.code = code
         self.node = node
+
+    def answer(self) -> PublicAnswer:
+        """A caller's bad step is a 400; a stage that failed is a 503 worth retrying soon (the
+        route fails over). Node addresses are never shown."""
+        message = without_addresses(str(self))
+        if self.node is None and self.code == "bad_request":
+            return PublicAnswer(400, self.code, message)
+        return PublicAnswer(503, self.code, f"{message} (retry in a moment)", retry_after_s=2.0)
 
     def to_header(self, request: dict[str, Any]) -> dict[str, Any]:
         """The error frame of the step ``request`` (a header)."""

@@ -23,12 +23,19 @@ from aiohttp.http_exceptions import HttpProcessingError
 from aiohttp.web_protocol import RequestPayloadError
 
 from agent.cluster.pairing import join_by_invite, rotate_key, seal
-from agent.core.admission import TooManyRequestsError
 from agent.core.capacity import score
-from agent.core.chat_request import ChatRequest, InvalidRequestError, check_model_name, parse_request
-from agent.core.errors import ClusterError, PresetError
-from agent.core.invites import DEFAULT_INVITE_TTL_S, InviteError, JoinString, fingerprint
-from agent.core.model_registry import CapacityError, ModelLoadError, ModelNotLoadedError, RouterError, UnknownModelError
+from agent.core.chat_request import ChatRequest, check_model_name, parse_request
+from agent.core.errors import (
+    ClusterError,
+    InvalidRequestError,
+    InviteError,
+    NcmError,
+    PresetError,
+    PublicAnswer,
+    RouterError,
+    without_addresses,
+)
+from agent.core.invites import DEFAULT_INVITE_TTL_S, JoinString, fingerprint
 from agent.core.protocol import PAIR_PATH
 from agent.dataplane.links import StageError
 from agent.http.app_keys import (
@@ -50,9 +57,8 @@ from agent.http.openapi import openapi_document
 from agent.http.proxy import RESUMABLE_HEADER, RESUME_FIELD, TOKENS_FIELD, ask_orchestrator
 from agent.local.compat import timeout
 from agent.local.metrics import THROUGHPUT_WINDOW_S
-from agent.models.router import ModelBusyError
 from agent.orchestration.orchestrator import Completion, Deployment
-from agent.orchestration.public_errors import public_reason, without_addresses
+from agent.orchestration.public_errors import public_reason
 from shards.errors import ShardsError
 from shards.runtime.sampling import SamplingParams
 
@@ -65,51 +71,20 @@ routes = web.RouteTableDef()
 
 def error_response(status: int, message: str, *, type_: str | None = None, param: str | None = None,
                    code: str | None = None, headers: dict[str, str] | None = None) -> web.Response:
-    kind = type_ or {400: "invalid_request_error", 401: "authentication_error", 404: "invalid_request_error",
-                     409: "invalid_request_error", 429: "requests",
-                     503: "service_unavailable"}.get(status, "server_error")
+    kind = type_ or PublicAnswer(status, code or "", message).kind
     return web.json_response({"error": {"message": message, "type": kind, "param": param, "code": code}},
                              status=status, headers=headers)
 
 
-@dataclasses.dataclass(frozen=True)
-class ErrorAnswer:
-    """How the public API answers an error class: status, OpenAI code and param, Retry-After
-    (fixed seconds, or ``retry_from_error``: the error's own ``retry_after_s`` when it has one)."""
-
-    status: int
-    code: str
-    param: str | None = None
-    retry_after_s: float | None = None
-    retry_from_error: bool = False
-    message: Callable[[Exception], str] = str
+def answer_error(error: NcmError) -> web.Response:
+    """The OpenAI-shaped answer of ``error``: what its class says (:meth:`NcmError.answer`)."""
+    answer = error.answer()
+    headers = {"Retry-After": f"{answer.retry_after_s:.0f}"} if answer.retry_after_s else None
+    return error_response(answer.status, answer.message, param=answer.param, code=answer.code, headers=headers)
 
 
-# The one table of the API's errors, most specific class first (the first that matches answers).
-# InvalidRequestError carries its own status, param and code; StageError depends on who failed.
-ERROR_ANSWERS: tuple[tuple[type[Exception], ErrorAnswer], ...] = (
-    (UnknownModelError, ErrorAnswer(404, "model_not_found", "model")),
-    (ModelNotLoadedError, ErrorAnswer(400, "model_not_loaded", "model")),
-    (ModelBusyError, ErrorAnswer(409, "model_busy", "model")),
-    (TooManyRequestsError, ErrorAnswer(429, "rate_limit_exceeded", retry_from_error=True)),
-    (CapacityError, ErrorAnswer(503, "model_capacity", retry_from_error=True)),
-    # Without a Retry-After, retrying cannot help yet: the message says what to do.
-    (ModelLoadError, ErrorAnswer(503, "model_load_failed", retry_from_error=True, message=lambda e: (
-        f"{e}; retry the request to load it again" if getattr(e, "retry_after_s", None) else str(e)))),
-    (RouterError, ErrorAnswer(503, "model_unavailable", retry_after_s=5)),
-    (PresetError, ErrorAnswer(400, "invalid_presets", message=lambda e: f"the model presets are invalid: {e}")),
-    (ClusterError, ErrorAnswer(503, "cluster_unavailable", retry_after_s=5)),
-)
-
-
-def error_answer(error: Exception) -> web.Response | None:
-    """The OpenAI-shaped answer of ``error`` by :data:`ERROR_ANSWERS` (None: not an API error)."""
-    answer = next((a for kind, a in ERROR_ANSWERS if isinstance(error, kind)), None)
-    if answer is None:
-        return None
-    retry_after_s = getattr(error, "retry_after_s", None) if answer.retry_from_error else answer.retry_after_s
-    headers = {"Retry-After": f"{retry_after_s:.0f}"} if retry_after_s else None
-    return error_response(answer.status, answer.message(error), param=answer.param, code=answer.code, headers=headers)
+# The errors a public endpoint answers with their own answer; any other is a 500.
+PUBLIC_ERRORS = (InvalidRequestError, StageError, RouterError, PresetError, ClusterError, InviteError)
 
 
 @web.middleware
@@ -117,17 +92,8 @@ async def openai_errors(request: web.Request, handler: Any) -> web.StreamRespons
     """Turn every failure of a public endpoint into the OpenAI error shape."""
     try:
         return await handler(request)
-    except InvalidRequestError as error:
-        return error_response(error.status, str(error), param=error.param, code=error.code)
-    except StageError as error:
-        status = 400 if error.node is None and error.code == "bad_request" else 503
-        message = without_addresses(str(error))
-        return error_response(status, f"{message} (retry in a moment)" if status == 503 else message,
-                              code=error.code, headers={"Retry-After": "2"} if status == 503 else None)
-    except (RouterError, PresetError, ClusterError) as error:
-        answer = error_answer(error)
-        assert answer is not None  # every one of these classes is in the table
-        return answer
+    except PUBLIC_ERRORS as error:
+        return answer_error(error)
     except web.HTTPException as error:
         if error.status >= 400 and error.content_type != "application/json":
             return error_response(error.status, error.reason or "error", code=str(error.status))
@@ -223,10 +189,7 @@ def _invite_settings(body: Any) -> tuple[float, int]:
 async def create_invite(request: web.Request) -> web.Response:
     """`ncm invite`: a join string for a new device (admin)."""
     ttl_s, uses = _invite_settings(await read_json(request) if request.can_read_body else {})
-    try:
-        invite = request.app[INVITES].create(ttl_s=ttl_s, uses=uses)
-    except InviteError as error:
-        raise InvalidRequestError(str(error)) from None
+    invite = request.app[INVITES].create(ttl_s=ttl_s, uses=uses)
     membership = request.app[MEMBERSHIP]
     join = JoinString(request.app[CONFIG].cluster_name, membership.reachable_url(), invite.invite_id, invite.secret,
                       fingerprint(request.app[CLIENT].key))
@@ -240,10 +203,7 @@ async def list_invites(request: web.Request) -> web.Response:
 
 @routes.delete("/cluster/invites/{invite_id}")
 async def revoke_invite(request: web.Request) -> web.Response:
-    try:
-        request.app[INVITES].revoke(request.match_info["invite_id"])
-    except InviteError as error:
-        return error_response(404, str(error), code="invite_not_found")
+    request.app[INVITES].revoke(request.match_info["invite_id"])  # InviteNotFoundError: 404
     return web.json_response({"revoked": request.match_info["invite_id"]})
 
 
@@ -259,7 +219,7 @@ async def pair(request: web.Request) -> web.Response:
         invite = request.app[INVITES].redeem(invite_id, nonce, proof)
     except InviteError as error:
         log.warning("refused an invite from %s: %s", request.remote, error)
-        return error_response(403, str(error), code="invite_refused")
+        return answer_error(error)
     log.info("invite %s redeemed by %s", invite_id, request.remote)
     return web.json_response({"cluster": request.app[CONFIG].cluster_name,
                               "peers": request.app[MEMBERSHIP].live_peer_urls(),

@@ -23,8 +23,8 @@ from typing import Any
 
 from aiohttp import web
 
-from agent.core.chat_request import ChatRequest, InvalidRequestError, check_model_name, parse_request
-from agent.core.errors import ClusterError
+from agent.core.chat_request import ChatRequest, check_model_name, parse_request
+from agent.core.errors import ClusterError, InvalidRequestError, without_addresses
 from agent.dataplane.links import StageError
 from agent.http.api import (
     admin_token_required,
@@ -37,7 +37,6 @@ from agent.http.api import (
 from agent.http.app_keys import ORCHESTRATOR, ROUTER, STORE
 from agent.http.metrics_endpoint import REQUEST_MODEL
 from agent.orchestration.orchestrator import Completion, Deployment
-from agent.orchestration.public_errors import without_addresses
 from shards.errors import ShardsError
 from shards.importers.pull import pull_model, resolve_pull_name
 from shards.store.manifest import Manifest

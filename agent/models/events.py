@@ -10,7 +10,8 @@ import contextlib
 from collections.abc import Callable
 from typing import Any
 
-from agent.core.model_registry import ModelRegistry, RouterError
+from agent.core.errors import RouterError
+from agent.core.model_registry import ModelRegistry
 from agent.local.events import Fanout
 
 SSE_QUEUE_LENGTH = 256

@@ -20,17 +20,16 @@ from typing import Any
 
 from agent.cluster.membership import Membership
 from agent.core.admission import Admission, AdmissionLimits
-from agent.core.errors import ClusterError, PresetError
-from agent.core.model_registry import (
-    MIB,
-    DeviceMemory,
+from agent.core.errors import (
+    ClusterError,
+    ModelBusyError,
     ModelLoadError,
     ModelNotLoadedError,
-    ModelRegistry,
-    ModelState,
+    PresetError,
     RouterError,
     UnknownModelError,
 )
+from agent.core.model_registry import MIB, DeviceMemory, ModelRegistry, ModelState
 from agent.core.presets import ModelPreset
 from agent.local.compat import timeout
 from agent.local.config import AgentConfig
@@ -44,10 +43,6 @@ from shards.store.model_store import ModelStore
 
 log = logging.getLogger(__name__)
 WAIT_POLL_S = 0.5
-
-
-class ModelBusyError(RouterError):
-    """The model cannot be unloaded now: it is serving, loading or waited for."""
 
 
 class ModelRouter:

@@ -11,8 +11,8 @@ import time
 from collections.abc import Callable, Coroutine
 from typing import Any
 
-from agent.core.errors import ClusterError
-from agent.core.model_registry import MIB, RETRY_AFTER_LOAD_S, Evict, Load, ModelLoadError, ModelRegistry, Refuse
+from agent.core.errors import RETRY_AFTER_LOAD_S, ClusterError, ModelLoadError
+from agent.core.model_registry import MIB, Evict, Load, ModelRegistry, Refuse
 from agent.local.compat import TaskGroup, timeout
 from agent.local.events import EventLog
 from agent.models.catalog import ModelCatalog

@@ -31,8 +31,7 @@ from agent.cluster.peer_client import PeerClient
 from agent.cluster.tls import TLS_DIR, TlsFiles, issue_node_files
 from agent.core.auth import HEADER_NONCE, ReplayGuard, admin_token, sign_answer, verify
 from agent.core.deployments import ClusterState
-from agent.core.errors import AuthError, StaleRequestError, WireError
-from agent.core.invites import InviteError
+from agent.core.errors import AuthError, KeyChangeRefusedError, NcmError, StaleRequestError, WireError
 from agent.core.orders import RoutingOrder
 from agent.core.protocol import (
     ABORT_PATH,
@@ -48,7 +47,11 @@ from agent.core.protocol import (
     STATE_PATH,
     STREAM_PATH,
     UNLOAD_PATH,
+    CopyOrder,
+    OrderStep,
+    RekeyOrder,
     StepFrame,
+    UnloadOrder,
 )
 from agent.core.wire import decode_frame, encode_frame
 from agent.dataplane.links import Links
@@ -185,19 +188,34 @@ async def describe(request: web.Request) -> web.Response:
     return web.json_response(membership.describe(request.remote))
 
 
+def internal_error(error: NcmError) -> web.Response:
+    """An internal endpoint's refusal, as the error's class answers it: ``{"error", "code"}``."""
+    answer = error.answer()
+    return web.json_response({"error": answer.message, "code": answer.code}, status=answer.status)
+
+
+async def read_message(request: web.Request, kind: Any) -> Any:
+    """The body of an internal POST as the message class ``kind`` (WireError when it is none)."""
+    try:
+        body = await request.json()
+    except json.JSONDecodeError as error:
+        raise WireError(f"the body is not JSON: {error}") from None
+    return kind.from_json(body)
+
+
 @internal.post(ROUTING_PATH)
 async def set_routing(request: web.Request) -> web.Response:
     """Stage an order: build its fragments; the order served changes at the commit."""
     try:
-        order = RoutingOrder.from_json(await request.json())
-    except (WireError, json.JSONDecodeError) as error:
-        return web.json_response({"error": str(error)}, status=400)
+        order = await read_message(request, RoutingOrder)
+    except WireError as error:
+        return internal_error(error)
     worker = request.app[WORKER]
     try:
         # Shielded: a deployment goes on even if the orchestrator's connection drops meanwhile.
         return web.json_response(await asyncio.shield(worker.stage(order)))
     except StaleOrderError as error:
-        return web.json_response({"error": str(error)}, status=409)
+        return internal_error(error)
     except Exception as error:  # noqa: BLE001 - reported to the orchestrator, the agent keeps running
         log.debug("plan %d not staged", order.plan_version, exc_info=True)
         fault = worker.fault or {"cause": failure_cause(error), "message": f"{type(error).__name__}: {error}"}
@@ -205,18 +223,13 @@ async def set_routing(request: web.Request) -> web.Response:
 
 
 async def _order_step(request: web.Request, action: str) -> web.Response:
-    try:
-        body = await request.json()
-        name, plan_version, epoch = str(body["name"]), int(body["plan_version"]), int(body["epoch"])
-    except (json.JSONDecodeError, KeyError, TypeError, ValueError, OverflowError):
-        return web.json_response({"error": "expected {\"name\": str, \"plan_version\": int, \"epoch\": int}"},
-                                 status=400)
     worker = request.app[WORKER]
     step = worker.commit if action == "commit" else worker.abort
     try:
-        return web.json_response(await asyncio.shield(step(name, plan_version, epoch)))
-    except StaleOrderError as error:
-        return web.json_response({"error": str(error)}, status=409)
+        order = await read_message(request, OrderStep)
+        return web.json_response(await asyncio.shield(step(order.name, order.plan_version, order.epoch)))
+    except (WireError, StaleOrderError) as error:
+        return internal_error(error)
 
 
 @internal.post(COMMIT_PATH)
@@ -236,35 +249,31 @@ async def keep_copy(request: web.Request) -> web.Response:
     """The orchestrator asks this node to hold a whole copy of the fallback model (fetched in
     the background, when the disk has room)."""
     try:
-        body = await request.json()
-        model = str(body["model"])
-        sources = [(str(node), str(url)) for node, url in body["sources"]]
-    except (json.JSONDecodeError, KeyError, TypeError, ValueError):
-        return web.json_response({"error": "expected {\"model\": str, \"sources\": [[node, url], ...]}"}, status=400)
-    return web.json_response({"queued": request.app[WORKER].keep_whole_copy(model, sources)}, status=202)
+        copy = await read_message(request, CopyOrder)
+    except WireError as error:
+        return internal_error(error)
+    return web.json_response({"queued": request.app[WORKER].keep_whole_copy(copy.model, list(copy.sources))},
+                             status=202)
 
 
 @internal.post(UNLOAD_PATH)
 async def unload_model(request: web.Request) -> web.Response:
     """The orchestrator drops a model (unloaded, evicted or asleep): free its fragments."""
     try:
-        body = await request.json()
-        name, epoch = str(body["name"]), int(body["epoch"])
-    except (json.JSONDecodeError, KeyError, TypeError, ValueError, OverflowError):
-        return web.json_response({"error": "expected {\"name\": str, \"epoch\": int}"}, status=400)
-    try:
-        return web.json_response(await asyncio.shield(request.app[WORKER].unload(name, epoch)))
-    except StaleOrderError as error:
-        return web.json_response({"error": str(error)}, status=409)
+        order = await read_message(request, UnloadOrder)
+        return web.json_response(await asyncio.shield(request.app[WORKER].unload(order.name, order.epoch)))
+    except (WireError, StaleOrderError) as error:
+        return internal_error(error)
 
 
 @internal.post(REKEY_PATH)
 async def rekey(request: web.Request) -> web.Response:
     """The orchestrator removed a node: take the new cluster key and restart with it."""
     try:
-        await asyncio.to_thread(take_new_key, request.app[CONFIG], await request.json())
-    except (InviteError, json.JSONDecodeError) as error:
-        return web.json_response({"error": str(error)}, status=409)
+        order = await read_message(request, RekeyOrder)
+        await asyncio.to_thread(take_new_key, request.app[CONFIG], order)
+    except (WireError, KeyChangeRefusedError) as error:
+        return internal_error(error)
     request.app[INVITES].revoke_all()  # none is redeemed in the moment before the restart either
     request.app[LIFECYCLE].restart_now()  # this answer goes out first
     log.info("the cluster key was changed by the orchestrator (a node was removed): restarting with it")

@@ -24,7 +24,16 @@ from agent.core.errors import ClusterError
 from agent.core.orders import RoutingOrder
 from agent.core.plan import ShardingPlan, make_plan
 from agent.core.presets import ModelPreset, ModelSettings
-from agent.core.protocol import ABORT_PATH, COMMIT_PATH, COPY_PATH, ROUTING_PATH, UNLOAD_PATH
+from agent.core.protocol import (
+    ABORT_PATH,
+    COMMIT_PATH,
+    COPY_PATH,
+    ROUTING_PATH,
+    UNLOAD_PATH,
+    CopyOrder,
+    OrderStep,
+    UnloadOrder,
+)
 from agent.core.routing import Route, Telemetry, choose_route, standby_hops
 from agent.local.config import AgentConfig
 from agent.stage.weights import complete_models, ensure_model_files
@@ -236,7 +245,7 @@ class Deployer:
     async def _order_step(self, path: str, order: RoutingOrder, nodes: list[str]) -> None:
         """Commit or abort ``order`` on ``nodes`` (a node that misses it is logged: a commit it
         missed leaves it serving the older plan, whose requests it still answers)."""
-        body = {"name": order.name, "plan_version": order.plan_version, "epoch": order.epoch}
+        body = OrderStep(order.name, order.plan_version, order.epoch).to_json()
 
         async def step(node_id: str) -> None:
             if node_id == self.node_id:
@@ -258,7 +267,7 @@ class Deployer:
                 await self.worker.unload(name, epoch)
             else:
                 await self.client.request_json("POST", self.membership.peer_address_of(node_id), UNLOAD_PATH,
-                                               {"name": name, "epoch": epoch}, target=node_id,
+                                               UnloadOrder(name, epoch).to_json(), target=node_id,
                                                timeout_s=UNLOAD_TIMEOUT_S)
 
         await self._on_every(sorted(self.membership.alive_nodes()), drop, f"the unload of {name}")
@@ -284,14 +293,14 @@ class Deployer:
         holders = [n for n, models in holdings.items() if model in models]
         if not holders:
             return
-        body = {"model": model, "sources": self.sources(model, holdings)}
+        copy = CopyOrder(model, tuple(self.sources(model, holdings)))
 
         async def ask(node_id: str) -> None:
             if node_id == self.node_id:
-                self.worker.keep_whole_copy(model, [tuple(s) for s in body["sources"]])
+                self.worker.keep_whole_copy(copy.model, list(copy.sources))
             else:
-                await self.client.request_json("POST", self.membership.peer_address_of(node_id), COPY_PATH, body,
-                                               target=node_id, timeout_s=ORDER_STEP_TIMEOUT_S)
+                await self.client.request_json("POST", self.membership.peer_address_of(node_id), COPY_PATH,
+                                               copy.to_json(), target=node_id, timeout_s=ORDER_STEP_TIMEOUT_S)
 
         lacking = sorted(n for n in holdings if n not in holders)
         if self.config.fallback_copies:

@@ -17,8 +17,7 @@ from typing import Any
 import numpy as np
 
 from agent.cluster.membership import Membership
-from agent.core.chat_request import InvalidRequestError
-from agent.core.errors import ClusterError
+from agent.core.errors import ClusterError, InvalidRequestError
 from agent.core.orders import RoutingOrder
 from agent.core.protocol import CloseFrame, StepFrame
 from agent.dataplane.links import SILENCE_S, StageError, StageLink

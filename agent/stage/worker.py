@@ -64,6 +64,11 @@ def _rss_bytes() -> int:
 
 
 class StaleOrderError(StageError):
+    """An order (or an unload) older than what this node serves: the sender is behind (409)."""
+
+    http_status, public_code = 409, "stale_order"
+    answer = NcmError.answer  # a refusal of the sender, not a failed stage
+
     def __init__(self, message: str) -> None:
         super().__init__("stale_order", message, None)
 

@@ -1,8 +1,8 @@
 """What a public error may show: the real reason, without the addresses of nodes or what they answered."""
 
 from agent.cluster.peer_client import PeerError
-from agent.core.errors import ClusterError
-from agent.orchestration.public_errors import public_reason, without_addresses
+from agent.core.errors import ClusterError, without_addresses
+from agent.orchestration.public_errors import public_reason
 from agent.stage.weights import WeightTransferError
 
 

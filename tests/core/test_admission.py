@@ -12,11 +12,9 @@ from agent.core.admission import (
     DEFAULT_MAX_REQUESTS_IN_FLIGHT,
     MAX_RETRY_AFTER_S,
     Admission,
-    AdmissionError,
     AdmissionLimits,
-    TooManyRequestsError,
 )
-from agent.core.model_registry import RouterError
+from agent.core.errors import AdmissionError, RouterError, TooManyRequestsError
 from tests.examples import examples
 
 

@@ -2,7 +2,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from agent.core.chat_request import InvalidRequestError, parse_request
+from agent.core.chat_request import parse_request
+from agent.core.errors import InvalidRequestError
 
 MESSAGES = [{"role": "user", "content": "hi"}]
 

@@ -2,15 +2,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from agent.core.invites import (
-    MAX_INVITES,
-    Invite,
-    InviteBook,
-    InviteError,
-    JoinString,
-    fingerprint,
-    pairing_proof,
-)
+from agent.core.errors import InvalidRequestError, InviteError
+from agent.core.invites import MAX_INVITES, Invite, InviteBook, JoinString, fingerprint, pairing_proof
 
 SECRET = bytes(range(24))
 KEY = fingerprint(b"cluster-key-0123456789")
@@ -97,11 +90,11 @@ def test_invites_are_bounded_and_validated():
     book = InviteBook()
     for index in range(MAX_INVITES):
         book.create(f"{index:016x}", SECRET, now=0.0, key_fingerprint=KEY)
-    with pytest.raises(InviteError, match="revoke some"):
+    with pytest.raises(InvalidRequestError, match="revoke some"):
         book.create("ffffffffffffffff", SECRET, now=0.0, key_fingerprint=KEY)
-    with pytest.raises(InviteError, match="30 days"):
+    with pytest.raises(InvalidRequestError, match="30 days"):
         InviteBook().create("0123abcd0123abcd", SECRET, now=0.0, key_fingerprint=KEY, ttl_s=0)
-    with pytest.raises(InviteError, match="1 to 100"):
+    with pytest.raises(InvalidRequestError, match="1 to 100"):
         InviteBook().create("0123abcd0123abcd", SECRET, now=0.0, key_fingerprint=KEY, uses=0)
 
 

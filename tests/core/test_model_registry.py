@@ -7,17 +7,8 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from agent.core.model_registry import (
-    MIB,
-    CapacityError,
-    DeviceMemory,
-    Evict,
-    Load,
-    ModelLoadError,
-    ModelRegistry,
-    Refuse,
-    UnknownModelError,
-)
+from agent.core.errors import CapacityError, ModelLoadError, UnknownModelError
+from agent.core.model_registry import MIB, DeviceMemory, Evict, Load, ModelRegistry, Refuse
 from tests.examples import examples
 
 MODELS = ("a", "b", "c", "d")

@@ -1,0 +1,55 @@
+"""The control plane's messages (agent/core/protocol.py): what a sender builds is what the
+handler reads, and a body that is not the message is a WireError, never another exception."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from agent.core.errors import WireError
+from agent.core.protocol import CopyOrder, OrderStep, RekeyOrder, UnloadOrder
+
+MESSAGES = [
+    OrderStep("smollm2-135m", 3, 2),
+    UnloadOrder("smollm2-135m", 2),
+    CopyOrder("ncm-tiny", (("a1b2c3d4e5f6", "https://192.168.1.20:41000"), ("f6e5d4c3b2a1", "https://[fd00::1]:41000"))),
+    RekeyOrder("home", "k" * 64, ("https://192.168.1.20:8080", "http://192.168.1.21:8080")),
+]
+
+
+@pytest.mark.parametrize("message", MESSAGES, ids=lambda m: type(m).__name__)
+def test_a_message_reads_back_as_it_was_sent(message):
+    assert type(message).from_json(message.to_json()) == message
+
+
+@pytest.mark.parametrize(("kind", "body", "why"), [
+    (OrderStep, {"name": "m", "plan_version": "3", "epoch": 1}, "'plan_version'"),
+    (OrderStep, {"name": "m", "plan_version": True, "epoch": 1}, "'plan_version'"),
+    (UnloadOrder, {"name": "m"}, "'epoch'"),
+    (UnloadOrder, ["m", 1], "a JSON object"),
+    (CopyOrder, {"model": "m", "sources": [["node"]]}, "pairs"),
+    (RekeyOrder, {"cluster": "home", "key": "short", "peers": []}, "16-256"),
+    (RekeyOrder, {"cluster": "home", "key": "k" * 32, "peers": ["ftp://x"]}, "http"),
+])
+def test_a_body_that_is_not_the_message_is_refused_by_name(kind, body, why):
+    with pytest.raises(WireError, match=why):
+        kind.from_json(body)
+
+
+JSON = st.recursive(st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=8),
+                    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
+                    max_leaves=12)
+
+
+@given(st.sampled_from([OrderStep, UnloadOrder, CopyOrder, RekeyOrder]), JSON)
+def test_any_json_is_a_message_or_a_wire_error(kind, body):
+    try:
+        kind.from_json(body)
+    except WireError:
+        pass
+
+
+def test_a_rekey_order_names_at_most_sixteen_peers():
+    order = RekeyOrder.from_json({"cluster": "home", "key": "k" * 32, "peers": [f"http://10.0.0.{i}:8080" for i in range(40)]})
+    assert len(order.peers) == 16
