@@ -37,7 +37,7 @@ from agent.core.advert import NodeAdvert
 from agent.core.auth import ANY_NODE
 from agent.core.capacity import NodeCapacity, credited_capacity, score
 from agent.core.election import Election, elect, newest
-from agent.core.errors import WireError
+from agent.core.errors import NcmError, WireError
 from agent.core.peers import PeerTable
 from agent.core.protocol import DESCRIBE_PATH
 from agent.local.config import AgentConfig
@@ -78,6 +78,7 @@ class Membership:
         self._describe_extra = describe_extra
         self._extras: dict[str, dict[str, Any]] = {}
         self._seen_as: str | None = None
+        self._refused_as_stale: set[str] = set()  # peers whose refusal of our clock was logged
         for url in config.peers:
             self.table.discovered(url.rstrip("/"), "static", time.monotonic())
 
@@ -245,6 +246,17 @@ class Membership:
             self._recompute_election()
             self._notify(f"peer {url} was rejected", "death")
 
+    def _warn_if_refused_as_stale(self, url: str, error: NcmError) -> None:
+        """A peer that holds the cluster key refuses this node's requests as stale: most likely
+        this device's clock is off (the peer's log says so too). Said once per peer until it
+        answers again, so a 1-node cluster does not look healthy in this node's own log."""
+        answer = getattr(error, "peer_answer", None)
+        refusal = answer.get("error") if isinstance(answer, dict) else None
+        if isinstance(refusal, dict) and refusal.get("code") == "stale_request" and url not in self._refused_as_stale:
+            self._refused_as_stale.add(url)
+            log.warning("peer %s refuses this node's requests as stale (%s): check this device's clock "
+                        "(NTP); until then it stays out of the cluster", url, refusal.get("message"))
+
     async def _contact(self, url: str) -> None:
         started = time.monotonic()
         entry = self.table.entries.get(url)
@@ -265,12 +277,14 @@ class Membership:
             self._reject(url, error)
             return
         except (PeerError, WireError) as error:
+            self._warn_if_refused_as_stale(url, error)
             if self.table.contact_failed(url, time.monotonic()):
                 self._notify(f"peer {url} is dead ({error})", "death", known.node_id if known else None)
             else:
                 log.debug("contact with %s failed: %s", url, error)
             return
         latency_ms = (time.monotonic() - started) * 1000.0
+        self._refused_as_stale.discard(url)
         self._extras[url] = {k: v for k, v in answer.items() if k not in ("advert", "peers", "you")}
         if isinstance(answer.get("you"), str) and not self._seen_as and len(answer["you"]) < 64:
             self._seen_as = answer["you"]

@@ -24,7 +24,7 @@ from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
 from agent.core.errors import InviteError, KeyChangeRefusedError, MemberUnreachable
 from agent.core.invites import Invite, InviteBook, JoinString, fingerprint, pairing_proof
-from agent.core.protocol import PAIR_PATH, REKEY_PATH, RekeyOrder
+from agent.core.protocol import PAIR_PATH, REKEY_PATH, PairRequest, RekeyOrder
 from agent.local.config import JOINED_FILE, PENDING_JOIN_FILE, AgentConfig, write_config_file
 from agent.local.files import write_private
 from agent.local.lifecycle import Lifecycle
@@ -92,9 +92,10 @@ class InviteStore:
         self.book.revoke_all()
         self._save()
 
-    def redeem(self, invite_id: str, nonce: str, proof: str) -> Invite:
+    def redeem(self, request: PairRequest) -> Invite:
         try:
-            return self.book.redeem(invite_id, nonce, proof, now=time.time(), key_fingerprint=self.key_fingerprint)
+            return self.book.redeem(request.invite, request.nonce, request.proof, now=time.time(),
+                                    key_fingerprint=self.key_fingerprint, claimed_fingerprint=request.fingerprint)
         finally:
             self._save()
 
@@ -103,7 +104,8 @@ async def redeem(session: aiohttp.ClientSession, join: JoinString) -> tuple[byte
     """Ask the member named in ``join`` for the cluster key; returns it, checked against the
     fingerprint, and the live members' URLs."""
     nonce = secrets.token_hex(16)
-    body = {"invite": join.invite_id, "nonce": nonce, "proof": pairing_proof(join.secret, join.invite_id, nonce)}
+    body = PairRequest(join.invite_id, nonce, pairing_proof(join.secret, join.invite_id, nonce), join.cluster,
+                       join.fingerprint).to_json()
     try:
         async with session.post(join.url.rstrip("/") + PAIR_PATH, json=body,
                                 timeout=aiohttp.ClientTimeout(total=PAIR_TIMEOUT_S)) as response:

@@ -7,7 +7,7 @@ import json
 import secrets
 import ssl
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import aiohttp
@@ -27,7 +27,7 @@ class PeerError(NcmError):
         super().__init__(f"{url}: {message}")
         self.url = url
         self.status = status
-        self.answer = answer  # the peer's JSON error answer, when it sent one
+        self.peer_answer = answer  # the peer's JSON error answer, when it sent one
 
 
 class PeerAuthError(PeerError):
@@ -41,17 +41,18 @@ class PeerClient:
     answer signed by it."""
 
     def __init__(self, session: aiohttp.ClientSession, key: bytes, node_id: str,
-                 ssl_context: ssl.SSLContext | None) -> None:
+                 ssl_context: ssl.SSLContext | None, clock: Callable[[], float] = time.time) -> None:
         self.session = session
         self.key = key
         self.node_id = node_id
         self.ssl = ssl_context
+        self.clock = clock  # wall-clock seconds that sign requests
 
     def signed_request(self, method: str, base_url: str, path: str, body: bytes = b"", *,
                        target: str) -> tuple[URL, dict[str, str]]:
         """The URL to call and the headers that sign the request for node ``target``."""
         url = URL(base_url.rstrip("/") + path)
-        headers = sign(self.key, method, url.raw_path_qs, body, now=time.time(), nonce=secrets.token_hex(12),
+        headers = sign(self.key, method, url.raw_path_qs, body, now=self.clock(), nonce=secrets.token_hex(12),
                        node_id=self.node_id, target=target)
         return url, headers
 

@@ -102,6 +102,8 @@ class StaleRequestError(AuthError):
     """A correctly signed request that is stale, a replay or meant for another node: the
     sender is a member, the request is refused."""
 
+    public_code = "stale_request"
+
 
 class PresetError(NcmError):
     """The presets file or a preset value is invalid."""

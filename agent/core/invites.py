@@ -142,9 +142,12 @@ class InviteBook:
         """Every open invite is void: the cluster key changed (a device was removed)."""
         self._invites.clear()
 
-    def redeem(self, invite_id: str, nonce: str, proof: str, *, now: float, key_fingerprint: str) -> Invite:
+    def redeem(self, invite_id: str, nonce: str, proof: str, *, now: float, key_fingerprint: str,
+               claimed_fingerprint: str | None = None) -> Invite:
         """Use the invite once, if ``proof`` shows the secret and the invite was issued under
-        the key ``key_fingerprint`` names (the one it would hand out); returns it (to seal the key)."""
+        the key ``key_fingerprint`` names (the one it would hand out); returns it (to seal the key).
+        ``claimed_fingerprint``, what the newcomer's join string says, must be that key's too:
+        a string altered on the way is refused before the invite is used up."""
         invite = self._invites.get(invite_id)
         if invite is None:
             raise InviteError("this invite does not exist: it expired, was revoked or used up "
@@ -160,6 +163,9 @@ class InviteBook:
             raise InviteError("malformed nonce")
         if not hmac.compare_digest(pairing_proof(invite.secret, invite_id, nonce), proof):
             raise InviteError("wrong invite secret")
+        if claimed_fingerprint is not None and not hmac.compare_digest(claimed_fingerprint, key_fingerprint):
+            raise InviteError("the join string was altered: its cluster fingerprint is not this cluster's "
+                              "(copy the join string again, whole); the invite is still open")
         if invite.uses_left <= 1:
             del self._invites[invite_id]
         else:

@@ -209,3 +209,33 @@ class RekeyOrder:
         if not all(isinstance(p, str) and p.startswith(("http://", "https://")) for p in peers):
             raise WireError("a rekey order's 'peers' are http(s) URLs")
         return cls(cluster, key, tuple(peers[:MAX_REKEY_PEERS]))
+
+
+@dataclass(frozen=True)
+class PairRequest:
+    """A new device redeems invite ``invite``: ``proof`` (the HMAC of its secret over the invite
+    and ``nonce``) shows it holds the secret; ``cluster`` and ``fingerprint`` are what its join
+    string says (absent from devices of older versions), checked before the invite is used."""
+
+    invite: str
+    nonce: str
+    proof: str
+    cluster: str | None = None
+    fingerprint: str | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        body = {"invite": self.invite, "nonce": self.nonce, "proof": self.proof}
+        if self.cluster is not None and self.fingerprint is not None:
+            body.update(cluster=self.cluster, fingerprint=self.fingerprint)
+        return body
+
+    @classmethod
+    def from_json(cls, body: Any) -> PairRequest:
+        invite, nonce, proof = _fields(body, "a pairing request", {"invite": str, "nonce": str, "proof": str})
+        cluster, fingerprint = body.get("cluster"), body.get("fingerprint")
+        if any(len(value) > 128 for value in (invite, nonce, proof)):
+            raise WireError("a pairing request's fields have at most 128 characters")
+        if (cluster is None) != (fingerprint is None) or not all(
+                value is None or (isinstance(value, str) and len(value) <= 128) for value in (cluster, fingerprint)):
+            raise WireError("a pairing request names both 'cluster' and 'fingerprint' (strings), or neither")
+        return cls(invite, nonce, proof, cluster, fingerprint)

@@ -33,10 +33,11 @@ from agent.core.errors import (
     PresetError,
     PublicAnswer,
     RouterError,
+    WireError,
     without_addresses,
 )
 from agent.core.invites import DEFAULT_INVITE_TTL_S, JoinString, fingerprint
-from agent.core.protocol import PAIR_PATH
+from agent.core.protocol import PAIR_PATH, PairRequest
 from agent.dataplane.links import StageError
 from agent.http.app_keys import (
     ADMIN_TOKEN,
@@ -178,8 +179,8 @@ async def _join_by_invite(request: web.Request, text: str) -> web.Response:
 def _invite_settings(body: Any) -> tuple[float, int]:
     body = body if isinstance(body, dict) else {}
     ttl_s, uses = body.get("ttl_s", DEFAULT_INVITE_TTL_S), body.get("uses", 1)
-    if isinstance(ttl_s, bool) or not isinstance(ttl_s, (int, float)):
-        raise InvalidRequestError("'ttl_s' must be a number of seconds", "ttl_s")
+    if isinstance(ttl_s, bool) or not isinstance(ttl_s, (int, float)) or not -1e9 < ttl_s < 1e9:
+        raise InvalidRequestError("'ttl_s' must be a number of seconds (at most 30 days)", "ttl_s")
     if isinstance(uses, bool) or not isinstance(uses, int):
         raise InvalidRequestError("'uses' must be an integer", "uses")
     return float(ttl_s), uses
@@ -210,20 +211,22 @@ async def revoke_invite(request: web.Request) -> web.Response:
 @routes.post(PAIR_PATH)
 async def pair(request: web.Request) -> web.Response:
     """A new device redeems an invite: the cluster key, sealed with the invite's secret."""
-    body = await read_json(request)
-    fields = [body.get(k) if isinstance(body, dict) else None for k in ("invite", "nonce", "proof")]
-    if not all(isinstance(f, str) and len(f) <= 128 for f in fields):
-        raise InvalidRequestError("the body must be {\"invite\", \"nonce\", \"proof\"} strings")
-    invite_id, nonce, proof = fields
     try:
-        invite = request.app[INVITES].redeem(invite_id, nonce, proof)
+        pairing = PairRequest.from_json(await read_json(request))
+    except WireError as error:
+        raise InvalidRequestError(str(error)) from None
+    try:
+        if pairing.cluster is not None and pairing.cluster != request.app[CONFIG].cluster_name:
+            raise InviteError(f"the join string names cluster {pairing.cluster!r}, not this one (copy the join string "
+                              "again, whole); the invite is still open")
+        invite = request.app[INVITES].redeem(pairing)
     except InviteError as error:
         log.warning("refused an invite from %s: %s", request.remote, error)
         return answer_error(error)
-    log.info("invite %s redeemed by %s", invite_id, request.remote)
+    log.info("invite %s redeemed by %s", pairing.invite, request.remote)
     return web.json_response({"cluster": request.app[CONFIG].cluster_name,
                               "peers": request.app[MEMBERSHIP].live_peer_urls(),
-                              **seal(invite.secret, nonce, invite_id, request.app[CLIENT].key)})
+                              **seal(invite.secret, pairing.nonce, pairing.invite, request.app[CLIENT].key)})
 
 
 async def pass_to_orchestrator(request: web.Request) -> web.StreamResponse | None:

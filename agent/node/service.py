@@ -143,8 +143,7 @@ async def peer_auth(request: web.Request, handler: Any) -> web.StreamResponse:
         if isinstance(error, StaleRequestError):  # a member's request: the refusal is signed
             request[ANSWER_NONCE] = request.headers[HEADER_NONCE]
         log.warning("rejected %s %s from %s: %s", request.method, request.path, request.remote, error)
-        return web.json_response({"error": {"message": str(error), "type": "authentication_error", "param": None,
-                                             "code": "bad_cluster_key"}}, status=401)
+        return api.answer_error(error)
     request[ANSWER_NONCE] = request.headers[HEADER_NONCE]
     return await handler(request)
 
@@ -453,7 +452,9 @@ def status_line(app: web.Application) -> str:
 
 
 def sweep_fragment_caches(store: ModelStore) -> None:
-    """Clear what upgrades and crashes left in the stored models' fragment caches."""
+    """Clear what upgrades and crashes left in the store: staging folders of imports and
+    fetches that were killed, and stale builds in the models' fragment caches."""
+    store.sweep_staging()
     for manifest in store.list():
         try:
             removed = sweep_fragments(store.models_dir / manifest.name / FRAGMENTS_DIR, now_s=time.time())

@@ -323,8 +323,8 @@ class Deployer:
     def _record_fault(self, node_id: str, error: BaseException) -> None:
         if node_id == self.node_id:
             fault = self.worker.fault
-        elif isinstance(error, PeerError) and isinstance(error.answer, dict) and error.answer.get("cause"):
-            fault = {"cause": str(error.answer["cause"]), "message": str(error.answer.get("error", ""))}
+        elif isinstance(error, PeerError) and isinstance(error.peer_answer, dict) and error.peer_answer.get("cause"):
+            fault = {"cause": str(error.peer_answer["cause"]), "message": str(error.peer_answer.get("error", ""))}
         else:
             return  # unreachable, or a stale order: nothing to hold against the node
         if fault:

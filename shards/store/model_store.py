@@ -5,8 +5,10 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import re
 import shutil
 import tempfile
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -16,6 +18,20 @@ from shards.store.manifest import Manifest, valid_model_name
 log = logging.getLogger(__name__)
 MANIFEST_FILE = "manifest.json"
 _TMP_PREFIX = ".tmp-"
+# A staging folder is named .tmp-<pid>-...: what a process that died (a killed import or fetch)
+# left is swept. One of an older version, without its pid, is swept once a day old.
+_STAGING_PID = re.compile(r"^\.tmp-(\d+)-")
+UNOWNED_STAGING_AGE_S = 86400.0
+
+
+def _process_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # another user's
+    return True
 
 
 def ncm_home() -> Path:
@@ -74,7 +90,7 @@ class ModelStore:
         """Delete model ``name`` (ModelNotFoundError if absent)."""
         d = self.model_dir(name)
         self._parsed.pop(name, None)
-        trash = self.models_dir / f"{_TMP_PREFIX}rm-{name}-{os.getpid()}"
+        trash = self.models_dir / f"{_TMP_PREFIX}{os.getpid()}-rm-{name}"
         os.replace(d, trash)
         shutil.rmtree(trash, ignore_errors=True)
 
@@ -87,14 +103,15 @@ class ModelStore:
         if not valid_model_name(name):
             raise ModelFormatError(f"bad model name {name!r}: use letters, digits, '.', '_', '-'")
         self.models_dir.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f"{_TMP_PREFIX}{name}-", dir=self.models_dir))
+        self.sweep_staging()
+        tmp = Path(tempfile.mkdtemp(prefix=f"{_TMP_PREFIX}{os.getpid()}-{name}-", dir=self.models_dir))
         try:
             yield tmp
             if not (tmp / MANIFEST_FILE).is_file():
                 raise ModelFormatError(f"import of {name} wrote no manifest")
             final = self.models_dir / name
             if final.exists():
-                old = self.models_dir / f"{_TMP_PREFIX}old-{name}-{os.getpid()}"
+                old = self.models_dir / f"{_TMP_PREFIX}{os.getpid()}-old-{name}"
                 os.replace(final, old)
                 os.replace(tmp, final)
                 shutil.rmtree(old, ignore_errors=True)
@@ -103,6 +120,29 @@ class ModelStore:
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
+
+    def sweep_staging(self, *, now: float | None = None) -> list[str]:
+        """Delete the staging folders of processes that are gone (an import or a fetch killed
+        half way: up to a whole model each); returns their names. Folders of live processes,
+        this one's included, are left alone."""
+        if not self.models_dir.is_dir():
+            return []
+        now = time.time() if now is None else now
+        swept = []
+        for path in self.models_dir.iterdir():
+            if not path.name.startswith(_TMP_PREFIX) or not path.is_dir():
+                continue
+            owner = _STAGING_PID.match(path.name)
+            if owner is not None:
+                stale = int(owner.group(1)) != os.getpid() and not _process_alive(int(owner.group(1)))
+            else:
+                stale = now - path.stat().st_mtime > UNOWNED_STAGING_AGE_S
+            if stale:
+                shutil.rmtree(path, ignore_errors=True)
+                swept.append(path.name)
+        if swept:
+            log.info("removed %d staging folder(s) left by processes that stopped: %s", len(swept), ", ".join(swept))
+        return swept
 
     def write_manifest(self, model_dir: Path, manifest: Manifest) -> None:
         """Write ``manifest.json`` into ``model_dir`` atomically."""

@@ -54,7 +54,7 @@ class Member:
                                                        target=self.agent.node_id, timeout_s=30)
         except PeerError as error:
             assert error.status is not None, error  # an answer, not a lost connection
-            return error.status, error.answer
+            return error.status, error.peer_answer
 
     async def stage(self, order: RoutingOrder) -> tuple[int, Any]:
         return await self.post(ROUTING_PATH, order.to_json())

@@ -5,9 +5,24 @@ from __future__ import annotations
 import pytest
 
 from agent.core.errors import (
-    AuthError, CapacityError, ClusterError, InvalidRequestError, InviteError, InviteNotFoundError,
-    KeyChangeRefusedError, MemberUnreachable, ModelBusyError, ModelLoadError, ModelNotLoadedError, NcmError,
-    PresetError, RouterError, TooManyRequestsError, UnknownModelError, WireError, without_addresses,
+    AuthError,
+    CapacityError,
+    ClusterError,
+    InvalidRequestError,
+    InviteError,
+    InviteNotFoundError,
+    KeyChangeRefusedError,
+    MemberUnreachable,
+    ModelBusyError,
+    ModelLoadError,
+    ModelNotLoadedError,
+    NcmError,
+    PresetError,
+    RouterError,
+    TooManyRequestsError,
+    UnknownModelError,
+    WireError,
+    without_addresses,
 )
 
 ANSWERS = [  # error, status, code, param, retry_after_s

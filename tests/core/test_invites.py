@@ -129,3 +129,14 @@ def test_revoking_all_leaves_no_invite():
         book.create(f"{index:016x}", SECRET, now=0.0, key_fingerprint=KEY)
     book.revoke_all()
     assert book.active(1.0) == []
+
+
+def test_an_altered_fingerprint_is_refused_without_using_the_invite():
+    book = InviteBook()
+    invite = book.create("0123abcd0123abcd", SECRET, now=0.0, key_fingerprint=KEY, uses=1)
+    nonce = "nonce0001"
+    proof = pairing_proof(SECRET, invite.invite_id, nonce)
+    with pytest.raises(InviteError, match="altered"):
+        book.redeem(invite.invite_id, nonce, proof, now=1.0, key_fingerprint=KEY,
+                    claimed_fingerprint=fingerprint(b"a-key-of-another-cluster"))
+    assert book.redeem(invite.invite_id, nonce, proof, now=2.0, key_fingerprint=KEY, claimed_fingerprint=KEY) == invite

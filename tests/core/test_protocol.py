@@ -8,13 +8,15 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from agent.core.errors import WireError
-from agent.core.protocol import CopyOrder, OrderStep, RekeyOrder, UnloadOrder
+from agent.core.protocol import CopyOrder, OrderStep, PairRequest, RekeyOrder, UnloadOrder
 
 MESSAGES = [
     OrderStep("smollm2-135m", 3, 2),
     UnloadOrder("smollm2-135m", 2),
     CopyOrder("ncm-tiny", (("a1b2c3d4e5f6", "https://192.168.1.20:41000"), ("f6e5d4c3b2a1", "https://[fd00::1]:41000"))),
     RekeyOrder("home", "k" * 64, ("https://192.168.1.20:8080", "http://192.168.1.21:8080")),
+    PairRequest("0123abcd0123abcd", "nonce0001", "ab" * 32, "home", "f" * 32),
+    PairRequest("0123abcd0123abcd", "nonce0001", "ab" * 32),
 ]
 
 
@@ -31,6 +33,8 @@ def test_a_message_reads_back_as_it_was_sent(message):
     (CopyOrder, {"model": "m", "sources": [["node"]]}, "pairs"),
     (RekeyOrder, {"cluster": "home", "key": "short", "peers": []}, "16-256"),
     (RekeyOrder, {"cluster": "home", "key": "k" * 32, "peers": ["ftp://x"]}, "http"),
+    (PairRequest, {"invite": "i", "nonce": "n", "proof": "p" * 200}, "at most 128"),
+    (PairRequest, {"invite": "i", "nonce": "n", "proof": "p", "cluster": "home"}, "both"),
 ])
 def test_a_body_that_is_not_the_message_is_refused_by_name(kind, body, why):
     with pytest.raises(WireError, match=why):
@@ -42,7 +46,7 @@ JSON = st.recursive(st.none() | st.booleans() | st.integers() | st.floats(allow_
                     max_leaves=12)
 
 
-@given(st.sampled_from([OrderStep, UnloadOrder, CopyOrder, RekeyOrder]), JSON)
+@given(st.sampled_from([OrderStep, UnloadOrder, CopyOrder, RekeyOrder, PairRequest]), JSON)
 def test_any_json_is_a_message_or_a_wire_error(kind, body):
     try:
         kind.from_json(body)

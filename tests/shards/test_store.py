@@ -128,3 +128,40 @@ def test_unknown_model_names_the_known_ones(tmp_path) -> None:
     with pytest.raises(ModelNotFoundError):
         store.remove("other")
     assert not store.has("../tiny")
+
+
+def test_staging_left_by_a_killed_import_is_swept_and_a_live_ones_is_kept(tmp_path):
+    """A process killed half way through an import leaves its staging folder (up to a whole
+    model); the next staging, or an agent's start, removes it. A live process's is kept."""
+    import os
+    import subprocess
+    import sys
+    import time
+
+    from shards.store.model_store import ModelStore
+
+    store = ModelStore(tmp_path)
+    killed = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    alive = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    try:
+        dead_dir = store.models_dir / f".tmp-{killed.pid}-big-model-abcd1234"
+        live_dir = store.models_dir / f".tmp-{alive.pid}-other-model-efgh5678"
+        old_dir = store.models_dir / ".tmp-from-an-older-version-x1y2"
+        for folder in (dead_dir, live_dir, old_dir):
+            folder.mkdir(parents=True)
+            (folder / "layer-000.bin").write_bytes(b"\0" * 1024)
+        os.utime(old_dir, (time.time() - 2 * 86400,) * 2)
+        killed.kill()
+        killed.wait(timeout=30)
+        with store.staging("fresh") as staging:
+            assert staging.name.startswith(f".tmp-{os.getpid()}-fresh-")
+            assert not dead_dir.exists() and not old_dir.exists() and live_dir.exists()
+            (staging / "manifest.json").write_text("{}")
+        assert store.sweep_staging() == []  # the live process's folder stays
+        alive.kill()
+        alive.wait(timeout=30)
+        assert store.sweep_staging() == [live_dir.name]
+    finally:
+        for process in (killed, alive):
+            if process.poll() is None:
+                process.kill()
