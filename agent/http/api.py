@@ -53,6 +53,7 @@ from agent.http.app_keys import (
     ROUTER,
     WORKER,
 )
+from agent.http.clients import client_of, from_member
 from agent.http.metrics_endpoint import REQUEST_MODEL
 from agent.http.openapi import openapi_document
 from agent.http.proxy import RESUMABLE_HEADER, RESUME_FIELD, TOKENS_FIELD, ask_orchestrator
@@ -463,16 +464,11 @@ async def _completion(request: web.Request, *, chat: bool) -> web.StreamResponse
     router = request.app[ROUTER]
     arrived = time.perf_counter()
     name = request[REQUEST_MODEL] = router.resolve(parsed.model)
-    async with router.use(name, autoload=autoload) as deployment:
+    async with router.use(name, client=client_of(request), autoload=autoload) as deployment:
         # Server-Timing: how long the router held the request (resolve, load or wake, admission).
         timing = {"Server-Timing": f"router;dur={1000 * (time.perf_counter() - arrived):.3f}"}
         return await _generate(request, parsed, deployment, chat=chat, headers=timing,
                                resume=_resume_tokens(request, body, deployment))
-
-
-def from_member(request: web.Request) -> bool:
-    """Came in on the peer port (TLS with a certificate of the cluster's CA: only members get there)."""
-    return request.transport is not None and request.transport.get_extra_info("ssl_object") is not None
 
 
 def _resume_tokens(request: web.Request, body: Any, deployment: Deployment) -> tuple[int, ...]:

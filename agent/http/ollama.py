@@ -35,6 +35,7 @@ from agent.http.api import (
     start_generation,
 )
 from agent.http.app_keys import ORCHESTRATOR, ROUTER, STORE
+from agent.http.clients import client_of
 from agent.http.metrics_endpoint import REQUEST_MODEL
 from agent.orchestration.orchestrator import Completion, Deployment
 from shards.errors import ShardsError
@@ -402,7 +403,7 @@ async def _generate(request: web.Request, *, chat: bool) -> web.StreamResponse:
     if parsed is None:  # Ollama's way to load (or, with keep_alive 0, unload) a model
         return await _load_or_unload(request, name, keep_alive_s, chat=chat)
     try:
-        async with router.use(name) as deployment:
+        async with router.use(name, client=client_of(request)) as deployment:
             loaded = time.perf_counter()
             return await _answer(request, parsed, deployment, chat=chat, num_ctx=num_ctx, top_k=top_k,
                                  load_s=loaded - started, started=started)

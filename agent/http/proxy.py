@@ -23,6 +23,7 @@ from aiohttp import web
 from agent.cluster.membership import Membership
 from agent.cluster.peer_client import PeerClient
 from agent.core.errors import ClusterError
+from agent.http.clients import CLIENT_HEADER, client_of
 from agent.local.compat import timeout
 
 log = logging.getLogger(__name__)
@@ -97,6 +98,7 @@ async def ask_orchestrator(request: web.Request, membership: Membership, client:
     election = membership.election
     assert election is not None
     headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP_HEADERS}
+    headers[CLIENT_HEADER] = client_of(request)  # the client this agent saw, for its fair share
     if request.method == "POST" and request.path in RESUMABLE_PATHS:
         return await _resumable(request, membership, client, body, headers, election.orchestrator)
     response: web.StreamResponse | None = None

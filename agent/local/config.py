@@ -94,6 +94,8 @@ class AgentConfig:
     sleep_idle_s: float = 0.0
     max_requests_in_flight: int = 4  # per model, on the orchestrator
     max_queued_requests: int = 32  # per model: more waiting requests get 429
+    max_requests_in_flight_per_client: int = 0  # per model and client; 0: all slots but one
+    max_queued_requests_per_client: int = 0  # per model and client; 0: half the queue
     # Settings given explicitly (file, environment or flags): they win over model presets.
     explicit: frozenset[str] = field(default=frozenset(), compare=False)
 
@@ -144,6 +146,9 @@ class AgentConfig:
             raise ConfigError("models_max and models_memory_margin_mib must be >= 0 (models_max 0 = no limit)")
         if not self.models_load_timeout_s > 0 or self.sleep_idle_s < 0:
             raise ConfigError("models_load_timeout_s must be > 0 and sleep_idle_s >= 0 (0 = never sleep)")
+        if self.max_requests_in_flight_per_client < 0 or self.max_queued_requests_per_client < 0:
+            raise ConfigError("max_requests_in_flight_per_client and max_queued_requests_per_client must be >= 0 "
+                              "(0 = all slots but one, half the queue)")
         if self.max_requests_in_flight < 1 or self.max_queued_requests < 0:
             raise ConfigError(f"max_requests_in_flight must be >= 1 and max_queued_requests >= 0 (0 = no queue), "
                               f"got {self.max_requests_in_flight} and {self.max_queued_requests}")
@@ -173,7 +178,8 @@ _FIELD_TYPES: dict[str, str] = {
     "fallback_model": "str", "allow_fallback": "bool", "fallback_copies": "int", "session_idle_timeout_s": "float", "replan_min_interval_s": "float",
     "models_preset": "path?", "models_max": "int", "models_memory_margin_mib": "int", "models_autoload": "bool",
     "models_load_timeout_s": "float", "sleep_idle_s": "float",
-    "max_requests_in_flight": "int", "max_queued_requests": "int",
+    "max_requests_in_flight": "int", "max_queued_requests": "int", "max_requests_in_flight_per_client": "int",
+    "max_queued_requests_per_client": "int",
 }
 assert set(_FIELD_TYPES) == {f.name for f in fields(AgentConfig)} - {"explicit"}
 

@@ -19,11 +19,12 @@ class AdmissionGate:
         self._admitted: dict[AdmissionTicket, asyncio.Future[None]] = {}  # queued requests, woken when admitted
 
     @contextlib.asynccontextmanager
-    async def admit(self, name: str) -> AsyncIterator[None]:
-        """Hold one of ``name``'s slots in flight for the request, after waiting in its queue
-        (FIFO) when every slot is busy. A full queue raises TooManyRequestsError (429); a
-        client that leaves while queued (its task is cancelled) gives up its place."""
-        ticket = self.admission.arrive(name, now=time.monotonic())
+    async def admit(self, name: str, client: str) -> AsyncIterator[None]:
+        """Hold one of ``name``'s slots in flight for a request of ``client``, after waiting in
+        its queue when every slot is busy or the client holds its share. A full queue (or the
+        client's full share of it) raises TooManyRequestsError (429); a client that leaves
+        while queued (its task is cancelled) gives up its place."""
+        ticket = self.admission.arrive(name, now=time.monotonic(), client=client)
         try:
             if ticket.state == "queued":
                 admitted = asyncio.get_running_loop().create_future()

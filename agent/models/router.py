@@ -55,8 +55,10 @@ class ModelRouter:
         self.membership = membership
         self.registry = ModelRegistry(models_max=config.models_max,
                                       memory_margin_bytes=config.models_memory_margin_mib * MIB)
-        self.gate = AdmissionGate(AdmissionLimits(max_requests_in_flight=config.max_requests_in_flight,
-                                                  max_queued_requests=config.max_queued_requests))
+        self.gate = AdmissionGate(AdmissionLimits(
+            max_requests_in_flight=config.max_requests_in_flight, max_queued_requests=config.max_queued_requests,
+            max_in_flight_per_client=config.max_requests_in_flight_per_client,
+            max_queued_per_client=config.max_queued_requests_per_client))
         self.model_events = ModelEventStream(self.registry, self.model_info, self.models)
         self.enabled = False  # this node is the orchestrator
         self._members: frozenset[str] = frozenset()
@@ -236,10 +238,10 @@ class ModelRouter:
                 self.scheduler.tick()
 
     @contextlib.asynccontextmanager
-    async def use(self, name: str, *, autoload: bool | None = None) -> AsyncIterator[Deployment]:
-        """Serve one inference request on ``name``: admit it (:meth:`AdmissionGate.admit`), wait
-        until the model is ready, count it as busy."""
-        async with self.gate.admit(name), self._ready_for_request(name, autoload=autoload) as deployment:
+    async def use(self, name: str, *, client: str, autoload: bool | None = None) -> AsyncIterator[Deployment]:
+        """Serve one inference request of ``client`` on ``name``: admit it
+        (:meth:`AdmissionGate.admit`), wait until the model is ready, count it as busy."""
+        async with self.gate.admit(name, client), self._ready_for_request(name, autoload=autoload) as deployment:
             yield deployment
 
     @contextlib.asynccontextmanager

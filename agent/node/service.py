@@ -76,6 +76,7 @@ from agent.http.app_keys import (
     WORKER,
     Lifecycle,
 )
+from agent.http.clients import from_member
 from agent.http.metrics_endpoint import count_requests
 from agent.local.compat import TaskGroup, timeout
 from agent.local.config import CLUSTER_KEY_FILE, AgentConfig, ConfigError
@@ -128,7 +129,7 @@ async def peer_auth(request: web.Request, handler: Any) -> web.StreamResponse:
     target node, time and nonce). Answers to members are signed (:func:`sign_answers`)."""
     if not request.path.startswith(INTERNAL_PREFIX):
         return await handler(request)
-    if not api.from_member(request):
+    if not from_member(request):
         return web.json_response({"error": {
             "message": "internal endpoints answer only over TLS on the peer port (GET /health names it)",
             "type": "invalid_request_error", "param": None, "code": "peer_port_only"}}, status=403)

@@ -41,12 +41,15 @@ class Gate:
         self.opened.set()
 
 
-async def complete(url: str, prompt: str, *, stream: bool = False, model: str = TINY,
-                   timeout_s: float = 30.0) -> tuple[int, dict[str, str], Any]:
-    """POST /v1/completions: (status, headers, JSON body, or the event lines when streaming)."""
+async def complete(url: str, prompt: str, *, stream: bool = False, model: str = TINY, timeout_s: float = 30.0,
+                   source: str = "127.0.0.1", headers: dict[str, str] | None = None) -> tuple[int, dict[str, str], Any]:
+    """POST /v1/completions from the loopback address ``source`` (a device of its own: a client
+    of its own): (status, headers, JSON body, or the event lines when streaming)."""
     body = {"model": model, "prompt": prompt, "max_tokens": 2, "temperature": 0, "stream": stream}
-    async with aiohttp.ClientSession() as session, session.post(
-            url + "/v1/completions", json=body, timeout=aiohttp.ClientTimeout(total=timeout_s)) as response:
+    connector = aiohttp.TCPConnector(local_addr=(source, 0))
+    async with aiohttp.ClientSession(connector=connector) as session, session.post(
+            url + "/v1/completions", json=body, headers=headers, timeout=aiohttp.ClientTimeout(total=timeout_s),
+    ) as response:
         text = await response.text()
         if response.content_type == "text/event-stream":
             answer: Any = [line for line in text.splitlines() if line.startswith("data: ")]
@@ -94,24 +97,70 @@ def test_the_queue_is_fifo_and_a_client_that_leaves_gives_up_its_place(tmp_path)
         async with tiny_cluster(tmp_path, max_requests_in_flight=1, max_queued_requests=3) as (leader, others):
             router = leader.app[ROUTER]
             gate = Gate(leader)
-            tasks = {"w5": asyncio.create_task(complete(leader.url, "w5"))}
+            # Each prompt wN comes from its own device (127.0.0.N): one client each.
+            tasks = {"w5": asyncio.create_task(complete(leader.url, "w5", source="127.0.0.5"))}
             await eventually(lambda: gate.started == ["w5"], timeout_s=10, what="the first request in flight")
             senders = {"w6": leader, "w7": others[0], "w8": leader}
             for queued, prompt in enumerate(senders, start=1):  # one at a time: a known order
-                tasks[prompt] = asyncio.create_task(complete(senders[prompt].url, prompt, stream=prompt == "w8"))
+                tasks[prompt] = asyncio.create_task(complete(senders[prompt].url, prompt, stream=prompt == "w8",
+                                                             source=f"127.0.0.{prompt[1:]}"))
                 await eventually(lambda n=queued: router.admission.queued(TINY) == n, timeout_s=10,
                                  what=f"{queued} request(s) queued")
-            status, headers, _ = await complete(leader.url, "w9")
+            status, headers, _ = await complete(leader.url, "w9", source="127.0.0.9")
             assert status == 429 and "Retry-After" in headers
 
             tasks.pop("w7").cancel()  # its client hangs up while it waits (its request came through another agent)
             await eventually(lambda: router.admission.queued(TINY) == 2, timeout_s=10, what="w7 out of the queue")
-            tasks["w10"] = asyncio.create_task(complete(others[0].url, "w10"))  # the place it left is free
+            tasks["w10"] = asyncio.create_task(complete(others[0].url, "w10", source="127.0.0.10"))  # its place is free
             await eventually(lambda: router.admission.queued(TINY) == 3, timeout_s=10, what="w10 queued")
 
             gate.open()
             results = {prompt: await task for prompt, task in tasks.items()}
             assert all(status == 200 for status, _, _ in results.values()), results
             assert gate.started == ["w5", "w6", "w8", "w10"]  # first come, first served; w7 never ran
+
+    asyncio.run(scenario())
+
+
+def test_six_streams_of_one_app_cannot_block_a_seventh_client(tmp_path):
+    """One app opens six streams that hold their slots (default limits: 4 in flight, 32
+    queued): it gets three slots and waits with the rest; a request of another device starts
+    at once. All go through an agent that passes them on: the orchestrator counts each for
+    the device the agent saw (X-Ncm-Client), not for the agent."""
+
+    async def scenario():
+        async with tiny_cluster(tmp_path) as (leader, others):
+            router = leader.app[ROUTER]
+            gate = Gate(leader)
+            app = [asyncio.create_task(complete(others[0].url, f"w{n}", stream=True, source="127.0.0.20"))
+                   for n in range(5, 11)]
+            await eventually(lambda: len(gate.started) == 3 and router.admission.queued(TINY) == 3, timeout_s=10,
+                             what="three of the app's streams in flight and three queued")
+            neighbour = asyncio.create_task(complete(others[0].url, "w11", source="127.0.0.21"))
+            await eventually(lambda: "w11" in gate.started, timeout_s=10, what="the other device's request to start")
+            assert len(gate.started) == 4 and router.admission.queued(TINY) == 3
+            gate.open()
+            results = [await task for task in (*app, neighbour)]
+            assert all(status == 200 for status, _, _ in results), results
+            assert sorted(gate.started) == sorted(f"w{n}" for n in range(5, 12))
+
+    asyncio.run(scenario())
+
+
+def test_a_client_cannot_pose_as_many_by_naming_itself(tmp_path):
+    """X-Ncm-Client counts only from a member (on the peer port): an app that sends it with
+    every request is still one client."""
+
+    async def scenario():
+        async with tiny_cluster(tmp_path) as (leader, _):
+            router = leader.app[ROUTER]
+            gate = Gate(leader)
+            app = [asyncio.create_task(complete(leader.url, f"w{n}", source="127.0.0.30",
+                                                headers={"X-Ncm-Client": f"address:10.0.0.{n}"}))
+                   for n in range(5, 10)]
+            await eventually(lambda: len(gate.started) == 3 and router.admission.queued(TINY) == 2, timeout_s=10,
+                             what="three in flight and two queued, as for one client")
+            gate.open()
+            assert all(status == 200 for status, _, _ in [await task for task in app])
 
     asyncio.run(scenario())

@@ -1,4 +1,5 @@
-"""Admission control per model: slots in flight, a bounded FIFO queue, 429 beyond it."""
+"""Admission control per model: slots in flight, a bounded queue, 429 beyond it, and every
+client's share of both."""
 
 from __future__ import annotations
 
@@ -31,11 +32,11 @@ def test_defaults_and_validation():
 
 def test_one_in_flight_one_queued_the_third_is_refused_with_retry_after():
     admission = Admission(AdmissionLimits(max_requests_in_flight=1, max_queued_requests=1))
-    first = admission.arrive("m", now=0.0)
-    second = admission.arrive("m", now=0.1)
+    first = admission.arrive("m", now=0.0, client="a")
+    second = admission.arrive("m", now=0.1, client="b")
     assert (first.state, second.state) == ("admitted", "queued")
     with pytest.raises(TooManyRequestsError) as refused:
-        admission.arrive("m", now=0.2)
+        admission.arrive("m", now=0.2, client="c")
     assert refused.value.retry_after_s >= 1
     assert "max_requests_in_flight=1" in str(refused.value) and "max_queued_requests=1" in str(refused.value)
     assert admission.leave(first, now=4.0) == [second]
@@ -45,8 +46,8 @@ def test_one_in_flight_one_queued_the_third_is_refused_with_retry_after():
 
 def test_the_queue_is_fifo_and_a_request_that_leaves_gives_up_its_place():
     admission = Admission(AdmissionLimits(max_requests_in_flight=2, max_queued_requests=10))
-    running = [admission.arrive("m", now=0.0) for _ in range(2)]
-    queued = [admission.arrive("m", now=float(i)) for i in range(5)]
+    running = [admission.arrive("m", now=0.0, client=f"r{i}") for i in range(2)]
+    queued = [admission.arrive("m", now=float(i), client=f"q{i}") for i in range(5)]
     assert admission.leave(queued[1], now=6.0) == []  # its client disconnected
     assert queued[1].state == "done" and admission.queued("m") == 4
     admitted = admission.leave(running[0], now=7.0) + admission.leave(running[1], now=7.0)
@@ -57,45 +58,79 @@ def test_the_queue_is_fifo_and_a_request_that_leaves_gives_up_its_place():
 
 def test_models_are_admitted_independently():
     admission = Admission(AdmissionLimits(max_requests_in_flight=1, max_queued_requests=0))
-    a = admission.arrive("a", now=0.0)
-    b = admission.arrive("b", now=0.0)
+    a = admission.arrive("a", now=0.0, client="x")
+    b = admission.arrive("b", now=0.0, client="x")
     assert a.state == b.state == "admitted"
     with pytest.raises(TooManyRequestsError, match="'a'"):
-        admission.arrive("a", now=0.0)  # no queue: refused at once
+        admission.arrive("a", now=0.0, client="y")  # no queue: refused at once
 
 
 def test_retry_after_follows_the_time_requests_spend_in_flight():
     admission = Admission(AdmissionLimits(max_requests_in_flight=2, max_queued_requests=0))
     assert admission.retry_after_s("m") == 3  # 5 s assumed before any request ended, over 2 slots
     for _ in range(30):
-        ticket = admission.arrive("m", now=0.0)
+        ticket = admission.arrive("m", now=0.0, client="x")
         admission.leave(ticket, now=40.0)
     assert admission.retry_after_s("m") == 20
     for _ in range(30):
-        ticket = admission.arrive("m", now=0.0)
+        ticket = admission.arrive("m", now=0.0, client="x")
         admission.leave(ticket, now=1000.0)
     assert admission.retry_after_s("m") == MAX_RETRY_AFTER_S
-    admission.leave(admission.arrive("n", now=0.0), now=0.001)
+    admission.leave(admission.arrive("n", now=0.0, client="x"), now=0.001)
     assert admission.retry_after_s("n") == 1
 
 
+def test_one_client_cannot_take_every_slot_and_the_queue():
+    """Six streams of one app hold all but one slot and half the queue: a seventh request,
+    of another client, runs at once; the app's own extra requests wait or are refused."""
+    admission = Admission(AdmissionLimits(max_requests_in_flight=4, max_queued_requests=4))
+    app = [admission.arrive("m", now=float(i), client="10.0.0.5") for i in range(5)]
+    assert [t.state for t in app] == ["admitted"] * 3 + ["queued"] * 2
+    with pytest.raises(TooManyRequestsError, match="this client"):
+        admission.arrive("m", now=5.0, client="10.0.0.5")  # its share of the queue (half) is used
+    neighbour = admission.arrive("m", now=6.0, client="10.0.0.9")
+    assert neighbour.state == "admitted" and admission.in_flight("m") == 4
+    late = admission.arrive("m", now=7.0, client="10.0.0.7")
+    assert late.state == "queued"
+    # a freed slot goes to the client holding the fewest, before the app's older requests
+    assert admission.leave(app[0], now=8.0) == [late]
+    assert admission.leave(neighbour, now=9.0) == [app[3]]
+
+
+def test_shares_can_be_set_and_never_exceed_the_model_limits():
+    limits = AdmissionLimits(max_requests_in_flight=4, max_queued_requests=8)
+    assert (limits.client_in_flight, limits.client_queued) == (3, 4)
+    assert AdmissionLimits(max_requests_in_flight=1, max_queued_requests=0).client_in_flight == 1
+    assert AdmissionLimits(max_requests_in_flight=1, max_queued_requests=0).client_queued == 0
+    custom = AdmissionLimits(max_requests_in_flight=4, max_queued_requests=8, max_in_flight_per_client=9,
+                             max_queued_per_client=2)
+    assert (custom.client_in_flight, custom.client_queued) == (4, 2)
+    with pytest.raises(AdmissionError, match="max_in_flight_per_client"):
+        AdmissionLimits(max_in_flight_per_client=-1)
+
+
 class AdmissionMachine(RuleBasedStateMachine):
-    """Arrivals, ends and disconnections in any order: limits hold, order is FIFO."""
+    """Arrivals of three clients, ends and disconnections in any order: the limits and every
+    client's share hold, no slot stays free while a request that may take it waits, and each
+    client's requests start in the order they came."""
+
+    LIMITS = AdmissionLimits(max_requests_in_flight=2, max_queued_requests=3)
 
     def __init__(self) -> None:
         super().__init__()
-        self.admission = Admission(AdmissionLimits(max_requests_in_flight=2, max_queued_requests=3))
+        self.admission = Admission(self.LIMITS)
         self.tickets: list = []
         self.now = 0.0
         self.admitted_order: list[int] = []
 
-    @rule(model=st.sampled_from(["a", "b"]))
-    def arrive(self, model):
+    @rule(model=st.sampled_from(["a", "b"]), client=st.sampled_from(["x", "y", "z"]))
+    def arrive(self, model, client):
         self.now += 1
         try:
-            ticket = self.admission.arrive(model, now=self.now)
+            ticket = self.admission.arrive(model, now=self.now, client=client)
         except TooManyRequestsError as error:
-            assert self.admission.queued(model) == 3 and self.admission.in_flight(model) == 2
+            waiting = sum(t.model == model and t.client == client and t.state == "queued" for t in self.tickets)
+            assert self.admission.queued(model) == 3 or waiting == self.LIMITS.client_queued
             assert error.retry_after_s >= 1
             return
         self.tickets.append(ticket)
@@ -110,24 +145,32 @@ class AdmissionMachine(RuleBasedStateMachine):
         for admitted in self.admission.leave(ticket, now=self.now):
             self.admitted_order.append(admitted.number)
 
+    def held(self, model, client, state="admitted"):
+        return sum(t.model == model and t.client == client and t.state == state for t in self.tickets)
+
     @invariant()
-    def limits_hold(self):
+    def limits_and_shares_hold(self):
         for model in ("a", "b"):
             assert self.admission.in_flight(model) <= 2 and self.admission.queued(model) <= 3
             live = [t for t in self.tickets if t.model == model]
             assert self.admission.in_flight(model) == sum(t.state == "admitted" for t in live)
             assert self.admission.queued(model) == sum(t.state == "queued" for t in live)
-            # a queued request never waits while a slot is free
-            assert not self.admission.queued(model) or self.admission.in_flight(model) == 2
+            for client in ("x", "y", "z"):
+                assert self.held(model, client) <= self.LIMITS.client_in_flight
+                assert self.held(model, client, "queued") <= self.LIMITS.client_queued
+                # a request waits only while no slot is free or its client holds its share
+                if self.held(model, client, "queued"):
+                    assert (self.admission.in_flight(model) == 2
+                            or self.held(model, client) == self.LIMITS.client_in_flight)
 
     @invariant()
-    def fifo_per_model(self):
+    def each_clients_requests_start_in_order(self):
         for model in ("a", "b"):
-            numbers = [n for n in self.admitted_order if any(t.number == n and t.model == model for t in self.tickets)]
-            assert numbers == sorted(numbers)
-            queued = [t.number for t in self.tickets if t.model == model and t.state == "queued"]
-            admitted = [t.number for t in self.tickets if t.model == model and t.state == "admitted"]
-            assert not queued or not admitted or max(admitted) < min(queued)
+            for client in ("x", "y", "z"):
+                mine = [t for t in self.tickets if t.model == model and t.client == client]
+                queued = [t.number for t in mine if t.state == "queued"]
+                admitted = [t.number for t in mine if t.state == "admitted"]
+                assert not queued or not admitted or max(admitted) < min(queued)
 
 
 TestAdmissionMachine = AdmissionMachine.TestCase
