@@ -22,6 +22,7 @@ from typing import Any
 
 from agent.cluster.tls import issue_node_files
 from agent.core.auth import admin_token
+from tests.deadlines import Deadline
 
 REPO = Path(__file__).resolve().parents[2]
 MAIN, FALLBACK = "smollm2-135m", "smollm2-135m-q4"
@@ -93,10 +94,11 @@ class AgentExited(AssertionError):
 
 
 def wait_for(condition: Callable[[], Any], *, timeout_s: float, what: str, interval_s: float = 0.1) -> Any:
-    """Poll ``condition`` until it returns something truthy, or fail after ``timeout_s``."""
-    deadline = time.monotonic() + timeout_s
+    """Poll ``condition`` until it returns something truthy, or fail after ``timeout_s``
+    (stretched while the machine is busy: :class:`tests.deadlines.Deadline`)."""
+    deadline = Deadline(timeout_s)
     last_error: Exception | None = None
-    while time.monotonic() < deadline:
+    while not deadline.expired():
         try:
             value = condition()
             if value:
@@ -106,7 +108,7 @@ def wait_for(condition: Callable[[], Any], *, timeout_s: float, what: str, inter
         except Exception as error:  # noqa: BLE001 - retried until the deadline
             last_error = error
         time.sleep(interval_s)
-    raise AssertionError(f"timed out after {timeout_s:g} s waiting for {what} (last error: {last_error})")
+    raise AssertionError(f"timed out after {deadline.describe()} waiting for {what} (last error: {last_error})")
 
 
 @dataclass

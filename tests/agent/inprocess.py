@@ -12,7 +12,6 @@ import contextlib
 import json
 import ssl
 import threading
-import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,6 +27,7 @@ from agent.local.probe import Accelerators, find_accelerators
 from agent.node.service import AgentRunner, start_agent
 from shards.store.model_store import ModelStore
 from tests.agent.agents import CLUSTER_KEY, free_ports
+from tests.deadlines import Deadline
 
 FAST = {"health_interval_s": 0.1, "peer_timeout_s": 1.0, "discovery_grace_s": 0.3, "failure_threshold": 3}
 
@@ -106,16 +106,17 @@ def share_calibration(monkeypatch: Any) -> None:
 
 async def eventually(condition: Callable[[], Awaitable[Any] | Any], *, timeout_s: float, what: str,
                      interval_s: float = 0.05) -> Any:
-    """Poll ``condition`` (sync or async) until it is truthy, or fail after ``timeout_s``."""
-    deadline = time.monotonic() + timeout_s
+    """Poll ``condition`` (sync or async) until it is truthy, or fail after ``timeout_s``
+    (stretched while the machine is busy: :class:`tests.deadlines.Deadline`)."""
+    deadline = Deadline(timeout_s)
     while True:
         value = condition()
         if asyncio.iscoroutine(value):
             value = await value
         if value:
             return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout_s:g} s waiting for {what}")
+        if deadline.expired():
+            raise AssertionError(f"timed out after {deadline.describe()} waiting for {what}")
         await asyncio.sleep(interval_s)
 
 

@@ -17,18 +17,18 @@ from pathlib import Path
 import pytest
 
 from tests.appliance.vm import free_port, http_json
+from tests.deadlines import Deadline
 
 REPO = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow  # a real `ncm serve` process each: the end-to-end layer
 
 
 def _receive_until(sock: socket.socket, wanted: str, deadline_s: float, seen: list[dict[str, str]]) -> dict[str, str]:
-    end = time.monotonic() + deadline_s
+    deadline = Deadline(deadline_s)
     while True:
-        remaining = end - time.monotonic()
-        if remaining <= 0:
-            raise AssertionError(f"no {wanted} within {deadline_s} s; got {seen}")
-        sock.settimeout(remaining)
+        if deadline.expired():
+            raise AssertionError(f"no {wanted} within {deadline.describe()}; got {seen}")
+        sock.settimeout(1.0)
         try:
             data = sock.recv(4096).decode()
         except TimeoutError:
@@ -94,11 +94,11 @@ def test_serve_without_systemd_sends_nothing(tmp_path: Path) -> None:
                                 "--state-dir", str(tmp_path / "state"), "--no-mdns"],
                                env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, cwd=tmp_path)
     try:
-        end = time.monotonic() + 120
+        deadline = Deadline(120)
         while (answer := http_json(f"http://127.0.0.1:{port}/health", timeout=2)) is None:
             if process.poll() is not None:
                 pytest.fail(process.stdout.read().decode() if process.stdout else "serve exited")
-            assert time.monotonic() < end, "serve did not answer /health"
+            assert not deadline.expired(), f"serve did not answer /health within {deadline.describe()}"
             time.sleep(0.2)
         assert answer[0] == 200
         process.send_signal(signal.SIGTERM)

@@ -19,6 +19,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from tests.deadlines import Deadline
+
 ESP_TYPE = "C12A7328-F81F-11D2-BA4B-00A0C93EC93B"
 ROOT_TYPES = {
     "amd64": "4F68BCE3-E8CD-4DB1-96E7-FBCAF984B709",
@@ -88,7 +90,7 @@ def wait_until(predicate: Callable[[], object], deadline_s: float, what: str,
 
     ``alive`` returns an error text when the thing being waited on died (stop early).
     """
-    end = time.monotonic() + deadline_s
+    deadline = Deadline(deadline_s)
     while True:
         value = predicate()
         if value:
@@ -97,8 +99,8 @@ def wait_until(predicate: Callable[[], object], deadline_s: float, what: str,
             problem = alive()
             if problem:
                 raise AssertionError(f"while waiting for {what}: {problem}")
-        if time.monotonic() > end:
-            raise AssertionError(f"timed out after {deadline_s:.0f} s waiting for {what}")
+        if deadline.expired():
+            raise AssertionError(f"timed out after {deadline.describe()} waiting for {what}")
         # Waiting on a condition with a deadline: each poll is bounded by poll_s.
         time.sleep(poll_s)
 
