@@ -12,6 +12,8 @@ workers report, the time) and carries out what these functions return, the way
 - :func:`adoption_actions`: a new orchestrator takes over the newest order of each model the
   workers report, redeploying it as it is or failing over from its dead nodes;
 - :func:`clear_faults`: which nodes that could not stage a plan may be planned again;
+- :func:`orphaned_orders`: the orders a node holds that no deployment names (it missed an
+  unload while it was frozen or away), to be dropped when it is seen again;
 - :func:`resolve_fallback` and :func:`weight_sources`: which model to fall back to, and where
   to fetch a model's files from.
 """
@@ -145,6 +147,33 @@ def adoption_actions(reports: Iterable[Mapping[str, object]], alive: Iterable[st
     for _, order in sorted(newest_orders(reports).items()):
         dead = frozenset(order.route.nodes) - alive
         actions.append(AdoptAndRecover(order, dead) if dead else Redeploy(order))
+    return actions
+
+
+@dataclass(frozen=True)
+class DropOrphans:
+    """Node ``node`` holds orders (served or staged) of ``models``, which no deployment names."""
+
+    node: str
+    models: tuple[str, ...]
+
+
+def orphaned_orders(reports: Mapping[str, Mapping[str, object]], deployed: Iterable[str],
+                    busy: Iterable[str]) -> list[DropOrphans]:
+    """What each node must drop: the models its worker report (``models`` served, ``staged``)
+    names that are not ``deployed``, leaving alone the ``busy`` ones (a load or re-plan of
+    them is under way: their orders are being staged)."""
+    keep = set(deployed) | set(busy)
+    actions = []
+    for node, report in sorted(reports.items()):
+        held = set()
+        for key in ("models", "staged"):
+            named = report.get(key) if isinstance(report, Mapping) else None
+            if isinstance(named, Mapping):
+                held |= {name for name in named if isinstance(name, str)}
+        orphans = tuple(sorted(held - keep))
+        if orphans:
+            actions.append(DropOrphans(node, orphans))
     return actions
 
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -257,8 +257,8 @@ class Deployer:
 
         await self._on_every(nodes, step, f"the {path.rsplit('/', 1)[-1]} of plan {order.plan_version}")
 
-    async def drop_orders(self, name: str) -> None:
-        """Unload model ``name`` from every live node."""
+    async def drop_orders(self, name: str, nodes: Iterable[str] | None = None) -> None:
+        """Unload model ``name`` from ``nodes`` (default: every live node)."""
         election = self.membership.election
         epoch = election.epoch if election else self.worker.newest_epoch
 
@@ -270,7 +270,8 @@ class Deployer:
                                                UnloadOrder(name, epoch).to_json(), target=node_id,
                                                timeout_s=UNLOAD_TIMEOUT_S)
 
-        await self._on_every(sorted(self.membership.alive_nodes()), drop, f"the unload of {name}")
+        targets = sorted(self.membership.alive_nodes() if nodes is None else nodes)
+        await self._on_every(targets, drop, f"the unload of {name}")
 
     @staticmethod
     async def _on_every(nodes: list[str], call: Callable[[str], Any], what: str) -> None:

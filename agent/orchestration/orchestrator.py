@@ -36,6 +36,7 @@ from agent.core.deployments import (
     WaitToReplan,
     adoption_actions,
     failovers,
+    orphaned_orders,
     replan_decision,
 )
 from agent.core.errors import ClusterError, NcmError, RoutingFailure
@@ -44,6 +45,7 @@ from agent.core.orders import RoutingOrder
 from agent.core.plan import ShardingPlan, plan_from_dict
 from agent.core.presets import ModelPreset, ModelSettings
 from agent.core.routing import Route, describe_layers, failover
+from agent.local.compat import timeout
 from agent.local.config import AgentConfig
 from agent.local.events import EventLog
 from agent.orchestration.deployer import Deployer, Deployment, PlannedModel
@@ -56,6 +58,7 @@ from shards.store.model_store import ModelStore
 __all__ = ["Completion", "Deployment", "ModelHooks", "Orchestrator", "PlannedModel"]
 log = logging.getLogger(__name__)
 SETTLE_S = 0.5
+RECONCILE_INTERVAL_S = 30.0  # a quiet orchestrator compares what nodes hold with its deployments this often
 
 
 class ModelHooks(Protocol):
@@ -315,6 +318,17 @@ class Orchestrator:
                 self.models.on_deployment(name, None, f"could not take over: {error}")
         self._settle_state()
 
+    async def reconcile(self) -> None:
+        """Drop the orders nodes hold that no deployment names: a node that was frozen or away
+        during an unload, an eviction or a sleep keeps its fragments until told again."""
+        reports = {self.node_id: self.worker.status(),
+                   **{node: extra.get("worker") or {} for node, extra in self.membership.peer_extras().items()}}
+        busy = [name for name, lock in self._locks.items() if lock.locked()]
+        for action in orphaned_orders(reports, self.deployments, busy):
+            for name in action.models:
+                log.info("node %s still holds %s, which is not deployed: dropping it there", action.node, name)
+                await self.deployer.drop_orders(name, [action.node])
+
     async def _on_members(self, members: frozenset[str], changes: asyncio.Event) -> None:
         """Fail over, re-plan, spread the fallback as :mod:`agent.core.deployments` decides
         after the members changed."""
@@ -338,6 +352,7 @@ class Orchestrator:
             for name in list(self.deployments):
                 await self.replan(name, decision.reason)
         self._deployed_members = members
+        await self.reconcile()
         await self.deployer.spread_fallback()
 
     async def run(self) -> None:
@@ -345,7 +360,13 @@ class Orchestrator:
         changes = self.membership.subscribe()
         was_orchestrator = False
         while True:
-            await changes.wait()
+            try:
+                async with timeout(RECONCILE_INTERVAL_S):
+                    await changes.wait()
+            except asyncio.TimeoutError:  # quiet for a while: orders nodes missed are dropped all the same
+                if was_orchestrator and self.membership.is_orchestrator:
+                    await self.reconcile()
+                continue
             changes.clear()
             if not self.membership.is_orchestrator:
                 if was_orchestrator:

@@ -118,3 +118,17 @@ def test_the_fallback_is_the_configured_model_or_the_smallest_held_whole():
 def test_weights_come_from_whole_holders_this_node_first_then_the_others():
     holdings = {"n2": {"m": 1}, "n0": {}, "me": {"m": 1}, "n1": {"m": 1}}
     assert weight_sources("m", holdings, "me") == ["me", "n1", "n2", "n0"]
+
+
+def test_orphaned_orders_are_what_nodes_hold_and_no_deployment_names():
+    from agent.core.deployments import DropOrphans, orphaned_orders
+
+    reports = {
+        "a": {"models": {"main": {}, "old": {}}, "staged": {}},
+        "b": {"models": {"main": {}}, "staged": {"loading": {}, "gone": {}}},
+        "c": {"models": "garbage", "staged": None},  # a peer's report is not trusted to be well formed
+        "d": {},
+    }
+    assert orphaned_orders(reports, deployed={"main"}, busy={"loading"}) == [
+        DropOrphans("a", ("old",)), DropOrphans("b", ("gone",))]
+    assert orphaned_orders(reports, deployed={"main", "old", "gone"}, busy={"loading"}) == []
