@@ -22,5 +22,6 @@ DATA_PLANE_SOCKETS = web.AppKey("data_plane_sockets", set)
 INVITES = web.AppKey("invites", "InviteStore")
 EVENTS = web.AppKey("events", "EventLog")
 METRICS = web.AppKey("metrics", "Metrics")
+SCRUBBER = web.AppKey("scrubber", "Scrubber")
 DRAIN_TIMEOUT_S = web.AppKey("drain_timeout_s", float)  # a stopping agent lets its requests finish this long
 LIFECYCLE = web.AppKey("lifecycle", Lifecycle)

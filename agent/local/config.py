@@ -94,6 +94,8 @@ class AgentConfig:
     sleep_idle_s: float = 0.0
     max_requests_in_flight: int = 4  # per model, on the orchestrator
     max_queued_requests: int = 32  # per model: more waiting requests get 429
+    scrub_interval_s: float = 86400.0  # every stored file is hashed again this often; 0 = never
+    scrub_rate_mib_s: float = 16.0  # at most this fast, on a thread of the lowest priority
     max_requests_in_flight_per_client: int = 0  # per model and client; 0: all slots but one
     max_queued_requests_per_client: int = 0  # per model and client; 0: half the queue
     # Settings given explicitly (file, environment or flags): they win over model presets.
@@ -146,6 +148,8 @@ class AgentConfig:
             raise ConfigError("models_max and models_memory_margin_mib must be >= 0 (models_max 0 = no limit)")
         if not self.models_load_timeout_s > 0 or self.sleep_idle_s < 0:
             raise ConfigError("models_load_timeout_s must be > 0 and sleep_idle_s >= 0 (0 = never sleep)")
+        if self.scrub_interval_s < 0 or not self.scrub_rate_mib_s > 0:
+            raise ConfigError("scrub_interval_s must be >= 0 (0 = never) and scrub_rate_mib_s > 0")
         if self.max_requests_in_flight_per_client < 0 or self.max_queued_requests_per_client < 0:
             raise ConfigError("max_requests_in_flight_per_client and max_queued_requests_per_client must be >= 0 "
                               "(0 = all slots but one, half the queue)")
@@ -179,7 +183,7 @@ _FIELD_TYPES: dict[str, str] = {
     "models_preset": "path?", "models_max": "int", "models_memory_margin_mib": "int", "models_autoload": "bool",
     "models_load_timeout_s": "float", "sleep_idle_s": "float",
     "max_requests_in_flight": "int", "max_queued_requests": "int", "max_requests_in_flight_per_client": "int",
-    "max_queued_requests_per_client": "int",
+    "max_queued_requests_per_client": "int", "scrub_interval_s": "float", "scrub_rate_mib_s": "float",
 }
 assert set(_FIELD_TYPES) == {f.name for f in fields(AgentConfig)} - {"explicit"}
 

@@ -20,7 +20,7 @@ T = TypeVar("T")
 HISTORY_LENGTH = 200
 SUBSCRIBER_QUEUE_LENGTH = 256
 KINDS = ("join", "death", "election", "failover", "replan", "degraded", "recovered", "load", "load_failed",
-         "unload", "sleep", "evict")
+         "unload", "sleep", "evict", "corrupt")
 
 
 @dataclass(frozen=True)

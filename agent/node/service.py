@@ -30,7 +30,7 @@ from agent.cluster.pairing import InviteStore, join_pending, take_new_key
 from agent.cluster.peer_client import PeerClient
 from agent.cluster.tls import TLS_DIR, TlsFiles, issue_node_files
 from agent.core.auth import HEADER_NONCE, ReplayGuard, admin_token, sign_answer, verify
-from agent.core.deployments import ClusterState
+from agent.core.deployments import ClusterState, weight_sources
 from agent.core.errors import AuthError, KeyChangeRefusedError, NcmError, StaleRequestError, WireError
 from agent.core.orders import RoutingOrder
 from agent.core.protocol import (
@@ -72,6 +72,7 @@ from agent.http.app_keys import (
     ORCHESTRATOR,
     REPLAY_GUARD,
     ROUTER,
+    SCRUBBER,
     STORE,
     WORKER,
     Lifecycle,
@@ -87,6 +88,7 @@ from agent.local.metrics import ClusterStateCollector, Metrics
 from agent.local.sd_notify import SystemdNotifier, format_status, run_watchdog, watchdog_interval_s
 from agent.models.router import ModelRouter
 from agent.orchestration.orchestrator import Orchestrator
+from agent.stage.scrub import Scrubber
 from agent.stage.weights import complete_models, describe_model_files, resolve_model_file
 from agent.stage.worker import StaleOrderError, Worker, WorkerState, failure_cause
 from shards.errors import ShardsError
@@ -412,11 +414,22 @@ def build_app(config: AgentConfig, *, node_id: str, store: ModelStore, api_port:
         app[WORKER].close()
         await session.close()
 
+    def sources_of(model: str) -> list[tuple[str, str]]:
+        """Live peers to fetch ``model``'s files from, those holding it whole first."""
+        holdings = {node: extra.get("models") or {} for node, extra in app[MEMBERSHIP].peer_extras().items()}
+        return [(node, app[MEMBERSHIP].peer_address_of(node)) for node in weight_sources(model, holdings, node_id)]
+
     async def background(app: web.Application) -> AsyncIterator[None]:
         discovery = Discovery(app[MEMBERSHIP], config.interfaces) if config.mdns else None
         if discovery is not None:
             await discovery.start()
+        scrubber = app[SCRUBBER] = Scrubber(
+            store, config.state_dir, app[CLIENT], app[EVENTS], sources_of=sources_of,
+            record_repair=app[WORKER].fragments.note_repair, interval_s=config.scrub_interval_s,
+            rate_bytes_s=config.scrub_rate_mib_s * 1024 * 1024)
+        await asyncio.to_thread(scrubber.started)
         tasks = [
+            asyncio.create_task(scrubber.run(), name="scrub"),
             asyncio.create_task(app[MEMBERSHIP].run(), name="membership"),
             asyncio.create_task(app[ORCHESTRATOR].run(), name="orchestrator"),
             asyncio.create_task(app[ROUTER].run(), name="model-router"),
@@ -434,6 +447,7 @@ def build_app(config: AgentConfig, *, node_id: str, store: ModelStore, api_port:
                 await task
         if discovery is not None:
             await discovery.stop()
+        scrubber.stopped_cleanly()
 
     app.cleanup_ctx.extend([peers, background])
     return app

@@ -94,6 +94,10 @@ class FragmentCache:
         for key in [k for k in self.runners if k not in needed]:
             self.runners.pop(key).close()
 
+    def note_repair(self, repair: dict[str, Any]) -> None:
+        """Keep ``repair`` (corrupt files found here, by a build or the scrub) among the latest shown."""
+        self.repairs = [*self.repairs[-(MAX_REPAIRS_KEPT - 1):], repair]
+
     async def _open_verified(self, order: RoutingOrder, key: RunnerKey) -> FragmentRunner:
         """Open the runner of ``key``; weight files found corrupt while building its fragment
         are deleted and fetched again from the order's sources, once."""
@@ -103,8 +107,8 @@ class FragmentCache:
             return await loop.run_in_executor(self.builder, self._open_runner, model_dir, key)
         except CorruptWeightsError as corrupt:
             await asyncio.to_thread(discard, model_dir, corrupt.paths)
-            self.repairs = [*self.repairs[-(MAX_REPAIRS_KEPT - 1):],
-                            {"model": order.model, "files": list(corrupt.paths), "fetched_again": False}]
+            self.note_repair({"model": order.model, "files": list(corrupt.paths), "fetched_again": False,
+                              "found_by": "build"})
             try:
                 await self.fetch_weights(order, [key])
             except WeightTransferError as error:

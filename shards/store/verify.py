@@ -13,7 +13,7 @@ import json
 import logging
 import os
 import threading
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -26,13 +26,16 @@ _CHUNK_BYTES = 1 << 20
 _lock = threading.Lock()  # one writer of the cache file per process
 
 
-def hash_file(path: Path, digest: Any = None) -> Any:
+def hash_file(path: Path, digest: Any = None, *, after_block: Callable[[bytes], None] | None = None) -> Any:
     """The sha256 object of ``path``'s bytes (it can go on hashing bytes appended later), or
-    ``digest`` (a hashlib object) fed with them: the one file hasher of ncm."""
+    ``digest`` (a hashlib object) fed with them: the one file hasher of ncm. ``after_block``
+    sees each block once hashed (the scrub paces its reads with it)."""
     digest = hashlib.sha256() if digest is None else digest
     with Path(path).open("rb") as handle:
         for block in iter(lambda: handle.read(_CHUNK_BYTES), b""):
             digest.update(block)
+            if after_block is not None:
+                after_block(block)
     return digest
 
 
