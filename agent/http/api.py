@@ -50,6 +50,7 @@ from agent.http.app_keys import (
     METRICS,
     NODE_ID,
     ORCHESTRATOR,
+    PAIR_LIMIT,
     ROUTER,
     WORKER,
 )
@@ -58,6 +59,7 @@ from agent.http.metrics_endpoint import REQUEST_MODEL
 from agent.http.openapi import openapi_document
 from agent.http.proxy import RESUMABLE_HEADER, RESUME_FIELD, TOKENS_FIELD, ask_orchestrator
 from agent.local.compat import timeout
+from agent.local.log_throttle import ThrottledWarning
 from agent.local.metrics import THROUGHPUT_WINDOW_S
 from agent.orchestration.orchestrator import Completion, Deployment
 from agent.orchestration.public_errors import public_reason
@@ -209,9 +211,21 @@ async def revoke_invite(request: web.Request) -> web.Response:
     return web.json_response({"revoked": request.match_info["invite_id"]})
 
 
+# A stranger may try invites: a few attempts a minute per address (a newcomer needs one), and
+# one log line per minute however many are refused.
+PAIR_ATTEMPTS_PER_S = 0.2
+PAIR_ATTEMPTS_BURST = 10
+refused_pairings = ThrottledWarning(log, "refused an invite")
+
+
 @routes.post(PAIR_PATH)
 async def pair(request: web.Request) -> web.Response:
     """A new device redeems an invite: the cluster key, sealed with the invite's secret."""
+    retry_after_s = request.app[PAIR_LIMIT].allow(request.remote or "", now=time.monotonic())
+    if retry_after_s is not None:
+        refused_pairings.warn(request.remote or "?", "too many attempts: refused without looking")
+        return error_response(429, "too many pairing attempts from this address; retry later", code="rate_limit_exceeded",
+                              headers={"Retry-After": f"{retry_after_s:.0f}"})
     try:
         pairing = PairRequest.from_json(await read_json(request))
     except WireError as error:
@@ -222,7 +236,7 @@ async def pair(request: web.Request) -> web.Response:
                               "again, whole); the invite is still open")
         invite = request.app[INVITES].redeem(pairing)
     except InviteError as error:
-        log.warning("refused an invite from %s: %s", request.remote, error)
+        refused_pairings.warn(request.remote or "?", str(error))
         return answer_error(error)
     log.info("invite %s redeemed by %s", pairing.invite, request.remote)
     return web.json_response({"cluster": request.app[CONFIG].cluster_name,

@@ -23,5 +23,6 @@ INVITES = web.AppKey("invites", "InviteStore")
 EVENTS = web.AppKey("events", "EventLog")
 METRICS = web.AppKey("metrics", "Metrics")
 SCRUBBER = web.AppKey("scrubber", "Scrubber")
+PAIR_LIMIT = web.AppKey("pair_limit", "RateLimiter")  # attempts at /cluster/pair per address
 DRAIN_TIMEOUT_S = web.AppKey("drain_timeout_s", float)  # a stopping agent lets its requests finish this long
 LIFECYCLE = web.AppKey("lifecycle", Lifecycle)

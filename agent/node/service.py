@@ -17,6 +17,7 @@ import signal
 import socket
 import sys
 import time
+from collections import Counter
 from collections.abc import AsyncIterator
 from http import HTTPStatus
 from typing import Any
@@ -53,6 +54,7 @@ from agent.core.protocol import (
     StepFrame,
     UnloadOrder,
 )
+from agent.core.rate_limit import RateLimiter
 from agent.core.wire import decode_frame, encode_frame
 from agent.dataplane.links import Links
 from agent.http import api, dashboard_page, metrics_endpoint, ollama
@@ -70,6 +72,7 @@ from agent.http.app_keys import (
     METRICS,
     NODE_ID,
     ORCHESTRATOR,
+    PAIR_LIMIT,
     REPLAY_GUARD,
     ROUTER,
     SCRUBBER,
@@ -84,6 +87,7 @@ from agent.local.config import CLUSTER_KEY_FILE, AgentConfig, ConfigError
 from agent.local.events import EventLog
 from agent.local.files import write_private
 from agent.local.identity import load_or_create_node_id
+from agent.local.log_throttle import ThrottledWarning
 from agent.local.metrics import ClusterStateCollector, Metrics
 from agent.local.sd_notify import SystemdNotifier, format_status, run_watchdog, watchdog_interval_s
 from agent.models.router import ModelRouter
@@ -97,6 +101,16 @@ from shards.store.model_store import ModelStore
 from shards.store.verify import intact
 
 log = logging.getLogger(__name__)
+# Strangers' connections: the headers of a request come in full within HEADER_READ_TIMEOUT_S of
+# the connection (else it is closed), one address holds at most MAX_PENDING_PER_ADDRESS
+# connections whose first request has not come in full, and a TLS handshake on the peer port
+# ends within TLS_HANDSHAKE_TIMEOUT_S. What one request holds is bounded by aiohttp's header
+# limits (8 KiB a line) and the body limit (client_max_size).
+HEADER_READ_TIMEOUT_S = 10.0
+MAX_PENDING_PER_ADDRESS = 64
+TLS_HANDSHAKE_TIMEOUT_S = 10.0
+refused_internal = ThrottledWarning(log, "refused an internal request")
+dropped_connections = ThrottledWarning(log, "dropped a connection")
 SHUTDOWN_TIMEOUT_S = 30.0
 PUBLIC_WITHOUT_TOKEN = ("/health", "/openapi.json", PAIR_PATH, *dashboard_page.PAGE_PATHS)
 ANSWER_NONCE = web.RequestKey("answer_nonce", str)  # the nonce of the member's request a signed answer binds
@@ -145,7 +159,7 @@ async def peer_auth(request: web.Request, handler: Any) -> web.StreamResponse:
     except AuthError as error:
         if isinstance(error, StaleRequestError):  # a member's request: the refusal is signed
             request[ANSWER_NONCE] = request.headers[HEADER_NONCE]
-        log.warning("rejected %s %s from %s: %s", request.method, request.path, request.remote, error)
+        refused_internal.warn(request.remote or "?", f"{request.method} {request.path}: {error}")
         return api.answer_error(error)
     request[ANSWER_NONCE] = request.headers[HEADER_NONCE]
     return await handler(request)
@@ -376,6 +390,7 @@ def build_app(config: AgentConfig, *, node_id: str, store: ModelStore, api_port:
     app[ADMIN_TOKEN] = admin_token(key)
     app[LIFECYCLE] = Lifecycle(asyncio.Event())
     app[INVITES] = InviteStore(config.state_dir, key)
+    app[PAIR_LIMIT] = RateLimiter(api.PAIR_ATTEMPTS_PER_S, api.PAIR_ATTEMPTS_BURST)
     app[DATA_PLANE_SOCKETS] = set()
     app[DRAIN_TIMEOUT_S] = drain_timeout_s
     app[EVENTS] = EventLog()
@@ -480,9 +495,53 @@ def sweep_fragment_caches(store: ModelStore) -> None:
             log.info("removed %d stale fragment build(s) of %s", removed, manifest.name)
 
 
-class _ShapedErrorHandler(web_protocol.RequestHandler):
-    """A request aiohttp refuses before any handler runs (a body in an encoding it cannot
-    decode, a malformed request line) is answered in the OpenAI error shape too."""
+class _AgentRequestHandler(web_protocol.RequestHandler):
+    """aiohttp's request handler, with the limits strangers need (see HEADER_READ_TIMEOUT_S)
+    and parse-level refusals (a body in an encoding it cannot decode, a malformed request
+    line) answered in the OpenAI error shape."""
+
+    def __init__(self, manager: _AgentServer, **kwargs: Any) -> None:
+        super().__init__(manager, **kwargs)
+        self._agent_server = manager
+        self._address: str | None = None  # while its first request's headers are not in
+        self._head = b""
+        self._header_timer: asyncio.TimerHandle | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        super().connection_made(transport)
+        peer = transport.get_extra_info("peername")
+        address = str(peer[0]) if isinstance(peer, tuple) and peer else "?"
+        if not self._agent_server.pending_allowed(address):
+            dropped_connections.warn(address, f"more than {MAX_PENDING_PER_ADDRESS} connections without a request")
+            transport.close()
+            return
+        self._address = address
+        self._header_timer = asyncio.get_running_loop().call_later(HEADER_READ_TIMEOUT_S, self._headers_too_slow)
+
+    def data_received(self, data: bytes) -> None:
+        if self._address is not None:
+            self._head = (self._head + data)[-4096:]
+            if b"\r\n\r\n" in self._head:  # the first request's headers are in: no longer a stranger's trickle
+                self._headers_in()
+        super().data_received(data)
+
+    def connection_lost(self, exc: BaseException | None) -> None:
+        self._headers_in()
+        super().connection_lost(exc)
+
+    def _headers_in(self) -> None:
+        if self._address is not None:
+            self._agent_server.pending_done(self._address)
+            self._address, self._head = None, b""
+        if self._header_timer is not None:
+            self._header_timer.cancel()
+            self._header_timer = None
+
+    def _headers_too_slow(self) -> None:
+        self._header_timer = None
+        dropped_connections.warn(self._address or "?", f"no request in full within {HEADER_READ_TIMEOUT_S:g} s")
+        if self.transport is not None:
+            self.transport.close()
 
     def handle_error(self, request: Any, status: int = 500, exc: BaseException | None = None,
                      message: str | None = None) -> web.StreamResponse:
@@ -494,9 +553,36 @@ class _ShapedErrorHandler(web_protocol.RequestHandler):
         return shaped
 
 
-class _ShapedErrorServer(web.Server):
+class _AgentServer(web.Server):
+    """Makes :class:`_AgentRequestHandler` s and counts each address's pending connections
+    (the runner turns aiohttp's server into this class after making it: no ``__init__`` here,
+    the count is made on first use)."""
+
     def __call__(self) -> web_protocol.RequestHandler:
-        return _ShapedErrorHandler(self, loop=self._loop, **self._kwargs)
+        return _AgentRequestHandler(self, loop=self._loop, **self._kwargs)
+
+    def pending_allowed(self, address: str) -> bool:
+        pending = self.__dict__.setdefault("_pending", Counter())
+        if pending[address] >= MAX_PENDING_PER_ADDRESS:
+            return False
+        pending[address] += 1
+        return True
+
+    def pending_done(self, address: str) -> None:
+        pending = self.__dict__.setdefault("_pending", Counter())
+        pending[address] -= 1
+        if pending[address] <= 0:
+            del pending[address]
+
+
+class _PeerSite(web.SockSite):
+    """The peer port's listening socket: TLS, with a bounded handshake."""
+
+    async def start(self) -> None:
+        await web.BaseSite.start(self)
+        self._server = await asyncio.get_running_loop().create_server(
+            self._runner.server, sock=self._sock, ssl=self._ssl_context, backlog=self._backlog,
+            ssl_handshake_timeout=TLS_HANDSHAKE_TIMEOUT_S)
 
 
 class AgentRunner(web.AppRunner):
@@ -517,7 +603,7 @@ class AgentRunner(web.AppRunner):
 
     async def _make_server(self) -> web.Server:
         server = await super()._make_server()
-        server.__class__ = _ShapedErrorServer
+        server.__class__ = _AgentServer
         return server
 
 
@@ -540,7 +626,7 @@ async def start_agent(config: AgentConfig, *, node_id: str, store: ModelStore, k
     await runner.setup()
     try:
         await web.TCPSite(runner, config.host, config.port, reuse_address=True).start()
-        await web.SockSite(runner, peer_socket, ssl_context=tls.server_context()).start()
+        await _PeerSite(runner, peer_socket, ssl_context=tls.server_context()).start()
     except OSError as error:
         await runner.cleanup()
         peer_socket.close()

@@ -26,8 +26,10 @@ def test_a_plan_over_an_openvino_node_gives_the_single_device_text(smollm2_store
     for agent in agents:
         agent.start([f"--peer={other.url}" for other in agents if other is not agent])
     try:
-        wait_for(lambda: cluster_ready(agents[0], 2) or cluster_ready(agents[1], 2), timeout_s=300,
-                 what="the 2-agent cluster to serve")
+        def both_serve():  # the OpenVINO node may start after the first plan: wait for the re-plan over both
+            status = cluster_ready(agents[0], 2) or cluster_ready(agents[1], 2)
+            return status and len({hop["node"] for hop in status["route"]}) == 2
+        wait_for(both_serve, timeout_s=300, what="the 2-agent cluster to serve with a stage on each node")
         status, body = agents[0].post("/v1/chat/completions", {"messages": QUESTION, "temperature": 0, "max_tokens": 24})
         assert status == 200, body
         with LocalModel.open("smollm2-135m", store=smollm2_store) as model:
