@@ -115,7 +115,8 @@ check_setup_file() {
     PYTHONPATH="$REPO_ROOT${PYTHONPATH:+:$PYTHONPATH}" "$HOST_PYTHON" -c '
 import sys
 from pathlib import Path
-from agent.cli.firstboot import read_setup_file, FirstbootError
+from agent.cli.firstboot import read_setup_file
+from agent.cli.setup_file import FirstbootError
 try:
     read_setup_file(Path(sys.argv[1]))
 except FirstbootError as error:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from agent.cli.firstboot import SetupFileError, parse_setup_text
+from agent.cli.setup_file import SetupFileError, parse_setup_text
 from agent.local import settings
 from agent.local.config import AgentConfig, ConfigError
 

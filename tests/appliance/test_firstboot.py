@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 
 from agent.cli import firstboot
-from agent.cli.firstboot import (
+from agent.cli.firstboot import run_firstboot
+from agent.cli.setup_file import (
     BootSetup,
     FirstbootError,
     SetupFileError,
@@ -18,7 +19,6 @@ from agent.cli.firstboot import (
     parse_join_string,
     parse_setup_text,
     render_config,
-    run_firstboot,
 )
 from agent.core.errors import NcmError
 
