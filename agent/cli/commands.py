@@ -1,31 +1,23 @@
-"""`ncm serve`, `ncm join`, `ncm invite`, `ncm remove`, `ncm status`, `ncm chat` and `ncm admin-token`."""
+"""The agent's commands: their parsers, and `ncm serve`, `ncm join`, `ncm invite`, `ncm remove` and
+`ncm admin-token` (`ncm status` and `ncm models --remote`: :mod:`agent.cli.status_map`; `ncm chat`:
+:mod:`agent.cli.chat`)."""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
-import http.client
-import importlib
-import json
 import logging
 import sys
-import urllib.error
-import urllib.request
-from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
-from agent.core.errors import NcmError
+from agent.cli.chat import run_chat
+from agent.cli.http_client import http_json, local_admin_token
+from agent.cli.status_map import run_status
 from agent.core.invites import JOIN_PREFIX
 from agent.local.config import ConfigError, load_config, read_config_file, write_config_file
 
 log = logging.getLogger(__name__)
 DEFAULT_AGENT_URL = "http://127.0.0.1:8080"
-HTTP_TIMEOUT_S = 10.0
-CHAT_TIMEOUT_S = 300.0  # the longest wait for the next piece of an answer (a model may load first)
-MAP_MAX_COLUMNS = 64  # wider models share columns in the status layer map
-ON_ROUTE, STANDBY, NOT_HELD = "█", "░", "·"
 
 
 def add_parsers(subparsers: argparse._SubParsersAction) -> None:
@@ -88,21 +80,6 @@ def add_parsers(subparsers: argparse._SubParsersAction) -> None:
     chat.set_defaults(func=run_chat)
 
 
-def local_admin_token(config_path: Path | None = None, *, create: bool = False) -> str | None:
-    """The admin token of this device's cluster key; None when this user cannot read it."""
-    from agent.core.auth import admin_token
-    from agent.node.service import cluster_key, stored_cluster_key
-
-    try:
-        config = load_config(config_path)
-        key = cluster_key(config) if create else stored_cluster_key(config)
-    except (ConfigError, OSError) as error:
-        if create:
-            raise NcmError(f"cannot read this device's cluster key: {error}") from None
-        return None
-    return admin_token(key) if key else None
-
-
 def run_admin_token(args: argparse.Namespace) -> int:
     print(local_admin_token(args.config, create=True))
     return 0
@@ -116,27 +93,6 @@ def run_serve(args: argparse.Namespace) -> int:
     config = load_config(args.config, overrides=overrides)
     asyncio.run(serve(config))
     return 0
-
-
-def http_json(method: str, url: str, payload: Any = None, *, token: str | None = None,
-              timeout_s: float = HTTP_TIMEOUT_S) -> Any:
-    """A small blocking JSON call for the command line; errors become NcmError with the reason."""
-    data = None if payload is None else json.dumps(payload).encode()
-    request = urllib.request.Request(url, data=data, method=method, headers={"Content-Type": "application/json"})
-    if token:
-        request.add_header("Authorization", f"Bearer {token}")
-    try:
-        with urllib.request.urlopen(request, timeout=timeout_s) as response:
-            return json.loads(response.read() or b"null")
-    except urllib.error.HTTPError as error:
-        try:
-            message = json.loads(error.read())["error"]["message"]
-        except (ValueError, KeyError, TypeError):
-            message = error.reason
-        raise NcmError(f"{url}: HTTP {error.code}: {message}") from None
-    except (urllib.error.URLError, TimeoutError, OSError) as error:
-        reason = getattr(error, "reason", error)
-        raise NcmError(f"cannot reach {url}: {reason}") from None
 
 
 def save_peer(config_path: Path, url: str) -> None:
@@ -207,279 +163,3 @@ def run_join(args: argparse.Namespace) -> int:
     return 0
 
 
-def run_status(args: argparse.Namespace) -> int:
-    base = args.remote.rstrip("/")
-    nodes = http_json("GET", base + "/cluster/nodes", token=args.token)
-    try:
-        status = http_json("GET", base + "/cluster/status", token=args.token)
-    except NcmError as error:
-        status = {"state": "unknown", "message": str(error)}
-    if args.json:
-        json.dump({"status": status, "nodes": nodes}, sys.stdout, indent=2)
-        print()
-        return 0
-    print(f"cluster {nodes['cluster']!r}: {status.get('state')} — {status.get('message', '')}")
-    print(f"orchestrator: {nodes['orchestrator']} (epoch {nodes['epoch']})  model: {status.get('model')}")
-    print(f"{'node':<34} {'url':<26} {'alive':<6} {'role':<13} {'score':>8}  layers")
-    for node in nodes["nodes"]:
-        worker = node.get("worker") or {}
-        layers = ", ".join(f"{a}-{b}" for a, b in (f["layers"] for f in worker.get("fragments", []))) or "-"
-        score = f"{node['score']:.2f}" if node.get("score") is not None else "-"
-        print(f"{(node['id'] or '?') + (' *' if node.get('self') else ''):<34} {node['url']:<26} "
-              f"{'yes' if node['alive'] else 'no':<6} {node.get('role') or '-':<13} {score:>8}  {layers}")
-    for node_id, fault in sorted((status.get("faults") or {}).items()):
-        print(f"left out of plans: {node_id}: {fault.get('cause')} ({fault.get('message')})")
-    alive = set(status.get("nodes_alive") or ())
-    for model_name, entry in sorted((status.get("models") or {}).items()):
-        print()
-        for line in render_layer_map(model_name, entry, alive):
-            print(line)
-    return 0
-
-
-def format_route(route: list[dict[str, Any]]) -> str:
-    """'node-0 [0-1] → node-1 [2]': a route of /cluster/status, layer ranges inclusive."""
-    hops = []
-    for hop in route:
-        first, last = hop["layers"]
-        hops.append(f"{hop['node']} [{first}]" if first == last else f"{hop['node']} [{first}-{last}]")
-    return " → ".join(hops) or "-"
-
-
-def render_layer_map(model_name: str, entry: dict[str, Any], alive: set[str] | frozenset[str]) -> list[str]:
-    """The text lines `ncm status` prints for one loaded model of /cluster/status's "models".
-
-    A title with the route (and what a degraded model serves instead); then, when the agent
-    reports "total_layers" and "layers" (older ones do not), a header of layer numbers, one
-    row per node and a legend. A row has one character per layer: ON_ROUTE where the node
-    runs the layer on the route in use, STANDBY where it holds it without running it (replica
-    or standby range), NOT_HELD elsewhere; nodes not in ``alive`` are marked " (dead)".
-    Models of more than MAP_MAX_COLUMNS layers share columns evenly; a column shows the
-    strongest mark of its layers.
-    """
-    route = entry.get("route") or []
-    title = f"model {model_name}"
-    if entry.get("plan_version") is not None:
-        title += f" (plan {entry['plan_version']})"
-    lines = [f"{title}: {format_route(route)}"]
-    if entry.get("degraded"):
-        lines.append(f"degraded: serving {entry.get('serving')}")
-    total = entry.get("total_layers")
-    if not isinstance(total, int) or total < 1 or "layers" not in entry:
-        return lines
-
-    running: dict[str, set[int]] = {}
-    for hop in route:
-        first, last = hop["layers"]
-        running.setdefault(hop["node"], set()).update(range(first, last + 1))
-    held: dict[str, set[int]] = {}
-    for layer in entry.get("layers") or []:
-        for node in layer.get("holders") or []:
-            held.setdefault(node, set()).add(layer["layer"])
-    for node, (first, last) in entry.get("replicas") or []:
-        held.setdefault(node, set()).update(range(first, last + 1))
-    nodes = list(dict.fromkeys([hop["node"] for hop in route] + sorted(held)))
-
-    per_column = -(-total // MAP_MAX_COLUMNS)  # layers per column, ceiling
-    columns = [range(start, min(start + per_column, total)) for start in range(0, total, per_column)]
-    width = max(len(node) for node in nodes) if nodes else 0
-    step = 4 if len(columns) <= 32 else 8
-    header = ""
-    for index in range(0, len(columns), step):
-        header = header.ljust(index) + str(columns[index].start)
-    lines.append(" " * (width + 2) + header)
-    for node in nodes:
-        on_route, holds = running.get(node, set()), held.get(node, set())
-        cells = []
-        for column in columns:
-            if any(layer in on_route for layer in column):
-                cells.append(ON_ROUTE)
-            elif any(layer in holds for layer in column):
-                cells.append(STANDBY)
-            else:
-                cells.append(NOT_HELD)
-        lines.append(f"{node:<{width}}  {''.join(cells)}{'' if node in alive else ' (dead)'}")
-    note = f"{ON_ROUTE} on the route  {STANDBY} replica/standby  {NOT_HELD} not held"
-    if per_column > 1:
-        note += f"  (one column: {per_column} layers)"
-    lines.append(" " * (width + 2) + note)
-    return lines
-
-
-def run_models_remote(args: argparse.Namespace) -> int:
-    """`ncm models --remote URL`: the cluster's models as its router sees them."""
-    token = args.token or (local_admin_token() if args.reload else None)
-    answer = http_json("GET", args.remote.rstrip("/") + "/models" + ("?reload=1" if args.reload else ""), token=token)
-    if args.json:
-        json.dump(answer, sys.stdout, indent=2)
-        print()
-        return 0
-    print(f"{'model':<28} {'state':<10} {'busy':>4} {'waiting':>7}  {'memory':>10}  aliases / reason")
-    for model in answer["data"]:
-        memory = model.get("memory") or {}
-        held = sum((memory.get("effective_bytes") or memory.get("min_bytes") or {}).values())
-        note = model.get("reason") or ", ".join(model.get("aliases") or []) or ""
-        if model.get("degraded"):
-            note = f"degraded: serving {model.get('serving')}"
-        print(f"{model['id']:<28} {model['state']:<10} {model['active_requests']:>4} {model['waiters']:>7}  "
-              f"{held / 2**20:>7.0f} MiB  {note}")
-    return 0
-
-
-def extend_models_parser(parser: argparse.ArgumentParser) -> None:
-    """`ncm models` lists the local store; with --remote it asks a running cluster."""
-    local = parser.get_default("func")
-    parser.add_argument("--remote", metavar="URL", help="show the models of the cluster at URL (any agent)")
-    parser.add_argument("--reload", action="store_true", help="with --remote: re-read the cluster's model sources")
-    parser.add_argument("--token", help="API key of the cluster, or its admin token for --reload (with --remote)")
-    parser.add_argument("--json", action="store_true", help="with --remote: print the JSON answer")
-    parser.set_defaults(func=lambda args: run_models_remote(args) if args.remote else local(args))
-
-
-class ChatError(NcmError):
-    """An answer the API refused or broke off (its message is the API's), in `ncm chat`."""
-
-
-class ChatConnectionError(NcmError):
-    """`ncm chat` could not reach the agent, or lost it during an answer."""
-
-
-def _api_error_message(body: bytes, fallback: str) -> str:
-    """The message of an OpenAI-shaped error body ({"error": {"message": ...}}), else ``fallback``."""
-    try:
-        message = json.loads(body)["error"]["message"]
-    except (ValueError, KeyError, TypeError):
-        return fallback
-    return str(message)
-
-
-def stream_chat(url: str, payload: dict[str, Any], *, token: str | None = None,
-                timeout_s: float = CHAT_TIMEOUT_S) -> Iterator[str]:
-    """POST ``payload`` (with "stream": true) to a /v1/chat/completions ``url``; yields the
-    content pieces of the server-sent events as they arrive.
-
-    Raises ChatError for an error answer (HTTP status or an error object in the stream) and
-    ChatConnectionError when the agent cannot be reached or the connection breaks.
-    """
-    request = urllib.request.Request(url, data=json.dumps({**payload, "stream": True}).encode(), method="POST",
-                                     headers={"Content-Type": "application/json", "Accept": "text/event-stream"})
-    if token:
-        request.add_header("Authorization", f"Bearer {token}")
-    try:
-        with urllib.request.urlopen(request, timeout=timeout_s) as response:
-            for raw in response:
-                line = raw.decode("utf-8", errors="replace").strip()
-                if not line.startswith("data:"):
-                    continue  # blank separators, comments, "event:" lines
-                data = line[len("data:"):].strip()
-                if data == "[DONE]":
-                    return
-                try:
-                    chunk = json.loads(data)
-                except ValueError:
-                    raise ChatError(f"the agent sent an event that is not JSON: {data[:80]!r}") from None
-                if not isinstance(chunk, dict):
-                    continue
-                if chunk.get("error") is not None:
-                    error = chunk["error"]
-                    raise ChatError(str(error.get("message") if isinstance(error, dict) else error))
-                for choice in chunk.get("choices") or []:
-                    content = (choice.get("delta") or {}).get("content")
-                    if content:
-                        yield content
-    except urllib.error.HTTPError as error:
-        raise ChatError(_api_error_message(error.read(), f"HTTP {error.code} {error.reason}")) from None
-    except (urllib.error.URLError, http.client.HTTPException, TimeoutError, OSError) as error:
-        reason = getattr(error, "reason", None) or error
-        raise ChatConnectionError(f"cannot reach {url}: {reason}") from None
-
-
-def _unreachable(url: str, token: str | None) -> str | None:
-    """Why no agent answers at ``url``; None when one does (with any HTTP status)."""
-    request = urllib.request.Request(url, headers={"Authorization": f"Bearer {token}"} if token else {})
-    try:
-        with urllib.request.urlopen(request, timeout=HTTP_TIMEOUT_S):
-            return None
-    except urllib.error.HTTPError:
-        return None
-    except (urllib.error.URLError, http.client.HTTPException, TimeoutError, OSError) as error:
-        return str(getattr(error, "reason", None) or error)
-
-
-def _read_turn(interactive: bool) -> str | None:
-    """The next line of input (the "> " prompt only on a terminal); None at end of input."""
-    if interactive:
-        try:
-            return input("> ")
-        except EOFError:
-            print()
-            return None
-    line = sys.stdin.readline()
-    return line if line else None
-
-
-def run_chat(args: argparse.Namespace) -> int:
-    """`ncm chat`: a conversation with a model of a running cluster, one line per turn.
-
-    Every turn sends the whole conversation so far; an answer the API refuses is reported
-    as "error: ..." on stderr and the conversation goes on without that turn. Losing the
-    agent ends the command with status 1.
-    """
-    base = args.remote.rstrip("/")
-    url = base + "/v1/chat/completions"
-    if (reason := _unreachable(base + "/health", args.token)) is not None:
-        print(f"ncm chat: error: cannot reach an agent at {base}: {reason} (is `ncm serve` running there?)",
-              file=sys.stderr)
-        return 1
-    interactive = sys.stdin.isatty()
-    if interactive:
-        with contextlib.suppress(ImportError):
-            importlib.import_module("readline")  # line editing and history for input()
-    opening = [{"role": "system", "content": args.system}] if args.system else []
-    history: list[dict[str, str]] = []
-    settings: dict[str, Any] = {}
-    if args.model:
-        settings["model"] = args.model
-    if args.max_tokens is not None:
-        settings["max_tokens"] = args.max_tokens
-    if args.temperature is not None:
-        settings["temperature"] = args.temperature
-    if interactive:
-        print(f"chatting with {args.model or 'the main model'} at {args.remote}; /reset forgets the conversation, "
-              f"/exit or Ctrl-D ends", file=sys.stderr)
-    while (line := _read_turn(interactive)) is not None:
-        text = line.strip()
-        if not text:
-            continue
-        if text == "/exit":
-            break
-        if text == "/reset":
-            history.clear()
-            if interactive:
-                print("(conversation cleared)", file=sys.stderr)
-            continue
-        turn = {"role": "user", "content": text}
-        pieces: list[str] = []
-        try:
-            for piece in stream_chat(url, {**settings, "messages": [*opening, *history, turn]}, token=args.token):
-                pieces.append(piece)
-                sys.stdout.write(piece)
-                sys.stdout.flush()
-        except ChatError as error:
-            if pieces:
-                print()
-            print(f"error: {error}", file=sys.stderr)
-            continue
-        except ChatConnectionError as error:
-            if pieces:
-                print()
-            print(f"ncm chat: error: {error}", file=sys.stderr)
-            return 1
-        except KeyboardInterrupt:
-            if not interactive:
-                raise
-            print("\n(interrupted; the answer is left out of the conversation)", file=sys.stderr)
-            continue
-        print()
-        history += [turn, {"role": "assistant", "content": "".join(pieces)}]
-    return 0

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from agent.cli.commands import http_json
+from agent.cli.http_client import http_json
 from agent.core.errors import NcmError
 from agent.local.runtime_env import read_thp_mode, runtime_env
 from shards.store.model_store import ModelStore, ncm_home

@@ -26,12 +26,12 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     if command in STORE_COMMANDS:
         shards_cli.register(subparsers)
         return parser
-    from agent.cli import commands, demo, firstboot, plan_command
+    from agent.cli import commands, demo, firstboot, plan_command, status_map
 
     commands.add_parsers(subparsers)
     demo.add_parser(subparsers)
     shards_cli.register(subparsers)
-    commands.extend_models_parser(subparsers.choices["models"])
+    status_map.extend_models_parser(subparsers.choices["models"])
     plan_command.add_parser(subparsers)
     firstboot.register(subparsers)
     return parser

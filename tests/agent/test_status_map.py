@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from agent.cli.commands import NOT_HELD, ON_ROUTE, STANDBY, format_route, render_layer_map
+from agent.cli.status_map import NOT_HELD, ON_ROUTE, STANDBY, format_route, render_layer_map
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
