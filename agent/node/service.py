@@ -78,7 +78,6 @@ from agent.http.app_keys import (
     SCRUBBER,
     STORE,
     WORKER,
-    Lifecycle,
 )
 from agent.http.clients import from_member
 from agent.http.metrics_endpoint import count_requests
@@ -87,6 +86,7 @@ from agent.local.config import CLUSTER_KEY_FILE, AgentConfig, ConfigError
 from agent.local.events import EventLog
 from agent.local.files import write_private
 from agent.local.identity import load_or_create_node_id
+from agent.local.lifecycle import Lifecycle
 from agent.local.log_throttle import ThrottledWarning
 from agent.local.metrics import ClusterStateCollector, Metrics
 from agent.local.sd_notify import SystemdNotifier, format_status, run_watchdog, watchdog_interval_s
