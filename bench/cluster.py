@@ -69,7 +69,8 @@ def measure_streams(nodes: int, port: int, streams: int, tokens: int, threads: i
                     home: Path | None) -> dict:
     """One stream's decode rate and the aggregate of ``streams`` concurrent ones, on ``nodes`` agents."""
     prompts = [f"{PROMPT} Chapter {i + 1}, told by voice number {3 * i + 2}:" for i in range(streams)]
-    env = {"NCM_THREADS": str(threads), "NCM_MAX_REQUESTS_IN_FLIGHT": str(max(streams, 4))}
+    slots = str(max(streams, 4))  # every stream runs at once: this one client is given every slot
+    env = {"NCM_THREADS": str(threads), "NCM_MAX_REQUESTS_IN_FLIGHT": slots, "NCM_MAX_REQUESTS_IN_FLIGHT_PER_CLIENT": slots}
     with tempfile.TemporaryDirectory(prefix="ncm-bench-") as base:
         processes = start_local_cluster(nodes, port, Path(base), model, env=env, log_dir=Path(base) / "logs",
                                         node_env=[{"NCM_HOME": str(home)}] if home else None)

@@ -57,7 +57,10 @@ aliases = assistant
 ROUTER_ENV = {"NCM_VRAM_GIB": "0", "NCM_RAM_GIB": str(BUDGET_GIB), "NCM_REPLICATE_HEAD_RATIO": "0",
               "NCM_MODELS_MEMORY_MARGIN_MIB": "0", "NCM_MODEL": "alpha", "NCM_PREFILL_CHUNK": "64",
               "NCM_REPLAN_MIN_INTERVAL_S": "600",
-              "NCM_MAX_QUEUED_REQUESTS": "64"}  # fifty requests at once for one model all wait their turn
+              # fifty requests at once for one model all wait their turn; this test process is one
+              # client, given the whole model (by default a client gets all slots but one, half the queue)
+              "NCM_MAX_QUEUED_REQUESTS": "64", "NCM_MAX_QUEUED_REQUESTS_PER_CLIENT": "64",
+              "NCM_MAX_REQUESTS_IN_FLIGHT_PER_CLIENT": "4"}
 NPU_TOPS = ("100", "30", "0")
 
 
