@@ -555,24 +555,24 @@ class _AgentRequestHandler(web_protocol.RequestHandler):
 
 class _AgentServer(web.Server):
     """Makes :class:`_AgentRequestHandler` s and counts each address's pending connections
-    (the runner turns aiohttp's server into this class after making it: no ``__init__`` here,
-    the count is made on first use)."""
+    (the runner turns aiohttp's server into this class after making it, and gives it
+    ``pending``: no ``__init__`` here)."""
+
+    pending: Counter[str]  # address -> connections whose first request has not come in full
 
     def __call__(self) -> web_protocol.RequestHandler:
         return _AgentRequestHandler(self, loop=self._loop, **self._kwargs)
 
     def pending_allowed(self, address: str) -> bool:
-        pending = self.__dict__.setdefault("_pending", Counter())
-        if pending[address] >= MAX_PENDING_PER_ADDRESS:
+        if self.pending[address] >= MAX_PENDING_PER_ADDRESS:
             return False
-        pending[address] += 1
+        self.pending[address] += 1
         return True
 
     def pending_done(self, address: str) -> None:
-        pending = self.__dict__.setdefault("_pending", Counter())
-        pending[address] -= 1
-        if pending[address] <= 0:
-            del pending[address]
+        self.pending[address] -= 1
+        if self.pending[address] <= 0:
+            del self.pending[address]
 
 
 class _PeerSite(web.SockSite):
@@ -604,6 +604,7 @@ class AgentRunner(web.AppRunner):
     async def _make_server(self) -> web.Server:
         server = await super()._make_server()
         server.__class__ = _AgentServer
+        server.pending = Counter()
         return server
 
 
