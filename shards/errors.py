@@ -38,6 +38,10 @@ class SamplingError(ShardsError):
     """Sampling parameters are out of range (a caller error)."""
 
 
+class GrammarError(SamplingError):
+    """A grammar (a JSON schema, a tool format) cannot constrain sampling (a caller error)."""
+
+
 class FragmentError(ShardsError):
     """A layer fragment cannot be built for the requested layers or shapes."""
 

@@ -1,28 +1,51 @@
-"""Validation of OpenAI-style requests (`/v1/chat/completions`, `/v1/completions`).
+"""Validation of OpenAI-style requests (`/v1/chat/completions`, `/v1/completions`; the
+Ollama endpoints translate theirs into this form).
 
 Pure: turns a decoded JSON body into a frozen request or raises InvalidRequestError naming
-the parameter, so the API answers 4xx in the OpenAI error shape and never crashes.
+the parameter, so the API answers 4xx in the OpenAI error shape and never crashes. Which
+fields a body may hold at all is :mod:`agent.core.request_fields`' concern.
 """
 
 from __future__ import annotations
 
+import json
 import math
-from dataclasses import dataclass
+import re
+from dataclasses import dataclass, field
 from typing import Any
 
 from agent.core.errors import InvalidRequestError
+from agent.core.request_fields import integer
 
 MAX_MESSAGES = 1024
 MAX_CONTENT_CHARS = 1_000_000
 MAX_STOP_STRINGS = 4
 MAX_STOP_CHARS = 256
-ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
+MAX_TOOLS = 256
+TOOL_NAME = re.compile(r"^[A-Za-z0-9_.:-]{1,128}$")
+TOOL_CHOICES = ("auto", "none", "required")
+# Keys a message may hold: what ncm renders, and those that must stay empty (text models).
+_MESSAGE_KEYS = {"role", "content", "name", "tool_calls", "tool_call_id", "tool_name"}
+_EMPTY_MESSAGE_KEYS = {"images", "refusal", "audio", "thinking", "reasoning_content"}
+
+
+@dataclass(frozen=True)
+class Tool:
+    """A function the model may call: its JSON schema of arguments in ``parameters``."""
+
+    name: str
+    description: str
+    parameters: dict[str, Any]
 
 
 @dataclass(frozen=True)
 class ChatRequest:
     model: str | None
-    messages: tuple[tuple[str, str], ...] | None
+    # each {"role", "content"} and, rendered by the chat template, "tool_calls" (assistant:
+    # [{"id", "type": "function", "function": {"name", "arguments": {...}}}]), "tool_call_id"
+    # and "name" (tool results)
+    messages: tuple[dict[str, Any], ...] | None
     prompt: str | None
     max_tokens: int | None
     temperature: float
@@ -31,6 +54,28 @@ class ChatRequest:
     stop: tuple[str, ...]
     stream: bool
     include_usage: bool
+    top_k: int = 0
+    min_p: float = 0.0
+    repeat_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repeat_last_n: int = 64
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    tools: tuple[Tool, ...] = ()
+    tool_choice: str = "auto"  # auto, none, required, or the name of the one tool to call
+    parallel_tool_calls: bool = True
+    json_schema: dict[str, Any] | None = field(default=None)  # the answer is JSON valid under it
+
+    @property
+    def calls_tools(self) -> bool:
+        return bool(self.tools) and self.tool_choice != "none"
+
+    def sampling_fields(self) -> dict[str, Any]:
+        """The fields :class:`~shards.runtime.sampling.SamplingParams` takes as they are."""
+        return {"temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k, "min_p": self.min_p,
+                "seed": self.seed, "stop": self.stop, "repeat_penalty": self.repeat_penalty,
+                "presence_penalty": self.presence_penalty, "frequency_penalty": self.frequency_penalty,
+                "repeat_last_n": self.repeat_last_n, "logit_bias": self.logit_bias}
 
 
 def _number(body: dict[str, Any], name: str, default: float, low: float, high: float) -> float:
@@ -89,17 +134,7 @@ def parse_request(body: Any, *, chat: bool) -> ChatRequest:
             raise InvalidRequestError("'messages' must be a non-empty list of {role, content} objects", "messages")
         if len(raw) > MAX_MESSAGES:
             raise InvalidRequestError(f"at most {MAX_MESSAGES} messages are accepted", "messages")
-        parsed = []
-        for index, message in enumerate(raw):
-            where = f"messages[{index}]"
-            if not isinstance(message, dict):
-                raise InvalidRequestError(f"{where} must be an object with 'role' and 'content'", where)
-            role = message.get("role")
-            if not isinstance(role, str) or role not in ROLES:
-                raise InvalidRequestError(f"{where}.role must be one of {', '.join(ROLES)}, got {repr(role)[:40]}",
-                                          f"{where}.role")
-            parsed.append((ROLES[role], _content(message.get("content"), f"{where}.content")))
-        messages = tuple(parsed)
+        messages = tuple(_message(message, f"messages[{index}]") for index, message in enumerate(raw))
     else:
         raw_prompt = body.get("prompt")
         if isinstance(raw_prompt, list) and len(raw_prompt) == 1 and isinstance(raw_prompt[0], str):
@@ -110,14 +145,9 @@ def parse_request(body: Any, *, chat: bool) -> ChatRequest:
             raise InvalidRequestError(f"'prompt' is longer than {MAX_CONTENT_CHARS} characters", "prompt")
         prompt = raw_prompt
 
-    max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
-    if max_tokens is not None and (isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1):
-        raise InvalidRequestError(f"'max_tokens' must be a positive integer, got {max_tokens!r}", "max_tokens")
-    seed = body.get("seed")
-    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**63):
-        raise InvalidRequestError(f"'seed' must be a non-negative integer, got {seed!r}", "seed")
-    n = body.get("n", 1)
-    if n != 1 or isinstance(n, bool):
+    max_tokens = _integer(body, "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens", 1)
+    seed = _integer(body, "seed", 0, 2**63 - 1)
+    if integer(body.get("n", 1)) != 1:
         raise InvalidRequestError("only n=1 is supported", "n")
     stop_value = body.get("stop")
     if stop_value is None:
@@ -136,6 +166,12 @@ def parse_request(body: Any, *, chat: bool) -> ChatRequest:
     options = body.get("stream_options") or {}
     if not isinstance(options, dict) or not isinstance(options.get("include_usage", False), bool):
         raise InvalidRequestError("'stream_options' must be an object like {\"include_usage\": true}", "stream_options")
+    tools = _tools(body.get("tools"))
+    tool_choice = _tool_choice(body.get("tool_choice"), tools)
+    parallel = body.get("parallel_tool_calls", True)
+    if not isinstance(parallel, bool):
+        raise InvalidRequestError("'parallel_tool_calls' must be true or false", "parallel_tool_calls")
+    repeat_last_n = _integer(body, "repeat_last_n", -1)
     return ChatRequest(
         model=model,
         messages=messages,
@@ -147,4 +183,173 @@ def parse_request(body: Any, *, chat: bool) -> ChatRequest:
         stop=stop,
         stream=stream,
         include_usage=bool(options.get("include_usage", False)),
+        top_k=_integer(body, "top_k", 0) or 0,
+        min_p=_number(body, "min_p", 0.0, 0.0, 1.0),
+        repeat_penalty=_number(body, "repeat_penalty", 1.0, 1e-3, 10.0),
+        presence_penalty=_number(body, "presence_penalty", 0.0, -2.0, 2.0),
+        frequency_penalty=_number(body, "frequency_penalty", 0.0, -2.0, 2.0),
+        repeat_last_n=64 if repeat_last_n is None else repeat_last_n,
+        logit_bias=_logit_bias(body.get("logit_bias")),
+        tools=tools,
+        tool_choice=tool_choice,
+        parallel_tool_calls=parallel,
+        json_schema=response_schema(body.get("response_format")),
     )
+
+
+def _integer(body: dict[str, Any], name: str, low: int, high: int = 2**63 - 1) -> int | None:
+    """An integer field (``8192.0`` counts as one), None when absent."""
+    value = body.get(name)
+    if value is None:
+        return None
+    number = integer(value)
+    if number is None or not low <= number <= high:
+        raise InvalidRequestError(f"'{name}' must be an integer of at least {low}, got {str(value)[:40]}", name)
+    return number
+
+
+def _logit_bias(value: Any) -> tuple[tuple[int, float], ...]:
+    if value is None:
+        return ()
+    if not isinstance(value, dict) or len(value) > 1024:
+        raise InvalidRequestError("'logit_bias' must map token ids to numbers (at most 1024)", "logit_bias")
+    pairs = []
+    for key, bias in value.items():
+        if not isinstance(key, str) or not key.isdigit() or len(key) > 12:
+            raise InvalidRequestError(f"'logit_bias' keys must be token ids, got {key[:20]!r}", "logit_bias")
+        if isinstance(bias, bool) or not isinstance(bias, (int, float)) or not -100 <= bias <= 100:
+            raise InvalidRequestError(f"'logit_bias' values must be numbers between -100 and 100, got {bias!r}",
+                                      "logit_bias")
+        pairs.append((int(key), float(bias)))
+    return tuple(sorted(pairs))
+
+
+def _message(message: Any, where: str) -> dict[str, Any]:
+    """A message as the chat template takes it."""
+    if not isinstance(message, dict):
+        raise InvalidRequestError(f"{where} must be an object with 'role' and 'content'", where)
+    role = message.get("role")
+    if not isinstance(role, str) or role not in ROLES:
+        raise InvalidRequestError(f"{where}.role must be one of {', '.join(ROLES)}, got {repr(role)[:40]}",
+                                  f"{where}.role")
+    for key, value in message.items():
+        if key in _EMPTY_MESSAGE_KEYS and value:
+            what = "images" if key == "images" else f"'{key}'"
+            raise InvalidRequestError(f"{where}: {what} are not supported by ncm (text models only)" if key == "images"
+                                      else f"{where}: {what} is not supported by ncm", f"{where}.{key}")
+        if key not in _MESSAGE_KEYS and key not in _EMPTY_MESSAGE_KEYS:
+            raise InvalidRequestError(f"unknown field '{where}.{key}'", f"{where}.{key}", "unsupported_field")
+    parsed: dict[str, Any] = {"role": ROLES[role], "content": _content(message.get("content"), f"{where}.content")}
+    name = message.get("name", message.get("tool_name"))
+    if name is not None:
+        if not isinstance(name, str) or len(name) > 256:
+            raise InvalidRequestError(f"{where}.name must be a string", f"{where}.name")
+        parsed["name"] = name
+    if message.get("tool_calls"):
+        if role != "assistant":
+            raise InvalidRequestError(f"{where}: only assistant messages carry tool_calls", f"{where}.tool_calls")
+        parsed["tool_calls"] = _tool_calls(message["tool_calls"], f"{where}.tool_calls")
+    if role == "tool":
+        call_id = message.get("tool_call_id")
+        if call_id is not None and not isinstance(call_id, str):
+            raise InvalidRequestError(f"{where}.tool_call_id must be a string", f"{where}.tool_call_id")
+        if call_id is not None:
+            parsed["tool_call_id"] = call_id
+    return parsed
+
+
+def _tool_calls(value: Any, where: str) -> list[dict[str, Any]]:
+    """Tool calls of an earlier answer (OpenAI's arguments as JSON text, Ollama's as an object)."""
+    if not isinstance(value, list) or len(value) > MAX_TOOLS:
+        raise InvalidRequestError(f"{where} must be a list of tool calls", where)
+    calls = []
+    for index, call in enumerate(value):
+        function = call.get("function") if isinstance(call, dict) else None
+        name = function.get("name") if isinstance(function, dict) else None
+        if not isinstance(name, str) or not name:
+            raise InvalidRequestError(f"{where}[{index}] must be {{\"function\": {{\"name\", \"arguments\"}}}}",
+                                      f"{where}[{index}]")
+        arguments = function.get("arguments", {})
+        if isinstance(arguments, str):
+            try:
+                arguments = json.loads(arguments) if arguments.strip() else {}
+            except ValueError:
+                raise InvalidRequestError(f"{where}[{index}].function.arguments is not JSON text",
+                                          f"{where}[{index}].function.arguments") from None
+        if not isinstance(arguments, dict):
+            raise InvalidRequestError(f"{where}[{index}].function.arguments must be a JSON object",
+                                      f"{where}[{index}].function.arguments")
+        call_id = call.get("id") or f"call_{index}"
+        if not isinstance(call_id, str):
+            raise InvalidRequestError(f"{where}[{index}].id must be a string", f"{where}[{index}].id")
+        calls.append({"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}})
+    return calls
+
+
+def _tools(value: Any) -> tuple[Tool, ...]:
+    """``tools`` in OpenAI's form ({"type": "function", "function": {...}}), which Ollama's is too."""
+    if value is None:
+        return ()
+    if not isinstance(value, list) or len(value) > MAX_TOOLS:
+        raise InvalidRequestError(f"'tools' must be a list of at most {MAX_TOOLS} functions", "tools")
+    tools: dict[str, Tool] = {}
+    for index, tool in enumerate(value):
+        where = f"tools[{index}]"
+        if not isinstance(tool, dict) or tool.get("type", "function") != "function" \
+                or not isinstance(tool.get("function"), dict):
+            raise InvalidRequestError(f"{where} must be {{\"type\": \"function\", \"function\": {{...}}}}", where)
+        function = tool["function"]
+        name, description = function.get("name"), function.get("description") or ""
+        if not isinstance(name, str) or not TOOL_NAME.match(name):
+            raise InvalidRequestError(f"{where}.function.name must be 1-128 letters, digits, '_', '.', ':' or '-'",
+                                      f"{where}.function.name")
+        if name in tools:
+            raise InvalidRequestError(f"{where}: a second tool named {name!r}", f"{where}.function.name")
+        if not isinstance(description, str):
+            raise InvalidRequestError(f"{where}.function.description must be a string", f"{where}.function.description")
+        parameters = function.get("parameters") or {"type": "object", "properties": {}}
+        if not isinstance(parameters, dict):
+            raise InvalidRequestError(f"{where}.function.parameters must be a JSON schema object",
+                                      f"{where}.function.parameters")
+        if function.get("strict") not in (None, False, True):
+            raise InvalidRequestError(f"{where}.function.strict must be true or false", f"{where}.function.strict")
+        tools[name] = Tool(name, description, parameters)
+    return tuple(tools.values())
+
+
+def _tool_choice(value: Any, tools: tuple[Tool, ...]) -> str:
+    if value is None:
+        return "auto"
+    if isinstance(value, str) and value in TOOL_CHOICES:
+        choice = value
+    elif isinstance(value, dict) and value.get("type") == "function" and isinstance(value.get("function"), dict):
+        choice = value["function"].get("name")
+        if not any(tool.name == choice for tool in tools):
+            raise InvalidRequestError(f"'tool_choice' names {str(choice)[:60]!r}, which is not in 'tools'",
+                                      "tool_choice")
+    else:
+        raise InvalidRequestError("'tool_choice' must be auto, none, required or "
+                                  "{\"type\": \"function\", \"function\": {\"name\": ...}}", "tool_choice")
+    if choice != "none" and choice != "auto" and not tools:
+        raise InvalidRequestError(f"'tool_choice' is {choice!r} but no 'tools' are given", "tool_choice")
+    return choice
+
+
+def response_schema(value: Any) -> dict[str, Any] | None:
+    """The JSON schema the answer must follow, from OpenAI's ``response_format`` (None: text)."""
+    if value is None:
+        return None
+    kind = value.get("type") if isinstance(value, dict) else None
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return {"type": "object"}
+    if kind == "json_schema":
+        spec = value.get("json_schema")
+        schema = spec.get("schema") if isinstance(spec, dict) else None
+        if not isinstance(schema, dict):
+            raise InvalidRequestError("'response_format.json_schema.schema' must be a JSON schema object",
+                                      "response_format")
+        return schema
+    raise InvalidRequestError("'response_format' must be {\"type\": \"text\"}, {\"type\": \"json_object\"} or "
+                              "{\"type\": \"json_schema\", \"json_schema\": {\"name\", \"schema\"}}", "response_format")

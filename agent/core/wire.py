@@ -19,7 +19,7 @@ from agent.core.errors import WireError
 
 MAGIC = b"NCM1"
 _LENGTH = struct.Struct("<I")
-MAX_HEADER_BYTES = 64 * 1024
+MAX_HEADER_BYTES = 1 << 20  # a sampling step carries its grammar (tools, a JSON schema)
 MAX_TENSOR_DIMS = 4
 ALLOWED_DTYPES = frozenset({"float32", "float16", "int64", "int32"})
 

@@ -38,6 +38,7 @@ from agent.core.errors import (
 )
 from agent.core.invites import DEFAULT_INVITE_TTL_S, JoinString, fingerprint
 from agent.core.protocol import PAIR_PATH, PairRequest
+from agent.core.request_fields import OPENAI_CHAT, OPENAI_COMPLETION, check_fields
 from agent.dataplane.links import StageError
 from agent.http.app_keys import (
     ADMIN_TOKEN,
@@ -64,7 +65,10 @@ from agent.local.metrics import THROUGHPUT_WINDOW_S
 from agent.orchestration.orchestrator import Completion, Deployment
 from agent.orchestration.public_errors import public_reason
 from shards.errors import ShardsError
+from shards.runtime.grammar import json_schema_grammar
 from shards.runtime.sampling import SamplingParams
+from shards.runtime.tool_calls import ToolCall, call_grammar, may_hold_call, parse_calls, prompt_messages, tool_format
+from shards.text.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 SSE_KEEPALIVE_S = 15.0
@@ -322,8 +326,19 @@ async def cluster_plan(request: web.Request) -> web.StreamResponse:
 @on_orchestrator
 async def list_models(request: web.Request) -> web.StreamResponse:
     router = request.app[ROUTER]
-    return web.json_response({"object": "list", "data": [
-        {"id": info["id"], "object": "model", "created": 0, "owned_by": "ncm"} for info in router.models()]})
+    return web.json_response({"object": "list", "data": [_model_object(info["id"]) for info in router.models()]})
+
+
+def _model_object(name: str) -> dict[str, Any]:
+    return {"id": name, "object": "model", "created": 0, "owned_by": "ncm"}
+
+
+@routes.get("/v1/models/{model}")
+@on_orchestrator
+async def show_model(request: web.Request) -> web.StreamResponse:
+    """One model, by a name or alias (``name:latest`` too): its canonical name answers."""
+    name = check_model_name(request.match_info["model"])
+    return web.json_response(_model_object(request.app[ROUTER].resolve(name)))
 
 
 # --- model management (design §10) -------------------------------------------------------------------
@@ -452,7 +467,7 @@ async def read_json(request: web.Request) -> Any:
     return body
 
 
-def sampling_params(chat: ChatRequest, prompt_tokens: int, max_context: int) -> SamplingParams:
+def sampling_params(chat: ChatRequest, prompt_tokens: int, max_context: int, grammar: str | None = None) -> SamplingParams:
     room = max_context - prompt_tokens
     if room < 1:
         raise InvalidRequestError(
@@ -460,14 +475,16 @@ def sampling_params(chat: ChatRequest, prompt_tokens: int, max_context: int) -> 
             "messages" if chat.messages else "prompt", "context_length_exceeded")
     max_tokens = min(chat.max_tokens or room, room)
     try:
-        return SamplingParams(temperature=chat.temperature, top_p=chat.top_p, seed=chat.seed,
-                              max_tokens=max_tokens, stop=chat.stop)
+        return SamplingParams(max_tokens=max_tokens, grammar=grammar, **chat.sampling_fields())
     except ShardsError as error:
         raise InvalidRequestError(str(error)) from None
 
 
 async def _completion(request: web.Request, *, chat: bool) -> web.StreamResponse:
     body = await read_json(request)
+    if isinstance(body, dict):
+        check_fields(body, OPENAI_CHAT if chat else OPENAI_COMPLETION,
+                     internal=(RESUME_FIELD,) if from_member(request) else ())
     parsed = parse_request(body, chat=chat)
     autoload = _autoload(request)
     proxied = await pass_to_orchestrator(request)
@@ -499,51 +516,130 @@ def _resume_tokens(request: web.Request, body: Any, deployment: Deployment) -> t
     return tuple(tokens)
 
 
-def start_generation(request: web.Request, parsed: ChatRequest, deployment: Deployment, *,
-                     max_context: int | None = None, top_k: int = 0,
-                     resume: tuple[int, ...] = ()) -> AsyncIterator[Completion]:
-    """The events of a generation of ``parsed`` (its messages through the chat template, else
-    its prompt as it is) on ``deployment``, timed and counted; ``max_context`` narrows the
-    model's context."""
-    tokenizer = deployment.tokenizer
-    if parsed.messages is not None:
-        try:
-            prompt_ids = tokenizer.encode_chat([{"role": r, "content": c} for r, c in parsed.messages])
-        except ShardsError as error:
-            raise InvalidRequestError(f"cannot apply the chat template: {error}", "messages") from None
-    else:
+@dataclasses.dataclass(frozen=True)
+class Generation:
+    """A generation started: its events, and how its text reads (``tool_format``: the format
+    its tool calls are written in, None when it may call none)."""
+
+    events: AsyncIterator[Completion]
+    tool_format: str | None = None
+
+
+def _prompt(parsed: ChatRequest, tokenizer: Tokenizer) -> tuple[list[int], str | None, str | None]:
+    """The prompt's ids, the grammar of the answer and the tool-call format (see
+    :mod:`shards.runtime.tool_calls`)."""
+    if parsed.messages is None:
         assert parsed.prompt is not None
-        prompt_ids = tokenizer.encode(parsed.prompt)
-    params = sampling_params(parsed, len(prompt_ids), max_context or deployment.settings.max_context)
-    if top_k:
-        params = dataclasses.replace(params, top_k=top_k)
-    return request.app[METRICS].observe_generation(
+        return tokenizer.encode(parsed.prompt), _schema_grammar(parsed.json_schema), None
+    tools = [{"name": t.name, "description": t.description, "parameters": t.parameters}
+             for t in parsed.tools] if parsed.calls_tools else []
+    fmt = tool_format(tokenizer.spec.chat_template)
+    messages, extra = prompt_messages(fmt, parsed.messages, tools, parallel=parsed.parallel_tool_calls)
+    try:
+        prompt_ids = tokenizer.encode_chat(messages, **extra)
+    except ShardsError as error:
+        raise InvalidRequestError(f"cannot apply the chat template: {error}", "messages") from None
+    if not tools:
+        return prompt_ids, _schema_grammar(parsed.json_schema), None
+    if parsed.json_schema is not None:
+        raise InvalidRequestError("'response_format' cannot be combined with 'tools' yet: send one of them",
+                                  "response_format")
+    try:
+        grammar = call_grammar(fmt, tools, parsed.tool_choice, parallel=parsed.parallel_tool_calls)
+    except ShardsError as error:
+        raise InvalidRequestError(f"the tools cannot be turned into a grammar: {error}", "tools") from None
+    return prompt_ids, grammar, fmt
+
+
+def _schema_grammar(schema: dict[str, Any] | None) -> str | None:
+    try:
+        return None if schema is None else json_schema_grammar(schema)
+    except ShardsError as error:
+        raise InvalidRequestError(f"the JSON schema cannot be used: {error}", "response_format") from None
+
+
+def start_generation(request: web.Request, parsed: ChatRequest, deployment: Deployment, *,
+                     max_context: int | None = None, resume: tuple[int, ...] = ()) -> Generation:
+    """A generation of ``parsed`` (its messages through the chat template, with its tools,
+    else its prompt as it is) on ``deployment``, timed and counted; ``max_context`` narrows
+    the model's context."""
+    prompt_ids, grammar, fmt = _prompt(parsed, deployment.tokenizer)
+    params = sampling_params(parsed, len(prompt_ids), max_context or deployment.settings.max_context, grammar)
+    events = request.app[METRICS].observe_generation(
         deployment.name, request.app[ORCHESTRATOR].complete(deployment, prompt_ids, params, resume))
+    return Generation(events, fmt)
+
+
+def tool_call_entries(calls: list[ToolCall], *, arguments_as_text: bool) -> list[dict[str, Any]]:
+    """Calls as the APIs answer them: OpenAI's (ids, arguments as JSON text) or Ollama's."""
+    entries = []
+    for index, call in enumerate(calls):
+        arguments: Any = json.dumps(call.arguments, ensure_ascii=False) if arguments_as_text else call.arguments
+        entry: dict[str, Any] = {"function": {"name": call.name, "arguments": arguments}}
+        if arguments_as_text:
+            entry = {"index": index, "id": f"call_{uuid.uuid4().hex[:24]}", "type": "function", **entry}
+        entries.append(entry)
+    return entries
+
+
+class HeldText:
+    """The answer's text as it streams, held back from the moment it may be a tool call
+    (:func:`~shards.runtime.tool_calls.may_hold_call`) until the end, where the calls are
+    read out of it."""
+
+    def __init__(self, fmt: str | None) -> None:
+        self.fmt = fmt
+        self._held = ""
+
+    def push(self, text: str) -> str:
+        """What may go out now of the text so far."""
+        if self.fmt is None:
+            return text
+        self._held += text
+        if may_hold_call(self.fmt, self._held):
+            return ""
+        text, self._held = self._held, ""
+        return text
+
+    def finish(self) -> tuple[str, list[ToolCall]]:
+        """The rest of the text, and the calls it held."""
+        if self.fmt is None or not self._held:
+            return "", []
+        held, self._held = self._held, ""
+        return parse_calls(self.fmt, held)
 
 
 async def _generate(request: web.Request, parsed: ChatRequest, deployment: Deployment, *, chat: bool,
                     headers: dict[str, str], resume: tuple[int, ...] = ()) -> web.StreamResponse:
-    events = start_generation(request, parsed, deployment, resume=resume)
+    generation = start_generation(request, parsed, deployment, resume=resume)
+    events, held = generation.events, HeldText(generation.tool_format)
     created = int(time.time())
     ident = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
     with_tokens = bool(request.headers.get(RESUMABLE_HEADER)) and from_member(request)
 
+    def usage_of(last: Completion) -> dict[str, int]:
+        return {"prompt_tokens": last.prompt_tokens, "completion_tokens": last.completion_tokens,
+                "total_tokens": last.prompt_tokens + last.completion_tokens}
+
     if not parsed.stream:
         pieces, last = [], Completion("", deployment.name)
         async for event in events:
-            pieces.append(event.text)
+            pieces.append(held.push(event.text))
             last = event
-        text_out = "".join(pieces)
-        usage = {"prompt_tokens": last.prompt_tokens, "completion_tokens": last.completion_tokens,
-                 "total_tokens": last.prompt_tokens + last.completion_tokens}
-        choice: dict[str, Any] = {"index": 0, "finish_reason": last.finish_reason, "logprobs": None}
+        rest, calls = held.finish()
+        text_out = "".join(pieces) + rest
+        finish = "tool_calls" if calls else last.finish_reason
+        choice: dict[str, Any] = {"index": 0, "finish_reason": finish, "logprobs": None}
         if chat:
-            choice["message"] = {"role": "assistant", "content": text_out}
+            choice["message"] = {"role": "assistant", "content": text_out or (None if calls else "")}
+            if calls:
+                choice["message"]["tool_calls"] = [{k: v for k, v in entry.items() if k != "index"}
+                                                   for entry in tool_call_entries(calls, arguments_as_text=True)]
         else:
             choice["text"] = text_out
         return web.json_response({"id": ident, "object": "chat.completion" if chat else "text_completion",
-                                  "created": created, "model": last.model, "choices": [choice], "usage": usage},
-                                 headers=headers)
+                                  "created": created, "model": last.model, "choices": [choice],
+                                  "usage": usage_of(last)}, headers=headers)
 
     # Streaming: the first step runs before the headers go out, so early failures are still 4xx/5xx.
     first = await anext(events)
@@ -552,9 +648,11 @@ async def _generate(request: web.Request, parsed: ChatRequest, deployment: Deplo
     kind = "chat.completion.chunk" if chat else "text_completion"
 
     async def send(model: str, text: str | None, finish: str | None, *, role: bool = False,
-                   tokens: tuple[int, ...] = ()) -> None:
+                   tokens: tuple[int, ...] = (), calls: list[ToolCall] = ()) -> None:  # type: ignore[assignment]
         if chat:
             delta: dict[str, Any] = {"role": "assistant", "content": ""} if role else ({"content": text} if text else {})
+            if calls:
+                delta["tool_calls"] = tool_call_entries(calls, arguments_as_text=True)
             choice = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}
         else:
             choice = {"index": 0, "text": text or "", "finish_reason": finish, "logprobs": None}
@@ -567,15 +665,22 @@ async def _generate(request: web.Request, parsed: ChatRequest, deployment: Deplo
         if chat:
             await send(first.model, None, None, role=True)
         last = first
-        await send(first.model, first.text, first.finish_reason, tokens=first.tokens)
-        if first.finish_reason is None:
-            async for event in events:
-                last = event
-                await send(event.model, event.text, event.finish_reason, tokens=event.tokens)
+        async for event in chain_events(first, events):
+            last = event
+            text = held.push(event.text)
+            if event.finish_reason is None:
+                await send(event.model, text, None, tokens=event.tokens)
+                continue
+            rest, calls = held.finish()
+            if calls:
+                await send(event.model, text + rest, None, tokens=event.tokens)
+                await send(event.model, None, None, calls=calls)
+                await send(event.model, None, "tool_calls")
+            else:
+                await send(event.model, text + rest, event.finish_reason, tokens=event.tokens)
         if parsed.include_usage:
-            usage = {"prompt_tokens": last.prompt_tokens, "completion_tokens": last.completion_tokens,
-                     "total_tokens": last.prompt_tokens + last.completion_tokens}
-            chunk = {"id": ident, "object": kind, "created": created, "model": last.model, "choices": [], "usage": usage}
+            chunk = {"id": ident, "object": kind, "created": created, "model": last.model, "choices": [],
+                     "usage": usage_of(last)}
             await response.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
         await response.write(b"data: [DONE]\n\n")
     except (StageError, ClusterError) as error:
@@ -592,6 +697,14 @@ async def _generate(request: web.Request, parsed: ChatRequest, deployment: Deplo
         await events.aclose()
     await response.write_eof()
     return response
+
+
+async def chain_events(first: Completion, rest: AsyncIterator[Completion]) -> AsyncIterator[Completion]:
+    """``first`` and, unless it ended the generation, the events after it."""
+    yield first
+    if first.finish_reason is None:
+        async for event in rest:
+            yield event
 
 
 @routes.post("/v1/chat/completions")

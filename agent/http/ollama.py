@@ -4,9 +4,10 @@ integration, Open WebUI and scripts written for Ollama call.
 `/api/version`, `/api/tags`, `/api/show`, `/api/ps`, `/api/chat`, `/api/generate` (NDJSON
 streaming by default, as Ollama does) and `/api/pull` (known models only). Requests run on
 the same path as the OpenAI endpoints: the router admits them, the orchestrator generates.
-Options are mapped onto ncm's sampling (`temperature`, `top_p`, `top_k`, `seed`,
-`num_predict`, `stop`, `num_ctx`) or refused with a 400 naming them; `keep_alive` is mapped
-onto the router's sleep and unload. Errors use Ollama's shape, ``{"error": "message"}``.
+Every field and option is honoured or refused with a 400 naming it
+(:mod:`agent.core.request_fields`); `tools` and `format` work as on the OpenAI endpoints
+(answers carry ``message.tool_calls``); `keep_alive` is mapped onto the router's sleep and
+unload. Errors use Ollama's shape, ``{"error": "message"}``.
 """
 
 from __future__ import annotations
@@ -18,21 +19,24 @@ import json
 import math
 import re
 import time
-from collections.abc import AsyncIterator
 from typing import Any
 
 from aiohttp import web
 
 from agent.core.chat_request import ChatRequest, check_model_name, parse_request
 from agent.core.errors import ClusterError, InvalidRequestError, without_addresses
+from agent.core.request_fields import OLLAMA_CHAT, OLLAMA_GENERATE, OLLAMA_OPTIONS, check_fields, integer
 from agent.dataplane.links import StageError
 from agent.http.api import (
+    HeldText,
     admin_token_required,
+    chain_events,
     holds_admin_token,
     on_orchestrator,
     pass_to_orchestrator,
     read_json,
     start_generation,
+    tool_call_entries,
 )
 from agent.http.app_keys import ORCHESTRATOR, ROUTER, STORE
 from agent.http.clients import client_of
@@ -40,18 +44,12 @@ from agent.http.metrics_endpoint import REQUEST_MODEL
 from agent.orchestration.orchestrator import Completion, Deployment
 from shards.errors import ShardsError
 from shards.importers.pull import pull_model, resolve_pull_name
+from shards.runtime.tool_calls import ToolCall, tool_format
 from shards.store.manifest import Manifest
 
 API_VERSION = "0.6.0"  # the version of Ollama's API these endpoints follow
 DEFAULT_TAG = "latest"
 NEVER_EXPIRES = "2318-01-01T00:00:00Z"  # /api/ps of a model kept loaded: far ahead, as Ollama reports it
-# Options that tune how Ollama runs a model on its machine: meaningless for ncm, accepted and ignored.
-IGNORED_OPTIONS = frozenset({"num_thread", "num_gpu", "main_gpu", "use_mmap", "use_mlock", "low_vram", "num_batch",
-                             "numa", "num_keep", "vocab_only", "f16_kv", "logits_all", "embedding_only"})
-# Sampling options ncm does not implement: accepted only at the value that leaves sampling unchanged.
-NEUTRAL_OPTIONS = {"repeat_penalty": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0, "mirostat": 0,
-                   "min_p": 0.0, "typical_p": 1.0, "tfs_z": 1.0, "repeat_last_n": None, "penalize_newline": None,
-                   "mirostat_tau": None, "mirostat_eta": None}
 _DURATION = re.compile(r"^(-?\d+(?:\.\d+)?)(ns|us|µs|ms|s|m|h)?$")
 _UNITS_S = {"ns": 1e-9, "us": 1e-6, "µs": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0, None: 1.0}
 
@@ -178,49 +176,41 @@ def _option_number(options: dict[str, Any], name: str, low: float, high: float) 
 
 
 def _option_int(options: dict[str, Any], name: str, low: int) -> int | None:
+    """An integer option (``8192.0`` is one: Home Assistant sends its options as floats)."""
     value = options.get(name)
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+    number = integer(value)
+    if number is None or number < low:
         raise InvalidRequestError(f"option '{name}' must be an integer of at least {low}, got {value!r}",
                                   f"options.{name}")
-    return value
+    return number
 
 
 def parse_options(body: dict[str, Any]) -> tuple[dict[str, Any], int | None]:
-    """Ollama's ``options`` as ChatRequest fields, and the context the request asks for
-    (``num_ctx``); options ncm cannot honour are refused, naming them."""
+    """Ollama's ``options`` as the fields of an OpenAI-style request, and the context the
+    request asks for (``num_ctx``); options ncm cannot honour are refused, naming them."""
     options = body.get("options") or {}
     if not isinstance(options, dict):
         raise InvalidRequestError("'options' must be an object", "options")
-    for name, value in options.items():
-        if name in IGNORED_OPTIONS or name in ("temperature", "top_p", "top_k", "seed", "num_predict", "stop",
-                                                "num_ctx"):
-            continue
-        if name not in NEUTRAL_OPTIONS:
-            raise InvalidRequestError(f"unknown option '{name}'", f"options.{name}")
-        neutral = NEUTRAL_OPTIONS[name]
-        if value is not None and neutral is not None and value != neutral:
-            raise InvalidRequestError(f"option '{name}' is not supported by ncm (only {name}={neutral} is accepted)",
-                                      f"options.{name}")
+    check_fields(options, OLLAMA_OPTIONS, where="options.")
     fields: dict[str, Any] = {}
-    temperature = _option_number(options, "temperature", 0.0, 2.0)
-    if temperature is not None:
-        fields["temperature"] = temperature
-    top_p = _option_number(options, "top_p", 1e-9, 1.0)
-    if top_p is not None:
-        fields["top_p"] = top_p
-    top_k = _option_int(options, "top_k", 0)
-    if top_k:
-        fields["top_k"] = top_k
-    seed = options.get("seed")
+    for name, low, high in (("temperature", 0.0, 2.0), ("top_p", 1e-9, 1.0), ("min_p", 0.0, 1.0),
+                            ("repeat_penalty", 1e-3, 10.0), ("presence_penalty", -2.0, 2.0),
+                            ("frequency_penalty", -2.0, 2.0)):
+        value = _option_number(options, name, low, high)
+        if value is not None:
+            fields[name] = value
+    for name in ("top_k", "repeat_last_n"):
+        value = _option_int(options, name, 0 if name == "top_k" else -1)
+        if value is not None:
+            fields[name] = value
+    seed = _option_int(options, "seed", -(2**63))
     if seed is not None:
-        if isinstance(seed, bool) or not isinstance(seed, int):
-            raise InvalidRequestError(f"option 'seed' must be an integer, got {seed!r}", "options.seed")
         fields["seed"] = seed % 2**63 if seed >= 0 else None  # Ollama's -1: a random seed
-    num_predict = options.get("num_predict")
+    num_predict = _option_int(options, "num_predict", -2)
     if num_predict is not None:
-        if isinstance(num_predict, bool) or not isinstance(num_predict, int) or num_predict == 0 or num_predict < -2:
+        if num_predict == 0:
             raise InvalidRequestError("option 'num_predict' must be a positive integer, or -1 (until the end) or -2 "
                                       "(fill the context)", "options.num_predict")
         fields["max_tokens"] = num_predict if num_predict > 0 else None
@@ -234,47 +224,39 @@ def parse_options(body: dict[str, Any]) -> tuple[dict[str, Any], int | None]:
     return fields, _option_int(options, "num_ctx", 1)
 
 
-def _check_unsupported(body: dict[str, Any]) -> None:
-    if body.get("format") not in (None, ""):
-        raise InvalidRequestError("'format' (structured output) is not supported by ncm", "format")
-    if body.get("tools"):
-        raise InvalidRequestError("'tools' (tool calling) is not supported by ncm", "tools")
-    if body.get("think") not in (None, False):
-        raise InvalidRequestError("'think' is not supported by ncm", "think")
-    if body.get("images"):
-        raise InvalidRequestError("images are not supported by ncm (text models only)", "images")
-    stream = body.get("stream", True)
-    if not isinstance(stream, bool):
-        raise InvalidRequestError("'stream' must be true or false", "stream")
+def _response_format(value: Any) -> dict[str, Any] | None:
+    """Ollama's ``format`` ("json" or a JSON schema) as OpenAI's ``response_format``."""
+    if value in (None, ""):
+        return None
+    if value == "json":
+        return {"type": "json_object"}
+    if isinstance(value, dict):
+        return {"type": "json_schema", "json_schema": {"name": "format", "schema": value}}
+    raise InvalidRequestError("'format' must be \"json\" or a JSON schema object", "format")
 
 
 def _openai_body(body: dict[str, Any], *, chat: bool) -> dict[str, Any] | None:
     """The request as the OpenAI endpoints take it (validated by the same parser), without
     its options; None for Ollama's load or unload request (no messages, no prompt)."""
+    check_fields(body, OLLAMA_CHAT if chat else OLLAMA_GENERATE)
     stream = body.get("stream", True)
+    if not isinstance(stream, bool):
+        raise InvalidRequestError("'stream' must be true or false", "stream")
+    shared = {"stream": stream, "response_format": _response_format(body.get("format"))}
     if chat:
         messages = body.get("messages") or []
         if not isinstance(messages, list):
             raise InvalidRequestError("'messages' must be a list of {role, content} objects", "messages")
-        for index, message in enumerate(messages):
-            if isinstance(message, dict) and message.get("images"):
-                raise InvalidRequestError(f"messages[{index}]: images are not supported by ncm (text models only)",
-                                          f"messages[{index}].images")
-            if isinstance(message, dict) and (message.get("role") == "tool" or message.get("tool_calls")):
-                raise InvalidRequestError(f"messages[{index}]: tool messages are not supported by ncm",
-                                          f"messages[{index}]")
-        return {"messages": messages, "stream": stream} if messages else None
+        return {"messages": messages, "tools": body.get("tools") or None, **shared} if messages else None
     prompt, system = body.get("prompt", ""), body.get("system")
     if not isinstance(prompt, str) or (system is not None and not isinstance(system, str)):
         raise InvalidRequestError("'prompt' and 'system' must be strings", "prompt")
-    if body.get("suffix") or body.get("template") or body.get("context"):
-        raise InvalidRequestError("'suffix', 'template' and 'context' are not supported by ncm", "prompt")
     if not prompt:
         return None
     if body.get("raw", False) is True:
-        return {"prompt": prompt, "stream": stream}
+        return {"prompt": prompt, **shared}
     turns = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
-    return {"messages": turns, "stream": stream}
+    return {"messages": turns, **shared}
 
 
 # --- endpoints ---------------------------------------------------------------------------------------
@@ -330,9 +312,13 @@ async def show(request: web.Request) -> web.StreamResponse:
         if deployment is not None:
             template = deployment.tokenizer.spec.chat_template or ""
     parameters = f"num_ctx {settings['max_context']}" if "max_context" in settings else ""
+    # Every chat model takes tools: in its template's own format, else in the generic one.
+    capabilities = ["completion", "tools"] if template else ["completion"]
+    if template:
+        model_info["ncm.tool_format"] = tool_format(template)
     return web.json_response({
         "modelfile": f"# served by ncm\nFROM {name}\n", "parameters": parameters, "template": template,
-        "details": _details(manifest), "model_info": model_info, "capabilities": ["completion"],
+        "details": _details(manifest), "model_info": model_info, "capabilities": capabilities,
         "modified_at": _iso(0),
     })
 
@@ -386,11 +372,9 @@ async def _generate(request: web.Request, *, chat: bool) -> web.StreamResponse:
     if not isinstance(body, dict):
         raise InvalidRequestError("the request body must be a JSON object")
     name = _name(body)
-    _check_unsupported(body)
     keep_alive_s = parse_duration_s(body["keep_alive"]) if body.get("keep_alive") is not None else None
-    fields, num_ctx = parse_options(body)
-    top_k = fields.pop("top_k", 0)
     openai = _openai_body(body, chat=chat)
+    fields, num_ctx = parse_options(body)
     parsed = parse_request({"model": name, **openai, **fields}, chat="messages" in openai) if openai else None
     proxied = await pass_to_orchestrator(request)
     if proxied is not None:
@@ -405,7 +389,7 @@ async def _generate(request: web.Request, *, chat: bool) -> web.StreamResponse:
     try:
         async with router.use(name, client=client_of(request)) as deployment:
             loaded = time.perf_counter()
-            return await _answer(request, parsed, deployment, chat=chat, num_ctx=num_ctx, top_k=top_k,
+            return await _answer(request, parsed, deployment, chat=chat, num_ctx=num_ctx,
                                  load_s=loaded - started, started=started)
     finally:
         if keep_alive_s is not None:
@@ -430,10 +414,11 @@ async def _load_or_unload(request: web.Request, name: str, keep_alive_s: float |
 
 
 async def _answer(request: web.Request, parsed: ChatRequest, deployment: Deployment, *, chat: bool,
-                  num_ctx: int | None, top_k: int, load_s: float, started: float) -> web.StreamResponse:
+                  num_ctx: int | None, load_s: float, started: float) -> web.StreamResponse:
     # num_ctx narrows the model's context; a larger one is capped at what the model was planned for.
     context = min(num_ctx, deployment.settings.max_context) if num_ctx else None
-    events = start_generation(request, parsed, deployment, max_context=context, top_k=top_k)
+    generation = start_generation(request, parsed, deployment, max_context=context)
+    events, held = generation.events, HeldText(generation.tool_format)
     # The first token is computed before anything goes out: early failures are still 4xx/5xx.
     generating = time.perf_counter()
     try:
@@ -445,21 +430,29 @@ async def _answer(request: web.Request, parsed: ChatRequest, deployment: Deploym
     if not parsed.stream:
         pieces, last = [], first
         try:
-            async for event in _chain(first, events):
-                pieces.append(event.text)
+            async for event in chain_events(first, events):
+                pieces.append(held.push(event.text))
                 last = event
         finally:
             await events.aclose()
-        return web.json_response(_final(last, "".join(pieces), chat=chat, started=started, load_s=load_s,
-                                        prompt_s=prompt_s))
+        rest, calls = held.finish()
+        return web.json_response(_final(last, "".join(pieces) + rest, calls, chat=chat, started=started,
+                                        load_s=load_s, prompt_s=prompt_s))
     response = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})
     await response.prepare(request)
     last = first
     try:
-        async for event in _chain(first, events):
+        async for event in chain_events(first, events):
             last = event
-            if event.text:
-                await response.write(_line(_chunk(event.model, event.text, chat=chat)))
+            text = held.push(event.text)
+            if event.finish_reason is not None:
+                rest, calls = held.finish()
+                text += rest
+                if calls:
+                    await response.write(_line(_chunk(event.model, text, calls, chat=chat)))
+                    text = ""
+            if text:
+                await response.write(_line(_chunk(event.model, text, chat=chat)))
         await response.write(_line(_final(last, "", chat=chat, started=started, load_s=load_s, prompt_s=prompt_s)))
     except (StageError, ClusterError) as error:
         await response.write(_line({"error": without_addresses(str(error))}))
@@ -469,30 +462,28 @@ async def _answer(request: web.Request, parsed: ChatRequest, deployment: Deploym
     return response
 
 
-async def _chain(first: Completion, rest: AsyncIterator[Completion]) -> AsyncIterator[Completion]:
-    yield first
-    if first.finish_reason is None:
-        async for event in rest:
-            yield event
-
-
 def _line(payload: dict[str, Any]) -> bytes:
     return json.dumps(payload).encode() + b"\n"
 
 
-def _chunk(model: str, text: str, *, chat: bool) -> dict[str, Any]:
+def _chunk(model: str, text: str, calls: list[ToolCall] = (), *, chat: bool) -> dict[str, Any]:  # type: ignore[assignment]
     chunk: dict[str, Any] = {"model": model, "created_at": _iso(time.time()), "done": False}
-    chunk.update({"message": {"role": "assistant", "content": text}} if chat else {"response": text})
+    if chat:
+        chunk["message"] = {"role": "assistant", "content": text}
+        if calls:
+            chunk["message"]["tool_calls"] = tool_call_entries(calls, arguments_as_text=False)
+    else:
+        chunk["response"] = text
     return chunk
 
 
-def _final(last: Completion, text: str, *, chat: bool, started: float, load_s: float, prompt_s: float) -> dict[str, Any]:
-    """The last object: the whole text when not streaming, and Ollama's counts and durations (ns)."""
+def _final(last: Completion, text: str, calls: list[ToolCall] = (), *, chat: bool,  # type: ignore[assignment]
+           started: float, load_s: float, prompt_s: float) -> dict[str, Any]:
+    """The last object: the whole answer when not streaming, and Ollama's counts and durations (ns)."""
     total_s = time.perf_counter() - started
-    final = _chunk(last.model, text, chat=chat)
+    final = _chunk(last.model, text, calls, chat=chat)
     final.update(done=True, done_reason=last.finish_reason or "stop", total_duration=int(total_s * 1e9),
                  load_duration=int(load_s * 1e9), prompt_eval_count=last.prompt_tokens,
                  prompt_eval_duration=int(prompt_s * 1e9), eval_count=last.completion_tokens,
                  eval_duration=int(max(total_s - load_s - prompt_s, 0.0) * 1e9))
     return final
-

@@ -39,7 +39,21 @@ _SAMPLING = {
     "stop": _STOP,
     "stream": {"type": "boolean"},
     "stream_options": {"type": "object", "nullable": True, "properties": {"include_usage": {"type": "boolean"}}},
+    "top_k": {"type": "integer", "minimum": 0, "nullable": True},
+    "min_p": {"type": "number", "minimum": 0, "maximum": 1, "nullable": True},
+    "presence_penalty": {"type": "number", "minimum": -2, "maximum": 2, "nullable": True},
+    "frequency_penalty": {"type": "number", "minimum": -2, "maximum": 2, "nullable": True},
+    "repeat_penalty": {"type": "number", "minimum": 0.001, "maximum": 10, "nullable": True},
+    "repeat_last_n": {"type": "integer", "minimum": -1, "nullable": True},
+    "logit_bias": {"type": "object", "nullable": True, "additionalProperties": {"type": "number", "minimum": -100,
+                                                                                 "maximum": 100}},
 }
+_JSON_SCHEMA = {"type": "object", "description": "a JSON schema"}
+_TOOL = {"type": "object", "required": ["type", "function"], "properties": {
+    "type": {"type": "string", "enum": ["function"]},
+    "function": {"type": "object", "required": ["name"], "properties": {
+        "name": {"type": "string", "pattern": "^[A-Za-z0-9_.:-]{1,128}$"}, "description": {"type": "string"},
+        "parameters": _JSON_SCHEMA}}}}
 _CONTENT_PART = {"type": "object", "required": ["type", "text"],
                  "properties": {"type": {"type": "string", "enum": ["text"]}, "text": {"type": "string"}}}
 _CHAT_REQUEST = {
@@ -49,9 +63,18 @@ _CHAT_REQUEST = {
         "messages": {"type": "array", "minItems": 1, "maxItems": MAX_MESSAGES, "items": {
             "type": "object", "required": ["role", "content"],
             "properties": {"role": {"type": "string", "enum": sorted(ROLES)},
-                           "content": {"oneOf": [{"type": "string"}, {"type": "array", "items": _CONTENT_PART}]}},
+                           "content": {"oneOf": [{"type": "string"}, {"type": "array", "items": _CONTENT_PART}],
+                                       "nullable": True},
+                           "tool_calls": {"type": "array", "items": _OBJECT}, "tool_call_id": {"type": "string"}},
         }},
         **_SAMPLING,
+        "tools": {"type": "array", "items": _TOOL, "maxItems": 256},
+        "tool_choice": {"oneOf": [{"type": "string", "enum": ["auto", "none", "required"]}, _OBJECT]},
+        "parallel_tool_calls": {"type": "boolean"},
+        "response_format": {"type": "object", "required": ["type"], "properties": {
+            "type": {"type": "string", "enum": ["text", "json_object", "json_schema"]},
+            "json_schema": {"type": "object", "properties": {"name": {"type": "string"}, "schema": _JSON_SCHEMA,
+                                                             "strict": {"type": "boolean"}}}}},
     },
 }
 _COMPLETION_REQUEST = {
@@ -64,22 +87,26 @@ _MODEL_BODY = {"type": "object", "required": ["model"],
 
 
 _OLLAMA_ERROR = {"type": "object", "required": ["error"], "properties": {"error": {"type": "string"}}}
-_OLLAMA_OPTIONS = {"type": "object", "description": "temperature, top_p, top_k, seed, num_predict, stop, num_ctx "
-                   "(see docs/api.md: hardware options are ignored, other sampling options refused)", "properties": {
+_OLLAMA_OPTIONS = {"type": "object", "description": "sampling and context options: docs/api.md says what ncm does "
+                   "with each", "properties": {
     "temperature": {"type": "number", "minimum": 0, "maximum": 2}, "top_p": {"type": "number", "minimum": 0.01, "maximum": 1},
     "top_k": {"type": "integer", "minimum": 0}, "seed": {"type": "integer"},
     "num_predict": {"type": "integer", "minimum": 1}, "num_ctx": {"type": "integer", "minimum": 1},
-    "stop": {"type": "array", "items": {"type": "string", "minLength": 1}}}}
+    "stop": {"type": "array", "items": {"type": "string", "minLength": 1}},
+    "min_p": {"type": "number", "minimum": 0, "maximum": 1}, "repeat_penalty": {"type": "number", "minimum": 0.001,
+                                                                              "maximum": 10},
+    "repeat_last_n": {"type": "integer", "minimum": -1}}}
 _OLLAMA_COMMON = {"model": {"type": "string", "minLength": 1, "maxLength": 256}, "stream": {"type": "boolean"},
                   "options": _OLLAMA_OPTIONS,
                   "keep_alive": {"type": "string", "pattern": "^[1-9][0-9]?m$",
                                  "description": "a duration (\"5m\", \"1h\", seconds as a number); 0 unloads the model "
-                                                "after the answer, a negative one keeps it loaded"}}
+                                                "after the answer, a negative one keeps it loaded"},
+                  "format": {"oneOf": [{"type": "string", "enum": ["json"]}, _JSON_SCHEMA]}}
 _OLLAMA_CHAT = {"type": "object", "required": ["model", "messages"], "properties": {
     "messages": {"type": "array", "maxItems": MAX_MESSAGES, "items": {
         "type": "object", "required": ["role", "content"],
         "properties": {"role": {"type": "string", "enum": sorted(ROLES)}, "content": {"type": "string"}}}},
-    **_OLLAMA_COMMON}}
+    "tools": {"type": "array", "items": _TOOL, "maxItems": 256}, **_OLLAMA_COMMON}}
 _OLLAMA_GENERATE = {"type": "object", "required": ["model"], "properties": {
     "prompt": {"type": "string"}, "system": {"type": "string"}, "raw": {"type": "boolean"}, **_OLLAMA_COMMON}}
 
@@ -134,6 +161,9 @@ def openapi_document() -> dict[str, Any]:
         "paths": {
             "/health": {"get": _operation("liveness of this agent", 200)},
             "/v1/models": {"get": _operation("the models of the cluster", 200, 401, 503)},
+            "/v1/models/{model}": {"get": _operation("one model, by name or alias", 200, 401, 404, 503, parameters=[
+                {"name": "model", "in": "path", "required": True, "schema": {"type": "string", "minLength": 1,
+                                                                               "maxLength": 256}}])},
             "/v1/chat/completions": {"post": _operation(
                 "chat completion", 200, *_COMMON, 409, 429, body=_CHAT_REQUEST, stream=True,
                 parameters=[_AUTOLOAD])},

@@ -45,6 +45,9 @@ log = logging.getLogger(__name__)
 WAIT_POLL_S = 0.5
 
 
+LATEST_TAG = ":latest"
+
+
 class ModelRouter:
     def __init__(self, config: AgentConfig, store: ModelStore, membership: Membership, events: EventLog,
                  orchestrator: Callable[[ModelHooks], Orchestrator]) -> None:
@@ -88,9 +91,12 @@ class ModelRouter:
         return self.catalog.preset_of(name)
 
     def resolve(self, name: str | None) -> str:
-        """The canonical name of ``name`` (an alias, or None for the main model)."""
+        """The canonical name of ``name`` (an alias, or None for the main model); Ollama's
+        ``:latest`` tag, which ``/api/tags`` lists, names the model itself."""
         wanted = name or self.config.model
         canonical = self.catalog.resolve(wanted)
+        if canonical is None and wanted.endswith(LATEST_TAG):
+            canonical = self.catalog.resolve(wanted[:-len(LATEST_TAG)])
         if canonical is None or canonical not in self.registry.entries:
             raise UnknownModelError(wanted, self.presets)
         return canonical

@@ -130,7 +130,8 @@ class TokenLoop:
         chunk = deployment.settings.prefill_chunk
         token: int | None = None
         for seq, start in enumerate(range(0, len(ids), chunk)):
-            step = StepFrame(sid, seq, 0, start, order.epoch, order.plan_version, start + chunk >= len(ids), sampling)
+            last = start + chunk >= len(ids)
+            step = StepFrame(sid, seq, 0, start, order.epoch, order.plan_version, last, sampling if last else None)
             token = await self._step(order, step, np.asarray([ids[start:start + chunk]], dtype=np.int64),
                                      PREFILL_STEP_TIMEOUT_S)
         assert token is not None
@@ -146,7 +147,9 @@ class TokenLoop:
         max_context = deployment.settings.max_context
         if len(prompt_ids) + len(generated) + 1 > max_context:
             raise ValueError(f"the prompt has {len(prompt_ids)} tokens; the context of {deployment.name} is {max_context}")
-        sampling = {"temperature": params.temperature, "top_k": params.top_k, "top_p": params.top_p, "seed": params.seed}
+        sampling = params.wire()
+        if params.penalised:  # the penalties' window reaches back into the prompt
+            sampling["history"] = prompt_ids[-params.repeat_last_n:] if params.repeat_last_n > 0 else list(prompt_ids)
         stream = TextStream(deployment.tokenizer, params)
         for token in generated:  # their text went out already: only the stream's state matters
             stream.push(token)
@@ -164,8 +167,9 @@ class TokenLoop:
                 order = deployment.order
                 served = order.model if order.degraded else order.name
                 try:
-                    if token is None:
-                        token = await self._prefill(deployment, order, sid, context, sampling)
+                    if token is None:  # the tail catches up with the tokens chosen so far (grammar, penalties)
+                        token = await self._prefill(deployment, order, sid, context,
+                                                    {**sampling, "generated": context[len(prompt_ids):]})
                     text = stream.push(token)
                     unsent.append(token)
                     if stream.done:

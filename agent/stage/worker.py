@@ -45,14 +45,17 @@ from agent.stage.step_batcher import StepBatcher
 from agent.stage.weights import StoreWriteError, WeightTransferError
 from agent.stage.whole_copies import WholeCopies
 from shards.errors import CorruptWeightsError, ShardsError
+from shards.runtime.grammar import TokenMask, grammar_tokenizer
 from shards.runtime.sampling import Sampler, SamplingParams
 from shards.store.model_store import ModelStore
+from shards.text.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 RETIRE_GRACE_S = 30.0  # a replaced order keeps answering this long, for steps already under way
 MIN_FRAME_LIMIT_BYTES = 64 << 20  # data-plane frames this size are always taken
 FRAME_HEADER_BYTES = 64 << 10  # room for a frame's header on top of its tensor
-SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "seed")
+SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "seed", "min_p", "repeat_penalty", "presence_penalty",
+                   "frequency_penalty", "repeat_last_n", "logit_bias", "grammar")
 
 
 def _ranges(keys: set[RunnerKey]) -> str:
@@ -135,18 +138,19 @@ def _stage_fault(order: RoutingOrder, error: BaseException) -> dict[str, Any]:
     return fault
 
 
-def _sample(info: _SessionInfo, step: StepFrame, output: np.ndarray) -> int | None:
-    """The token the tail stage picks from ``output`` (None unless the step asks for one); the
-    session's sampler is made on its first step, from the step's parameters."""
-    if not step.sample:
-        return None
-    if step.start == 0 or info.sampler is None:
-        params = {k: v for k, v in (step.params or {}).items() if k in SAMPLING_FIELDS}
-        try:
-            info.sampler = Sampler(SamplingParams(**params))
-        except (ShardsError, TypeError) as error:
-            raise StageError("bad_request", str(error), None) from None
-    return int(info.sampler.sample(output[0, -1]))
+def _sampling_params(step: StepFrame) -> tuple[SamplingParams, list[int], list[int]]:
+    """What a sampling step asks for: its params, the context's recent prompt ids (for the
+    penalties) and the ids chosen already (a generation replayed on a new route)."""
+    raw = step.params or {}
+    fields = {k: v for k, v in raw.items() if k in SAMPLING_FIELDS}
+    history, generated = raw.get("history", []), raw.get("generated", [])
+    if not all(isinstance(ids, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in ids)
+               for ids in (history, generated)):
+        raise StageError("bad_request", "'history' and 'generated' must be lists of token ids", None)
+    try:
+        return SamplingParams(**fields), history, generated
+    except (ShardsError, TypeError) as error:
+        raise StageError("bad_request", str(error), None) from None
 
 
 class WorkerState(StateEnum):
@@ -187,6 +191,7 @@ class Worker:
         self.batcher = StepBatcher(self.executor)  # decode steps that meet in its queue run as one batch
         self.replies = Replies()  # results tails send straight here, for the requests this node orchestrates
         self.sessions: dict[str, _SessionInfo] = {}
+        self._grammar_tokenizers: dict[str, Any] = {}  # model -> llguidance's view of its tokenizer
         self._apply_lock = asyncio.Lock()
 
     # --- orders ---------------------------------------------------------------------------
@@ -404,7 +409,8 @@ class Worker:
             order, hop, output, info = await self._compute(step, tensor)
             next_node = order.next_after(hop.layers.last)
             if next_node is None:
-                await self._to_reply(step, ResultFrame(step.sid, step.seq, _sample(info, step, output)).header())
+                await self._to_reply(step, ResultFrame(step.sid, step.seq, await self._sample(order, info, step, output))
+                                     .header())
                 return
             await self.hand_on(order, next_node, step.at_layer(hop.layers.last + 1), output)
         except StageError as error:
@@ -435,6 +441,36 @@ class Worker:
         except StageError as error:  # the orchestrator is gone: its requests are over
             log.warning("could not send the %s of step %d of session %s to %s: %s",
                         header["kind"], step.seq, step.sid[:8], step.reply, error)
+
+    async def _sample(self, order: RoutingOrder, info: _SessionInfo, step: StepFrame, output: np.ndarray) -> int | None:
+        """The token this tail stage picks from ``output`` (None unless the step asks for one);
+        the session's sampler is made on its first sampling step, from the step's params."""
+        if not step.sample:
+            return None
+        if step.start == 0 or info.sampler is None:
+            params, history, generated = _sampling_params(step)
+            mask = None
+            if params.grammar is not None:
+                tokenizer = await self._grammar_tokenizer(order.model)
+                try:  # a large grammar takes a while to compile: off the event loop
+                    mask = await asyncio.to_thread(TokenMask, tokenizer, params.grammar)
+                    mask.accept_all(generated)
+                except ShardsError as error:
+                    raise StageError("bad_request", str(error), None) from None
+            info.sampler = Sampler(params, mask, [*history, *generated])
+        try:
+            return int(info.sampler.sample(output[0, -1]))
+        except ShardsError as error:  # the grammar allows nothing more that the model can say
+            raise StageError("bad_request", str(error), None) from None
+
+    async def _grammar_tokenizer(self, model: str) -> Any:
+        """llguidance's view of ``model``'s tokenizer, made once (in a thread: ~0.3 s)."""
+        if model not in self._grammar_tokenizers:
+            def build() -> Any:
+                tokenizer = Tokenizer.from_model_dir(self.store.model_dir(model))
+                return grammar_tokenizer(tokenizer.spec.tokenizer_json, tokenizer.vocab_size, tokenizer.eos_token_ids)
+            self._grammar_tokenizers[model] = await asyncio.to_thread(build)
+        return self._grammar_tokenizers[model]
 
     def _free(self, sid: str) -> None:
         self.sessions.pop(sid, None)

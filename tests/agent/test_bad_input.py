@@ -24,7 +24,7 @@ CASES = [
     ("a lone surrogate", b'{"messages": [{"role": "user", "content": "\\ud800"}]}', JSON, "unpaired surrogates"),
     ("bytes that are not UTF-8", b'{"model": "\xff\xfe"}', JSON, "UTF-8"),
     ("a role given as a list", b'{"messages": [{"role": ["user"], "content": "hi"}]}', JSON, "role must be one of"),
-    ("an unknown charset", b'{"a": 1}', {"Content-Type": "application/json; charset=klingon"}, "'messages'"),
+    ("an unknown charset", b'{"messages": 1}', {"Content-Type": "application/json; charset=klingon"}, "'messages'"),
     ("invalid gzip", b"not gzip at all", {**JSON, "Content-Encoding": "gzip"}, "could not be read as gzip"),
     ("a model name of 5000 characters", b'{"model": "' + b"m" * 5000 + b'", "messages": [{"role": "user", "content": "hi"}]}',
      JSON, "'model' is 5000 characters long; a model name or alias has at most 256"),

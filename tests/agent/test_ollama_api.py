@@ -53,13 +53,18 @@ def test_the_official_client_against_a_three_agent_cluster(tmp_path):
                 version = await call("GET", url + "/api/version")
                 assert version[0] == 200 and version[1]["version"]
 
+                # the names /api/tags lists resolve on the OpenAI side too
+                status, model = await call("GET", url + f"/v1/models/{TINY}:latest")
+                assert status == 200 and model["id"] == TINY, model
+                assert (await call("GET", url + "/v1/models/no-such-model"))[0] == 404
                 listed = await client("list")
                 assert [m.model for m in listed.models] == [f"{TINY}:latest"]
                 assert listed.models[0].details.family == "llama" and listed.models[0].size > 0
 
                 shown = await client("show", TINY)
                 assert shown.modelinfo["llama.block_count"] == 4
-                assert shown.capabilities == ["completion"]
+                assert shown.capabilities == ["completion", "tools"]
+                assert shown.modelinfo["ncm.tool_format"] == "generic"  # its template knows no tools
 
                 running = await client("ps")
                 assert [m.model for m in running.models] == [f"{TINY}:latest"]

@@ -11,13 +11,13 @@ MESSAGES = [{"role": "user", "content": "hi"}]
 def test_defaults_follow_openai():
     request = parse_request({"messages": MESSAGES}, chat=True)
     assert request.temperature == 1.0 and request.top_p == 1.0 and request.max_tokens is None
-    assert request.stream is False and request.stop == () and request.messages == (("user", "hi"),)
+    assert request.stream is False and request.stop == () and request.messages == ({"role": "user", "content": "hi"},)
 
 
 def test_text_parts_developer_role_and_stop_forms():
     request = parse_request({"messages": [{"role": "developer", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}],
                              "stop": "END", "stream": True, "stream_options": {"include_usage": True}}, chat=True)
-    assert request.messages == (("system", "ab"),) and request.stop == ("END",) and request.include_usage
+    assert request.messages == ({"role": "system", "content": "ab"},) and request.stop == ("END",) and request.include_usage
 
 
 def test_completion_prompt():
@@ -61,3 +61,59 @@ def test_a_role_that_is_not_a_string_is_a_typed_error(role):
     with pytest.raises(InvalidRequestError) as caught:
         parse_request({"messages": [{"role": role, "content": "hi"}]}, chat=True)
     assert caught.value.param == "messages[0].role"
+
+
+def test_integral_floats_count_as_integers():
+    request = parse_request({"messages": MESSAGES, "max_tokens": 8192.0, "seed": 7.0, "top_k": 40.0}, chat=True)
+    assert request.max_tokens == 8192 and request.seed == 7 and request.top_k == 40
+    with pytest.raises(InvalidRequestError) as caught:
+        parse_request({"messages": MESSAGES, "max_tokens": 10.5}, chat=True)
+    assert caught.value.param == "max_tokens"
+
+
+TOOL = {"type": "function", "function": {"name": "get_weather", "description": "the weather in a city",
+                                         "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}
+
+
+def test_a_tool_loop_parses_in_both_apis_forms():
+    openai_turn = {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": "{\"city\": \"Oslo\"}"}}]}
+    ollama_turn = {"role": "assistant", "content": "", "tool_calls": [
+        {"function": {"name": "get_weather", "arguments": {"city": "Oslo"}}}]}
+    for turn in (openai_turn, ollama_turn):
+        request = parse_request({"messages": [*MESSAGES, turn, {"role": "tool", "tool_call_id": "call_1", "content": "12 C"}],
+                                 "tools": [TOOL], "tool_choice": "required"}, chat=True)
+        assistant, result = request.messages[1], request.messages[2]
+        assert assistant["tool_calls"][0]["function"] == {"name": "get_weather", "arguments": {"city": "Oslo"}}
+        assert result["role"] == "tool" and result["content"] == "12 C"
+        assert request.tools[0].name == "get_weather" and request.tool_choice == "required" and request.calls_tools
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"tools": [TOOL], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
+    ({"tool_choice": "required"}, "tool_choice"),
+    ({"tools": [{"type": "function", "function": {"name": "a b"}}]}, "tools[0].function.name"),
+    ({"tools": [TOOL, TOOL]}, "tools[1].function.name"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format"),
+    ({"response_format": {"type": "xml"}}, "response_format"),
+    ({"logit_bias": {"abc": 1}}, "logit_bias"),
+    ({"logit_bias": {"5": 101}}, "logit_bias"),
+    ({"messages": [{"role": "user", "content": "hi", "images": ["aGk="]}]}, "messages[0].images"),
+    ({"messages": [{"role": "user", "content": "hi", "colour": "red"}]}, "messages[0].colour"),
+    ({"messages": [{"role": "user", "content": "hi", "tool_calls": [{"function": {"name": "x"}}]}]},
+     "messages[0].tool_calls"),
+])
+def test_each_bad_tool_or_format_field_is_named(body, param):
+    with pytest.raises(InvalidRequestError) as caught:
+        parse_request({"messages": MESSAGES, **body}, chat=True)
+    assert caught.value.param == param
+
+
+def test_response_formats():
+    assert parse_request({"messages": MESSAGES, "response_format": {"type": "json_object"}}, chat=True).json_schema \
+        == {"type": "object"}
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    body = {"messages": MESSAGES, "response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": schema,
+                                                                                               "strict": True}}}
+    assert parse_request(body, chat=True).json_schema == schema
+    assert parse_request({"messages": MESSAGES, "response_format": {"type": "text"}}, chat=True).json_schema is None

@@ -106,3 +106,28 @@ def test_a_temperature_too_small_to_divide_by_keeps_the_best_token() -> None:
     logits = np.array([0.5, 2.0, -1.0, 2.0 - 1e-9], dtype=np.float32)
     sampler = Sampler(SamplingParams(temperature=5e-324, seed=3))
     assert {int(sampler.sample(logits)) for _ in range(20)} <= {1, 3}
+
+
+def test_logit_bias_bans_and_forces_tokens():
+    logits = np.array([5.0, 4.0, 3.0, 0.0])
+    assert Sampler(SamplingParams(logit_bias={0: -100})).sample(logits) == 1
+    assert Sampler(SamplingParams(logit_bias=[[3, 100]])).sample(logits) == 3
+    with pytest.raises(SamplingError):
+        SamplingParams(logit_bias={0: 101})
+
+
+def test_penalties_follow_the_window_of_recent_tokens():
+    logits = np.array([2.0, 1.9, -1.0, 0.0])
+    # token 0 was in the prompt's last tokens: a repeat penalty of 2 halves its logit
+    assert Sampler(SamplingParams(repeat_penalty=2.0), history=[0]).sample(logits) == 1
+    assert Sampler(SamplingParams(repeat_penalty=2.0, repeat_last_n=1), history=[0, 3]).sample(logits) == 0
+    assert Sampler(SamplingParams(presence_penalty=0.5), history=[0]).sample(logits) == 1
+    sampler = Sampler(SamplingParams(frequency_penalty=0.06))
+    picks = [sampler.sample(logits) for _ in range(4)]  # each choice counts against itself
+    assert picks == [0, 0, 1, 0]
+
+
+def test_min_p_drops_the_unlikely():
+    logits = np.log(np.array([0.5, 0.3, 0.15, 0.05]))
+    sampler = Sampler(SamplingParams(temperature=1.0, min_p=0.4, seed=3))
+    assert set(sampler.allowed(logits)) == {0, 1}
