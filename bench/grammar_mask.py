@@ -23,7 +23,7 @@ if str(REPO_ROOT) not in sys.path:
 
 from shards.importers.pull import DEFAULT_MODEL, pull_model  # noqa: E402 - after the path
 from shards.runtime import generate as generation  # noqa: E402
-from shards.runtime.grammar import TokenMask, grammar_tokenizer, json_schema_grammar  # noqa: E402
+from shards.runtime.grammar import TokenMask, json_schema_grammar  # noqa: E402
 from shards.runtime.sampling import SamplingParams  # noqa: E402
 from shards.store.model_store import ModelStore  # noqa: E402
 
@@ -72,14 +72,8 @@ def main() -> None:
         ids = model.tokenizer.encode_chat([{"role": "user", "content": "Describe a person as JSON."}])
         free = decode_steps_s(model, ids, SamplingParams(max_tokens=args.tokens))
         grammar = json_schema_grammar(SCHEMA)
-        tok = model.tokenizer
-        llg = grammar_tokenizer(tok.spec.tokenizer_json, tok.vocab_size, tok.eos_token_ids)
-        original = generation.grammar_mask
-        generation.grammar_mask = lambda tokenizer, text: TimedMask(llg, text)
-        try:
-            constrained = decode_steps_s(model, ids, SamplingParams(max_tokens=args.tokens, grammar=grammar))
-        finally:
-            generation.grammar_mask = original
+        generation.TokenMask = TimedMask  # what generate() masks with, timed
+        constrained = decode_steps_s(model, ids, SamplingParams(max_tokens=args.tokens, grammar=grammar))
     step_ms = statistics.median(free) * 1e3
     constrained_ms = statistics.median(constrained) * 1e3
     mask_ms = statistics.median(TimedMask.seconds) * 1e3

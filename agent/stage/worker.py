@@ -466,10 +466,8 @@ class Worker:
     async def _grammar_tokenizer(self, model: str) -> Any:
         """llguidance's view of ``model``'s tokenizer, made once (in a thread: ~0.3 s)."""
         if model not in self._grammar_tokenizers:
-            def build() -> Any:
-                tokenizer = Tokenizer.from_model_dir(self.store.model_dir(model))
-                return grammar_tokenizer(tokenizer.spec.tokenizer_json, tokenizer.vocab_size, tokenizer.eos_token_ids)
-            self._grammar_tokenizers[model] = await asyncio.to_thread(build)
+            tokenizer = await asyncio.to_thread(Tokenizer.from_model_dir, self.store.model_dir(model))
+            self._grammar_tokenizers[model] = await asyncio.to_thread(grammar_tokenizer, tokenizer)
         return self._grammar_tokenizers[model]
 
     def _free(self, sid: str) -> None:

@@ -239,7 +239,8 @@ def generate(runners: Sequence[FragmentRunner], tokenizer: Tokenizer, prompt_ids
         raise RunnerError(f"the prompt has {len(ids)} tokens but the model's context holds {context_tokens}; "
                           "shorten it")
     session_id = session_id or f"gen-{uuid.uuid4().hex}"
-    sampler = Sampler(params, grammar_mask(tokenizer, params.grammar) if params.grammar is not None else None)
+    mask = TokenMask(grammar_tokenizer(tokenizer), params.grammar) if params.grammar is not None else None
+    sampler = Sampler(params, mask)
     stream = TextStream(tokenizer, params, skip_special_tokens=skip_special_tokens)
     opened = []
     try:
@@ -290,12 +291,6 @@ def prompt_ids_for(tokenizer: Tokenizer, prompt: str, *, raw: bool = False, syst
     messages = ([{"role": "system", "content": system}] if system is not None else []) + list(history)
     messages.append({"role": "user", "content": prompt})
     return tokenizer.encode_chat(messages, add_generation_prompt=True)
-
-
-def grammar_mask(tokenizer: Tokenizer, grammar: str) -> TokenMask:
-    """A generation's place in ``grammar`` over ``tokenizer``'s vocabulary."""
-    spec = tokenizer.spec
-    return TokenMask(grammar_tokenizer(spec.tokenizer_json, tokenizer.vocab_size, tokenizer.eos_token_ids), grammar)
 
 
 class LocalModel:

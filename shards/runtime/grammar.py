@@ -19,6 +19,7 @@ import llguidance
 import numpy as np
 
 from shards.errors import GrammarError
+from shards.text.tokenizer import Tokenizer
 
 # Compact JSON with one space after ':' and ',' (what models write); no free whitespace, so
 # that a weak model cannot pad its answer with blank lines until it runs out of tokens.
@@ -61,10 +62,11 @@ def _checked(grammar: str) -> str:
     return grammar
 
 
-def grammar_tokenizer(tokenizer_json: str, vocab_size: int, eos_token_ids: Sequence[int]) -> llguidance.LLTokenizer:
+def grammar_tokenizer(tokenizer: Tokenizer) -> llguidance.LLTokenizer:
     """llguidance's view of a model's tokenizer (its ``tokenizer.json``): build once per model."""
     try:
-        return llguidance.LLTokenizer(tokenizer_json, n_vocab=vocab_size, eos_token=list(eos_token_ids) or None)
+        return llguidance.LLTokenizer(tokenizer.spec.tokenizer_json, n_vocab=tokenizer.vocab_size,
+                                      eos_token=list(tokenizer.eos_token_ids) or None)
     except (ValueError, RuntimeError) as error:
         raise GrammarError(f"this model's tokenizer cannot drive a grammar: {error}") from None
 

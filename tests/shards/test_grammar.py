@@ -22,8 +22,7 @@ MAX_STEPS = 600
 
 @pytest.fixture(scope="module")
 def llg(smollm2_tokenizer):
-    tok = smollm2_tokenizer
-    return grammar_tokenizer(tok.spec.tokenizer_json, tok.vocab_size, tok.eos_token_ids)
+    return grammar_tokenizer(smollm2_tokenizer)
 
 
 def random_schema(rng: random.Random, depth: int = 0) -> dict:
