@@ -65,6 +65,7 @@ class ChatRequest:
     tool_choice: str = "auto"  # auto, none, required, or the name of the one tool to call
     parallel_tool_calls: bool = True
     json_schema: dict[str, Any] | None = field(default=None)  # the answer is JSON valid under it
+    logprobs: int | None = None  # report each token's log-probability and this many alternatives
 
     @property
     def calls_tools(self) -> bool:
@@ -75,7 +76,7 @@ class ChatRequest:
         return {"temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k, "min_p": self.min_p,
                 "seed": self.seed, "stop": self.stop, "repeat_penalty": self.repeat_penalty,
                 "presence_penalty": self.presence_penalty, "frequency_penalty": self.frequency_penalty,
-                "repeat_last_n": self.repeat_last_n, "logit_bias": self.logit_bias}
+                "repeat_last_n": self.repeat_last_n, "logit_bias": self.logit_bias, "logprobs": self.logprobs}
 
 
 def _number(body: dict[str, Any], name: str, default: float, low: float, high: float) -> float:
@@ -194,7 +195,24 @@ def parse_request(body: Any, *, chat: bool) -> ChatRequest:
         tool_choice=tool_choice,
         parallel_tool_calls=parallel,
         json_schema=response_schema(body.get("response_format")),
+        logprobs=_logprobs(body, chat=chat),
     )
+
+
+def _logprobs(body: dict[str, Any], *, chat: bool) -> int | None:
+    """How many alternatives to report with each token's log-probability (None: no log-probabilities):
+    chat's ``logprobs: true`` with ``top_logprobs`` (0-20), the legacy completions' ``logprobs`` (0-5)."""
+    wanted = body.get("logprobs")
+    if not chat:
+        return None if wanted is None or wanted is False else _integer(body, "logprobs", 0, 5)
+    if wanted is not None and not isinstance(wanted, bool):
+        raise InvalidRequestError("'logprobs' must be true or false", "logprobs")
+    top = _integer(body, "top_logprobs", 0, 20)
+    if not wanted:
+        if top:
+            raise InvalidRequestError("'top_logprobs' needs 'logprobs': true", "top_logprobs")
+        return None
+    return top or 0
 
 
 def _integer(body: dict[str, Any], name: str, low: int, high: int = 2**63 - 1) -> int | None:
@@ -204,7 +222,8 @@ def _integer(body: dict[str, Any], name: str, low: int, high: int = 2**63 - 1) -
         return None
     number = integer(value)
     if number is None or not low <= number <= high:
-        raise InvalidRequestError(f"'{name}' must be an integer of at least {low}, got {str(value)[:40]}", name)
+        bound = f"between {low} and {high}" if high < 2**63 - 1 else f"of at least {low}"
+        raise InvalidRequestError(f"'{name}' must be an integer {bound}, got {str(value)[:40]}", name)
     return number
 
 

@@ -93,18 +93,30 @@ class StepFrame:
 
 @dataclass(frozen=True)
 class ResultFrame:
-    """The tail's answer to a step: the sampled token (None when the step did not sample)."""
+    """The tail's answer to a step: the sampled token (None when the step did not sample) and,
+    when the request asks, its log-probability and the likeliest alternatives
+    (``logprobs``: ``(logprob, ((id, logprob), ...))``)."""
 
     sid: str
     seq: int
     token: int | None
+    logprobs: tuple[float, tuple[tuple[int, float], ...]] | None = None
 
     def header(self) -> dict[str, Any]:
-        return {"kind": "result", "sid": self.sid, "seq": self.seq, "token": self.token}
+        header = {"kind": "result", "sid": self.sid, "seq": self.seq, "token": self.token}
+        if self.logprobs is not None:
+            header["logprobs"] = {"logprob": self.logprobs[0], "top": [list(pair) for pair in self.logprobs[1]]}
+        return header
 
     @classmethod
     def from_header(cls, header: Mapping[str, Any]) -> ResultFrame:
-        return cls(header["sid"], header["seq"], header["token"])
+        logprobs = header.get("logprobs")
+        if logprobs is not None:
+            try:
+                logprobs = (float(logprobs["logprob"]), tuple((int(i), float(lp)) for i, lp in logprobs["top"]))
+            except (KeyError, TypeError, ValueError):
+                raise WireError("result frame: 'logprobs' must be {\"logprob\", \"top\": [[id, logprob], ...]}") from None
+        return cls(header["sid"], header["seq"], header["token"], logprobs)
 
 
 @dataclass(frozen=True)

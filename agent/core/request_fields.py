@@ -64,7 +64,6 @@ _SAMPLING_OPENAI = (
     Field("repeat_last_n", HONOURED, "the window of the three penalties (llama.cpp's extension; default 64, -1: all)"),
     Field("logit_bias", HONOURED, "adds to the logits of the token ids named (-100 bans one)"),
     Field("n", REFUSED, "one choice per request", (1,)),
-    Field("logprobs", REFUSED, "token log-probabilities are not returned yet", (False,)),
     Field("user", NO_EFFECT, "an end-user id for the app's own records"),
 )
 OPENAI_CHAT = _table(
@@ -75,7 +74,8 @@ OPENAI_CHAT = _table(
     Field("tool_choice", HONOURED, "auto, none, required or a named function (forced by constrained decoding)"),
     Field("parallel_tool_calls", HONOURED, "false: at most one call per answer"),
     Field("response_format", HONOURED, "text, json_object or json_schema (constrained decoding: the output parses)"),
-    Field("top_logprobs", REFUSED, "token log-probabilities are not returned yet", (0,)),
+    Field("logprobs", HONOURED, "each token's log-probability under the model (choices[].logprobs.content)"),
+    Field("top_logprobs", HONOURED, "with logprobs: that many likeliest alternatives per token (0-20)"),
     Field("reasoning_effort", REFUSED, "reasoning models are not supported yet"),
     Field("modalities", REFUSED, "text models only", (["text"],)),
     Field("audio", REFUSED, "text models only"),
@@ -93,6 +93,7 @@ OPENAI_CHAT = _table(
 OPENAI_COMPLETION = _table(
     *_SAMPLING_OPENAI,
     Field("prompt", HONOURED, "the text to continue (one string)"),
+    Field("logprobs", HONOURED, "each token's log-probability and that many likeliest alternatives (0-5)"),
     Field("echo", REFUSED, "the prompt is not repeated in the answer", (False,)),
     Field("suffix", REFUSED, "insertion is not supported", ("",)),
     Field("best_of", REFUSED, "one choice per request", (1,)),

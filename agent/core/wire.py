@@ -41,6 +41,7 @@ TENSOR_KINDS = frozenset({"step"})
 OPTIONAL_FIELDS: dict[str, dict[str, str]] = {
     "step": {"params": _MAP},
     "close": {"plan": _INT},
+    "result": {"logprobs": _MAP},
     "ping": {"cid": _INT},
     "pong": {"cid": _INT},
 }

@@ -172,8 +172,11 @@ class Replies:
             return
         if header["kind"] == "error":
             future.set_exception(StageError.from_header(header))
-        else:
+            return
+        try:
             future.set_result(ResultFrame.from_header(header))
+        except WireError as error:
+            future.set_exception(StageError("bad_result", str(error), None))
 
     def forget(self, sid: str, seq: int) -> None:
         future = self._waiting.pop((sid, seq), None)

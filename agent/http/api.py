@@ -66,7 +66,7 @@ from agent.orchestration.orchestrator import Completion, Deployment
 from agent.orchestration.public_errors import public_reason
 from shards.errors import ShardsError
 from shards.runtime.grammar import json_schema_grammar
-from shards.runtime.sampling import SamplingParams
+from shards.runtime.sampling import SamplingParams, TokenLogprobs
 from shards.runtime.tool_calls import ToolCall, call_grammar, may_hold_call, parse_calls, prompt_messages, tool_format
 from shards.text.tokenizer import Tokenizer
 
@@ -582,6 +582,28 @@ def tool_call_entries(calls: list[ToolCall], *, arguments_as_text: bool) -> list
     return entries
 
 
+def chat_logprobs(tokenizer: Tokenizer, entries: tuple[TokenLogprobs, ...]) -> dict[str, Any]:
+    """OpenAI's ``choices[].logprobs`` of a chat answer: one entry per token."""
+    def token(token_id: int, logprob: float) -> dict[str, Any]:
+        piece = tokenizer.token_bytes(token_id)
+        return {"token": piece.decode("utf-8", errors="replace"), "logprob": logprob, "bytes": list(piece)}
+
+    return {"content": [{**token(e.token, e.logprob), "top_logprobs": [token(i, lp) for i, lp in e.top]}
+                        for e in entries], "refusal": None}
+
+
+def completion_logprobs(tokenizer: Tokenizer, entries: tuple[TokenLogprobs, ...], offset: int) -> dict[str, Any]:
+    """The legacy completions' ``choices[].logprobs``; ``offset``: where the text starts."""
+    texts = [tokenizer.token_bytes(e.token).decode("utf-8", errors="replace") for e in entries]
+    offsets = []
+    for text in texts:
+        offsets.append(offset)
+        offset += len(text)
+    return {"tokens": texts, "token_logprobs": [e.logprob for e in entries], "text_offset": offsets,
+            "top_logprobs": [{tokenizer.token_bytes(i).decode("utf-8", errors="replace"): lp for i, lp in e.top}
+                             for e in entries]}
+
+
 class HeldText:
     """The answer's text as it streams, held back from the moment it may be a tool call
     (:func:`~shards.runtime.tool_calls.may_hold_call`) until the end, where the calls are
@@ -621,15 +643,20 @@ async def _generate(request: web.Request, parsed: ChatRequest, deployment: Deplo
         return {"prompt_tokens": last.prompt_tokens, "completion_tokens": last.completion_tokens,
                 "total_tokens": last.prompt_tokens + last.completion_tokens}
 
+    tokenizer = deployment.tokenizer
     if not parsed.stream:
-        pieces, last = [], Completion("", deployment.name)
+        pieces, last, logprobs = [], Completion("", deployment.name), []
         async for event in events:
             pieces.append(held.push(event.text))
+            logprobs += event.logprobs
             last = event
         rest, calls = held.finish()
         text_out = "".join(pieces) + rest
         finish = "tool_calls" if calls else last.finish_reason
         choice: dict[str, Any] = {"index": 0, "finish_reason": finish, "logprobs": None}
+        if parsed.logprobs is not None:
+            choice["logprobs"] = (chat_logprobs(tokenizer, tuple(logprobs)) if chat
+                                  else completion_logprobs(tokenizer, tuple(logprobs), 0))
         if chat:
             choice["message"] = {"role": "assistant", "content": text_out or (None if calls else "")}
             if calls:
@@ -647,15 +674,24 @@ async def _generate(request: web.Request, parsed: ChatRequest, deployment: Deplo
     await response.prepare(request)
     kind = "chat.completion.chunk" if chat else "text_completion"
 
+    sent_chars = 0  # of the text, for the legacy completions' text offsets
+
     async def send(model: str, text: str | None, finish: str | None, *, role: bool = False,
-                   tokens: tuple[int, ...] = (), calls: list[ToolCall] = ()) -> None:  # type: ignore[assignment]
+                   tokens: tuple[int, ...] = (), calls: list[ToolCall] = (),  # type: ignore[assignment]
+                   logprobs: tuple[TokenLogprobs, ...] = ()) -> None:
+        nonlocal sent_chars
         if chat:
             delta: dict[str, Any] = {"role": "assistant", "content": ""} if role else ({"content": text} if text else {})
             if calls:
                 delta["tool_calls"] = tool_call_entries(calls, arguments_as_text=True)
             choice = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}
+            if logprobs:
+                choice["logprobs"] = chat_logprobs(tokenizer, logprobs)
         else:
             choice = {"index": 0, "text": text or "", "finish_reason": finish, "logprobs": None}
+            if logprobs:
+                choice["logprobs"] = completion_logprobs(tokenizer, logprobs, sent_chars)
+            sent_chars += len(text or "")
         chunk = {"id": ident, "object": kind, "created": created, "model": model, "choices": [choice]}
         if with_tokens:
             chunk[TOKENS_FIELD] = list(tokens)
@@ -669,15 +705,16 @@ async def _generate(request: web.Request, parsed: ChatRequest, deployment: Deplo
             last = event
             text = held.push(event.text)
             if event.finish_reason is None:
-                await send(event.model, text, None, tokens=event.tokens)
+                await send(event.model, text, None, tokens=event.tokens, logprobs=event.logprobs)
                 continue
             rest, calls = held.finish()
             if calls:
-                await send(event.model, text + rest, None, tokens=event.tokens)
+                await send(event.model, text + rest, None, tokens=event.tokens, logprobs=event.logprobs)
                 await send(event.model, None, None, calls=calls)
                 await send(event.model, None, "tool_calls")
             else:
-                await send(event.model, text + rest, event.finish_reason, tokens=event.tokens)
+                await send(event.model, text + rest, event.finish_reason, tokens=event.tokens,
+                           logprobs=event.logprobs)
         if parsed.include_usage:
             chunk = {"id": ident, "object": kind, "created": created, "model": last.model, "choices": [],
                      "usage": usage_of(last)}

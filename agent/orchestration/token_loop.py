@@ -19,13 +19,13 @@ import numpy as np
 from agent.cluster.membership import Membership
 from agent.core.errors import ClusterError, InvalidRequestError
 from agent.core.orders import RoutingOrder
-from agent.core.protocol import CloseFrame, StepFrame
+from agent.core.protocol import CloseFrame, ResultFrame, StepFrame
 from agent.dataplane.links import SILENCE_S, StageError, StageLink
 from agent.local.compat import timeout
 from agent.orchestration.deployer import Deployment
 from agent.stage.worker import Worker
 from shards.runtime.generate import FINISH_LENGTH, TextStream
-from shards.runtime.sampling import SamplingParams
+from shards.runtime.sampling import SamplingParams, TokenLogprobs
 
 log = logging.getLogger(__name__)
 PREFILL_STEP_TIMEOUT_S = 300.0
@@ -43,6 +43,7 @@ class Completion:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     tokens: tuple[int, ...] = ()  # the sampled ids behind this event's text (since the previous event)
+    logprobs: tuple[TokenLogprobs, ...] = ()  # theirs, when the request asks
 
 
 class TokenLoop:
@@ -69,8 +70,8 @@ class TokenLoop:
             return False
         return True
 
-    async def _step(self, order: RoutingOrder, step: StepFrame, tensor: np.ndarray, timeout_s: float) -> int | None:
-        """Hand ``step`` to the head and return the token the tail sends straight here: each
+    async def _step(self, order: RoutingOrder, step: StepFrame, tensor: np.ndarray, timeout_s: float) -> ResultFrame:
+        """Hand ``step`` to the head and return the result the tail sends straight here: each
         hop is one network trip, and nothing comes back along the chain. A stage that fails,
         or whose next stage does not take the step, reports it here. One that vanishes or
         freezes says nothing: the step fails at once when this node's link to a stage of the
@@ -102,9 +103,8 @@ class TokenLoop:
                     raise StageError("stage_timeout", f"the pipeline did not answer within {timeout_s:g} s", head)
                 else:
                     await self._probe(order)
-            token = result.result().token
             self.worker.metrics.child(self.worker.metrics.step_latency, order.name).observe(loop.time() - sent_at)
-            return token
+            return result.result()
         finally:
             self.worker.replies.forget(step.sid, step.seq)
 
@@ -123,19 +123,19 @@ class TokenLoop:
                 raise outcome
 
     async def _prefill(self, deployment: Deployment, order: RoutingOrder, sid: str, ids: list[int],
-                       sampling: dict[str, Any]) -> int:
+                       sampling: dict[str, Any]) -> ResultFrame:
         """Feed ``ids`` from position 0 in chunks; the last chunk samples the next token."""
         for link in await self._links_to_stages(order):  # linked to every stage: one that dies is noticed at once
             await link.connect()
         chunk = deployment.settings.prefill_chunk
-        token: int | None = None
+        result: ResultFrame | None = None
         for seq, start in enumerate(range(0, len(ids), chunk)):
             last = start + chunk >= len(ids)
             step = StepFrame(sid, seq, 0, start, order.epoch, order.plan_version, last, sampling if last else None)
-            token = await self._step(order, step, np.asarray([ids[start:start + chunk]], dtype=np.int64),
-                                     PREFILL_STEP_TIMEOUT_S)
-        assert token is not None
-        return token
+            result = await self._step(order, step, np.asarray([ids[start:start + chunk]], dtype=np.int64),
+                                      PREFILL_STEP_TIMEOUT_S)
+        assert result is not None and result.token is not None
+        return result
 
     async def complete(self, deployment: Deployment, prompt_ids: list[int], params: SamplingParams,
                        generated: Sequence[int] = ()) -> AsyncIterator[Completion]:
@@ -157,37 +157,44 @@ class TokenLoop:
                 raise InvalidRequestError("the tokens to go on after end the generation already", "ncm_resume")
         context = [*prompt_ids, *generated]  # every token whose KV the stages must hold before the next step
         unsent: list[int] = []  # sampled ids whose text has not gone out yet
+        unsent_logprobs: list[TokenLogprobs] = []
         recoveries = 0
         sid = uuid.uuid4().hex
         self._running += 1
         self._none_running.clear()
         try:
-            token = None
+            result: ResultFrame | None = None
             while True:
                 order = deployment.order
                 served = order.model if order.degraded else order.name
                 try:
-                    if token is None:  # the tail catches up with the tokens chosen so far (grammar, penalties)
-                        token = await self._prefill(deployment, order, sid, context,
-                                                    {**sampling, "generated": context[len(prompt_ids):]})
+                    if result is None:  # the tail catches up with the tokens chosen so far (grammar, penalties)
+                        result = await self._prefill(deployment, order, sid, context,
+                                                     {**sampling, "generated": context[len(prompt_ids):]})
+                    token = result.token
+                    assert token is not None
                     text = stream.push(token)
                     unsent.append(token)
+                    if result.logprobs is not None:
+                        unsent_logprobs.append(TokenLogprobs(token, *result.logprobs))
                     if stream.done:
                         yield Completion(text, served, stream.finish_reason, len(prompt_ids), stream.completion_tokens,
-                                         tuple(unsent))
+                                         tuple(unsent), tuple(unsent_logprobs))
                         return
                     if len(context) + 1 >= max_context:
                         yield Completion(text + stream.finish(FINISH_LENGTH), served, FINISH_LENGTH,
-                                         len(prompt_ids), stream.completion_tokens, tuple(unsent))
+                                         len(prompt_ids), stream.completion_tokens, tuple(unsent),
+                                         tuple(unsent_logprobs))
                         return
                     if text:
-                        yield Completion(text, served, tokens=tuple(unsent))
+                        yield Completion(text, served, tokens=tuple(unsent), logprobs=tuple(unsent_logprobs))
                         unsent.clear()
+                        unsent_logprobs.clear()
                     context.append(token)
                     step = StepFrame(sid, len(context), 0, len(context) - 1, order.epoch, order.plan_version, True)
-                    token = None
-                    token = await self._step(order, step, np.asarray([[context[-1]]], dtype=np.int64),
-                                             DECODE_STEP_TIMEOUT_S)
+                    result = None
+                    result = await self._step(order, step, np.asarray([[context[-1]]], dtype=np.int64),
+                                              DECODE_STEP_TIMEOUT_S)
                 except StageError as error:
                     if error.node is None or error.node == self.node_id or recoveries >= MAX_RECOVERIES_PER_REQUEST:
                         raise
@@ -200,7 +207,7 @@ class TokenLoop:
                     if deployment.order.model != previous.order.model and deployment.tokenizer.vocab_size != previous.tokenizer.vocab_size:
                         raise ClusterError("the fallback model uses another tokenizer; the request cannot continue on it") from None
                     sid = uuid.uuid4().hex
-                    token = None  # replay everything so far on the new route
+                    result = None  # replay everything so far on the new route
         finally:
             self._running -= 1
             if not self._running:

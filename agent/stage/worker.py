@@ -55,7 +55,7 @@ RETIRE_GRACE_S = 30.0  # a replaced order keeps answering this long, for steps a
 MIN_FRAME_LIMIT_BYTES = 64 << 20  # data-plane frames this size are always taken
 FRAME_HEADER_BYTES = 64 << 10  # room for a frame's header on top of its tensor
 SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "seed", "min_p", "repeat_penalty", "presence_penalty",
-                   "frequency_penalty", "repeat_last_n", "logit_bias", "grammar")
+                   "frequency_penalty", "repeat_last_n", "logit_bias", "grammar", "logprobs")
 
 
 def _ranges(keys: set[RunnerKey]) -> str:
@@ -409,8 +409,7 @@ class Worker:
             order, hop, output, info = await self._compute(step, tensor)
             next_node = order.next_after(hop.layers.last)
             if next_node is None:
-                await self._to_reply(step, ResultFrame(step.sid, step.seq, await self._sample(order, info, step, output))
-                                     .header())
+                await self._to_reply(step, (await self._sample(order, info, step, output)).header())
                 return
             await self.hand_on(order, next_node, step.at_layer(hop.layers.last + 1), output)
         except StageError as error:
@@ -442,11 +441,12 @@ class Worker:
             log.warning("could not send the %s of step %d of session %s to %s: %s",
                         header["kind"], step.seq, step.sid[:8], step.reply, error)
 
-    async def _sample(self, order: RoutingOrder, info: _SessionInfo, step: StepFrame, output: np.ndarray) -> int | None:
-        """The token this tail stage picks from ``output`` (None unless the step asks for one);
-        the session's sampler is made on its first sampling step, from the step's params."""
+    async def _sample(self, order: RoutingOrder, info: _SessionInfo, step: StepFrame, output: np.ndarray) -> ResultFrame:
+        """The token this tail stage picks from ``output`` (None unless the step asks for one),
+        with its log-probabilities when the request asks; the session's sampler is made on its
+        first sampling step, from the step's params."""
         if not step.sample:
-            return None
+            return ResultFrame(step.sid, step.seq, None)
         if step.start == 0 or info.sampler is None:
             params, history, generated = _sampling_params(step)
             mask = None
@@ -459,9 +459,11 @@ class Worker:
                     raise StageError("bad_request", str(error), None) from None
             info.sampler = Sampler(params, mask, [*history, *generated])
         try:
-            return int(info.sampler.sample(output[0, -1]))
+            token = int(info.sampler.sample(output[0, -1]))
         except ShardsError as error:  # the grammar allows nothing more that the model can say
             raise StageError("bad_request", str(error), None) from None
+        chosen = info.sampler.last_logprobs
+        return ResultFrame(step.sid, step.seq, token, None if chosen is None else (chosen.logprob, chosen.top))
 
     async def _grammar_tokenizer(self, model: str) -> Any:
         """llguidance's view of ``model``'s tokenizer, made once (in a thread: ~0.3 s)."""

@@ -27,6 +27,7 @@ MAX_PENALTY = 2.0  # presence and frequency penalties, as OpenAI bounds them
 MAX_REPEAT_PENALTY = 10.0
 MAX_LOGIT_BIASES = 1024
 MAX_LOGIT_BIAS = 100.0
+MAX_TOP_LOGPROBS = 20  # as OpenAI bounds top_logprobs
 DEFAULT_REPEAT_LAST_N = 64  # llama.cpp's and Ollama's window for the penalties
 
 
@@ -39,6 +40,17 @@ def _number(value: Any, name: str, low: float, high: float) -> float:
 
 def _is_int(value: Any) -> bool:
     return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
+
+
+@dataclass(frozen=True)
+class TokenLogprobs:
+    """A chosen token's log-probability under the model (the log-softmax of its logits, before
+    any bias, penalty, grammar or temperature: what OpenAI reports) and the likeliest
+    alternatives, best first."""
+
+    token: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -70,6 +82,7 @@ class SamplingParams:
     repeat_last_n: int = DEFAULT_REPEAT_LAST_N
     logit_bias: tuple[tuple[int, float], ...] = ()
     grammar: str | None = None
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.temperature, bool) or not isinstance(self.temperature, (int, float, np.floating)):
@@ -120,6 +133,9 @@ class SamplingParams:
         object.__setattr__(self, "logit_bias", _logit_bias(self.logit_bias))
         if self.grammar is not None and not isinstance(self.grammar, str):
             raise SamplingError("grammar must be grammar text")
+        if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_TOP_LOGPROBS):
+            raise SamplingError(f"logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}] (the alternatives to "
+                                f"report), got {self.logprobs!r}")
 
     @property
     def greedy(self) -> bool:
@@ -143,7 +159,22 @@ class SamplingParams:
             fields["logit_bias"] = [list(pair) for pair in self.logit_bias]
         if self.grammar is not None:
             fields["grammar"] = self.grammar
+        if self.logprobs is not None:
+            fields["logprobs"] = self.logprobs
         return fields
+
+
+def _logprobs(row: np.ndarray, token: int, top_n: int) -> TokenLogprobs:
+    scores = row.astype(np.float64)
+    finite = scores[np.isfinite(scores)]
+    peak = finite.max()
+    log_total = peak + math.log(float(np.exp(finite - peak).sum()))
+    top: tuple[tuple[int, float], ...] = ()
+    if top_n:
+        best = np.argpartition(-scores, min(top_n, scores.size - 1))[:top_n]
+        best = best[np.lexsort((best, -scores[best]))]
+        top = tuple((int(i), float(scores[i] - log_total)) for i in best)
+    return TokenLogprobs(int(token), float(scores[token] - log_total), top)
 
 
 def _logit_bias(value: Any) -> tuple[tuple[int, float], ...]:
@@ -196,6 +227,7 @@ class Sampler:
         window = None if params.repeat_last_n == -1 else params.repeat_last_n
         self._recent: deque[int] | None = deque(history, maxlen=window) if params.penalised else None
         self._plain = not (params.penalised or params.logit_bias or constraint is not None)
+        self.last_logprobs: TokenLogprobs | None = None  # of the last choice, when the params ask
 
     def allowed(self, logits: np.ndarray) -> np.ndarray:
         """Ids the params allow for these logits (best first) and their probabilities."""
@@ -203,7 +235,7 @@ class Sampler:
 
     def sample(self, logits: np.ndarray) -> int:
         """The next token id for one row of logits (shape ``[vocab]``), counted as chosen."""
-        row = self._check(logits)
+        raw = row = self._check(logits)
         if not self._plain:
             row = self._check(self._adjusted(row))
         if self.params.greedy:
@@ -216,6 +248,8 @@ class Sampler:
                 cumulative = np.cumsum(probs)
                 pick = int(np.searchsorted(cumulative, self._rng.random() * cumulative[-1], side="right"))
                 token = int(ids[min(pick, len(ids) - 1)])
+        if self.params.logprobs is not None:
+            self.last_logprobs = _logprobs(raw, token, self.params.logprobs)
         self.accept(token)
         return token
 
@@ -295,4 +329,4 @@ class Sampler:
         return order, probs
 
 
-__all__ = ["Constraint", "SamplingParams", "Sampler"]
+__all__ = ["Constraint", "SamplingParams", "Sampler", "TokenLogprobs"]

@@ -128,6 +128,11 @@ class Tokenizer:
         stream = self.stream_decoder(skip_special_tokens=skip_special_tokens)
         return "".join(stream.push(i) for i in ids) + stream.flush()
 
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes one token stands for (an added token: its text), as the APIs report them."""
+        piece = self._byte_table[self._check_id(token_id)]
+        return piece if piece is not None else self._added_text.get(token_id, "").encode("utf-8")
+
     def stream_decoder(self, skip_special_tokens: bool = False) -> StreamDecoder:
         """A decoder fed one token id at a time (see :class:`StreamDecoder`)."""
         return StreamDecoder(self, skip_special_tokens=skip_special_tokens)

@@ -16,6 +16,7 @@ import time
 import urllib.request
 from pathlib import Path
 
+import jsonschema
 import pytest
 
 from tests.agent.agents import (
@@ -55,8 +56,9 @@ def start_chaos_cluster(tmp: Path, store_root: Path, orchestrator: int) -> list[
 class Stream:
     """A streamed chat completion read in a thread: pieces, models, error events, timings."""
 
-    def __init__(self, agent: Agent, max_tokens: int = TOKENS) -> None:
-        body = json.dumps({"messages": QUESTION, "temperature": 0, "max_tokens": max_tokens, "stream": True}).encode()
+    def __init__(self, agent: Agent, max_tokens: int = TOKENS, **fields: object) -> None:
+        body = json.dumps({"messages": QUESTION, "temperature": 0, "max_tokens": max_tokens, "stream": True,
+                           **fields}).encode()
         self.request = urllib.request.Request(agent.url + "/v1/chat/completions", data=body,
                                               headers={"Content-Type": "application/json"})
         self.pieces: list[str] = []
@@ -64,6 +66,7 @@ class Stream:
         self.stamps: list[float] = []
         self.errors: list[dict] = []
         self.ids: list[str] = []
+        self.tool_calls: list[dict] = []
         self.finish: str | None = None
         self.done = False
         self.failure: BaseException | None = None
@@ -94,6 +97,7 @@ class Stream:
                 assert "ncm_tokens" not in event, "internal fields must not reach the client"
                 for choice in event["choices"]:
                     content = choice["delta"].get("content")
+                    self.tool_calls += choice["delta"].get("tool_calls", [])
                     if content:
                         self.pieces.append(content)
                         self.models.append(event["model"])
@@ -198,6 +202,40 @@ def test_a_frozen_stage_is_blamed_itself_and_the_request_moves_on_without_waitin
             assert stream.models[-1] == FALLBACK and status["state"] == "degraded"
     finally:
         agents[victim].process.send_signal(signal.SIGCONT)
+
+
+ANSWER_SCHEMA = {"type": "object", "properties": {
+    "city": {"type": "string", "maxLength": 40},
+    "facts": {"type": "array", "items": {"type": "string", "maxLength": 60}, "minItems": 2, "maxItems": 3}},
+    "required": ["city", "facts"], "additionalProperties": False}
+WEATHER_TOOL = {"type": "function", "function": {
+    "name": "get_weather", "description": "The weather now in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 40}},
+                   "required": ["city"], "additionalProperties": False}}}
+
+
+@pytest.mark.parametrize("kind", ["json_schema", "tool_call"])
+def test_killing_the_tail_mid_answer_still_ends_in_valid_json(chaos, kind):
+    """The tail stage samples under the request's grammar: the route that takes over (the
+    fallback model's) catches up with the tokens chosen so far and keeps the answer valid."""
+    agents = chaos(orchestrator=0)
+    fields = ({"response_format": {"type": "json_schema", "json_schema": {"name": "paris", "schema": ANSWER_SCHEMA}}}
+              if kind == "json_schema" else {"tools": [WEATHER_TOOL], "tool_choice": "required"})
+    stream = Stream(agents[1], max_tokens=160, **fields)
+    # a tool call is held back until it ends: its chunks (one per token, empty) still come
+    wait_for(lambda: len(stream.ids) >= 8 or not stream.thread.is_alive(), timeout_s=120, what="8 chunks")
+    agents[2].kill()
+    stream.join()
+    assert stream.errors == [] and stream.done
+    if kind == "json_schema":
+        assert stream.models[-1] == FALLBACK  # the rest came from the fallback model, under the same grammar
+        jsonschema.validate(json.loads(stream.text), ANSWER_SCHEMA)
+    else:
+        assert stream.finish == "tool_calls" and len(stream.tool_calls) == 1, stream.tool_calls
+        call = stream.tool_calls[0]["function"]
+        assert call["name"] == "get_weather"
+        jsonschema.validate(json.loads(call["arguments"]), WEATHER_TOOL["function"]["parameters"])
+    assert status_of(agents[0])["state"] == "degraded"
 
 
 @pytest.mark.parametrize("victim", [1, 2], ids=["middle", "tail"])

@@ -92,7 +92,7 @@ def test_structured_output_validates(client):
 
 
 def test_fields_ncm_does_not_implement_are_refused_by_name(client):
-    for field, value in (("logprobs", True), ("n", 2), ("reasoning_effort", "low"), ("colour", "red")):
+    for field, value in (("n", 2), ("reasoning_effort", "low"), ("modalities", ["audio"]), ("colour", "red")):
         with pytest.raises(openai.BadRequestError) as caught:
             client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=2, extra_body={field: value})
         assert field in caught.value.message
@@ -148,3 +148,26 @@ def test_home_assistant_and_open_webui_requests_are_answered_as_ollama_would(age
         "seed": 42, "num_predict": 16.0}}
     status, answer = agent.post("/api/chat", open_webui)
     assert status == 200 and answer["done"] and answer["eval_count"] <= 16, answer
+
+
+def test_logprobs_of_chat_and_completions(client):
+    answer = client.chat.completions.create(model=MODEL, messages=ASK, temperature=0, max_tokens=8, logprobs=True,
+                                            top_logprobs=3)
+    content = answer.choices[0].logprobs.content
+    assert "".join(entry.token for entry in content) == answer.choices[0].message.content
+    for entry in content:  # greedy: the chosen token is the likeliest one
+        assert entry.logprob <= 0 and len(entry.top_logprobs) == 3
+        assert entry.top_logprobs[0].token == entry.token and entry.top_logprobs[0].logprob == entry.logprob
+        assert entry.top_logprobs[0].logprob >= entry.top_logprobs[1].logprob >= entry.top_logprobs[2].logprob
+        assert bytes(entry.bytes).decode() == entry.token
+    streamed = [entry for chunk in client.chat.completions.create(
+        model=MODEL, messages=ASK, temperature=0, max_tokens=8, logprobs=True, top_logprobs=3, stream=True)
+        if chunk.choices and chunk.choices[0].logprobs for entry in chunk.choices[0].logprobs.content]
+    assert [(e.token, round(e.logprob, 4)) for e in streamed] == [(e.token, round(e.logprob, 4)) for e in content]
+    completion = client.completions.create(model=MODEL, prompt="The capital of France is", temperature=0,
+                                           max_tokens=5, logprobs=2)
+    logprobs = completion.choices[0].logprobs
+    assert "".join(logprobs.tokens) == completion.choices[0].text and len(logprobs.top_logprobs[0]) == 2
+    assert logprobs.text_offset[0] == 0 and all(lp <= 0 for lp in logprobs.token_logprobs)
+    with pytest.raises(openai.BadRequestError, match="top_logprobs"):
+        client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=2, top_logprobs=2)

@@ -131,3 +131,16 @@ def test_min_p_drops_the_unlikely():
     logits = np.log(np.array([0.5, 0.3, 0.15, 0.05]))
     sampler = Sampler(SamplingParams(temperature=1.0, min_p=0.4, seed=3))
     assert set(sampler.allowed(logits)) == {0, 1}
+
+
+def test_logprobs_are_the_models_own_and_name_the_likeliest():
+    logits = np.array([2.0, 1.0, 0.0, -1.0])
+    sampler = Sampler(SamplingParams(logprobs=2, logit_bias={0: -100}))  # the bias changes the choice, not the report
+    token = sampler.sample(logits)
+    expected = logits - np.log(np.exp(logits).sum())
+    assert token == 1 and sampler.last_logprobs.token == 1
+    assert sampler.last_logprobs.logprob == pytest.approx(expected[1])
+    assert [i for i, _ in sampler.last_logprobs.top] == [0, 1]
+    assert Sampler(SamplingParams()).last_logprobs is None
+    with pytest.raises(SamplingError):
+        SamplingParams(logprobs=21)
