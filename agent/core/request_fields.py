@@ -49,7 +49,7 @@ def _table(*fields: Field) -> dict[str, Field]:
 
 _SAMPLING_OPENAI = (
     Field("model", HONOURED, "the model or alias (a name /v1/models or /api/tags lists; default: the main model)"),
-    Field("max_tokens", HONOURED, "most tokens to generate (default: what the context has room for)"),
+    Field("max_tokens", HONOURED, "most tokens to generate (default: the agent's default_max_tokens, 2048)"),
     Field("temperature", HONOURED, "sampling temperature, 0-2 (0: greedy)"),
     Field("top_p", HONOURED, "nucleus sampling"),
     Field("top_k", HONOURED, "keep the k likeliest tokens (llama.cpp's extension; 0: off)"),
@@ -104,7 +104,8 @@ OLLAMA_OPTIONS = _table(
     Field("top_k", HONOURED, "keep the k likeliest tokens (0: off)"),
     Field("min_p", HONOURED, "drop tokens below this share of the likeliest one's probability"),
     Field("seed", HONOURED, "a seeded request gives the same answer again on the same route (-1: random)"),
-    Field("num_predict", HONOURED, "most tokens to generate (-1, -2: until the end or the context is full)"),
+    Field("num_predict", HONOURED, "most tokens to generate (default: default_max_tokens; -1, -2: until the end, "
+                                   "the context full)"),
     Field("stop", HONOURED, "stop strings"),
     Field("num_ctx", HONOURED, "narrows the context (capped at what the model was planned for)"),
     Field("repeat_penalty", HONOURED, "divides the logits of recent tokens (1: off)"),
@@ -144,9 +145,31 @@ OLLAMA_GENERATE = _table(
     Field("template", REFUSED, "the model's own chat template is used", ("",)),
     Field("context", REFUSED, "send the conversation as messages to /api/chat", ([],)),
 )
+_DIMENSIONS = Field("dimensions", HONOURED, "accepted when it is the model's own size; other sizes are refused "
+                   "(400): these models' vectors cannot be shortened")
+OPENAI_EMBEDDINGS = _table(
+    Field("model", HONOURED, "an embedding model (GET /v1/models lists them)"),
+    Field("input", HONOURED, "a string or a list of strings (token ids are refused), each cut at what the model reads"),
+    Field("encoding_format", HONOURED, "float (default) or base64 (little-endian float32)"),
+    _DIMENSIONS,
+    Field("user", NO_EFFECT, "an end-user id for the app's own records"),
+)
+_OLLAMA_EMBED_COMMON = (
+    Field("model", HONOURED, "an embedding model (name or name:latest)"),
+    Field("options", REFUSED, "no option changes an embedding", ({},)),
+    Field("keep_alive", NO_EFFECT, "an embedding model stays open on the orchestrator"),
+)
+OLLAMA_EMBED = _table(
+    *_OLLAMA_EMBED_COMMON,
+    Field("input", HONOURED, "a string or a list of strings"),
+    Field("truncate", HONOURED, "true (default): a text longer than the model reads is cut; false: refused (400)"),
+    _DIMENSIONS,
+)
+OLLAMA_EMBEDDINGS = _table(*_OLLAMA_EMBED_COMMON, Field("prompt", HONOURED, "one string"))
 TABLES: Mapping[str, Mapping[str, Field]] = {
-    "/v1/chat/completions": OPENAI_CHAT, "/v1/completions": OPENAI_COMPLETION,
+    "/v1/chat/completions": OPENAI_CHAT, "/v1/completions": OPENAI_COMPLETION, "/v1/embeddings": OPENAI_EMBEDDINGS,
     "/api/chat": OLLAMA_CHAT, "/api/generate": OLLAMA_GENERATE, "options": OLLAMA_OPTIONS,
+    "/api/embed": OLLAMA_EMBED, "/api/embeddings": OLLAMA_EMBEDDINGS,
 }
 
 
@@ -173,8 +196,9 @@ def check_fields(body: Mapping[str, Any], table: Mapping[str, Field], *, where: 
 def markdown_tables() -> str:
     """The tables as docs/api.md prints them (a test keeps the two the same)."""
     titles = {"/v1/chat/completions": "`POST /v1/chat/completions`", "/v1/completions": "`POST /v1/completions`",
-              "/api/chat": "`POST /api/chat`", "/api/generate": "`POST /api/generate`",
-              "options": "Ollama's `options` (both endpoints)"}
+              "/v1/embeddings": "`POST /v1/embeddings`", "/api/chat": "`POST /api/chat`",
+              "/api/generate": "`POST /api/generate`", "options": "Ollama's `options` (chat and generate)",
+              "/api/embed": "`POST /api/embed`", "/api/embeddings": "`POST /api/embeddings`"}
     parts = []
     for key, table in TABLES.items():
         rows = ["| field | ncm | what it does |", "|---|---|---|"]
@@ -200,4 +224,5 @@ def integer(value: Any) -> int | None:
 
 
 __all__ = ["Field", "HONOURED", "NO_EFFECT", "REFUSED", "TABLES", "check_fields", "integer", "OPENAI_CHAT",
-           "OPENAI_COMPLETION", "OLLAMA_CHAT", "OLLAMA_GENERATE", "OLLAMA_OPTIONS", "markdown_tables"]
+           "OPENAI_COMPLETION", "OPENAI_EMBEDDINGS", "OLLAMA_CHAT", "OLLAMA_EMBED", "OLLAMA_EMBEDDINGS", "OLLAMA_GENERATE",
+           "OLLAMA_OPTIONS", "markdown_tables"]

@@ -44,6 +44,7 @@ from agent.http.app_keys import (
     ADMIN_TOKEN,
     CLIENT,
     CONFIG,
+    EMBEDDINGS,
     EVENTS,
     INVITES,
     LIFECYCLE,
@@ -326,7 +327,8 @@ async def cluster_plan(request: web.Request) -> web.StreamResponse:
 @on_orchestrator
 async def list_models(request: web.Request) -> web.StreamResponse:
     router = request.app[ROUTER]
-    return web.json_response({"object": "list", "data": [_model_object(info["id"]) for info in router.models()]})
+    names = [info["id"] for info in router.models()] + request.app[EMBEDDINGS].names()
+    return web.json_response({"object": "list", "data": [_model_object(name) for name in names]})
 
 
 def _model_object(name: str) -> dict[str, Any]:
@@ -338,7 +340,8 @@ def _model_object(name: str) -> dict[str, Any]:
 async def show_model(request: web.Request) -> web.StreamResponse:
     """One model, by a name or alias (``name:latest`` too): its canonical name answers."""
     name = check_model_name(request.match_info["model"])
-    return web.json_response(_model_object(request.app[ROUTER].resolve(name)))
+    embedding = request.app[EMBEDDINGS].resolve(name)
+    return web.json_response(_model_object(embedding or request.app[ROUTER].resolve(name)))
 
 
 # --- model management (design §10) -------------------------------------------------------------------
@@ -467,13 +470,16 @@ async def read_json(request: web.Request) -> Any:
     return body
 
 
-def sampling_params(chat: ChatRequest, prompt_tokens: int, max_context: int, grammar: str | None = None) -> SamplingParams:
+def sampling_params(chat: ChatRequest, prompt_tokens: int, max_context: int, grammar: str | None = None, *,
+                    default_max_tokens: int = 0) -> SamplingParams:
+    """How ``chat`` samples: at most ``max_tokens``, else ``default_max_tokens`` (0: none),
+    and never past the context."""
     room = max_context - prompt_tokens
     if room < 1:
         raise InvalidRequestError(
             f"the prompt has {prompt_tokens} tokens but the context holds {max_context}; shorten it",
             "messages" if chat.messages else "prompt", "context_length_exceeded")
-    max_tokens = min(chat.max_tokens or room, room)
+    max_tokens = min(chat.max_tokens or default_max_tokens or room, room)
     try:
         return SamplingParams(max_tokens=max_tokens, grammar=grammar, **chat.sampling_fields())
     except ShardsError as error:
@@ -564,7 +570,8 @@ def start_generation(request: web.Request, parsed: ChatRequest, deployment: Depl
     else its prompt as it is) on ``deployment``, timed and counted; ``max_context`` narrows
     the model's context."""
     prompt_ids, grammar, fmt = _prompt(parsed, deployment.tokenizer)
-    params = sampling_params(parsed, len(prompt_ids), max_context or deployment.settings.max_context, grammar)
+    params = sampling_params(parsed, len(prompt_ids), max_context or deployment.settings.max_context, grammar,
+                             default_max_tokens=request.app[CONFIG].default_max_tokens)
     events = request.app[METRICS].observe_generation(
         deployment.name, request.app[ORCHESTRATOR].complete(deployment, prompt_ids, params, resume))
     return Generation(events, fmt)

@@ -3,6 +3,7 @@ and the middleware that counts every answered request by route, model and status
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 from aiohttp import web
@@ -11,13 +12,15 @@ from prometheus_client import generate_latest
 from agent.http.app_keys import METRICS
 
 REQUEST_MODEL = web.RequestKey("ncm_model", str)  # the model a request was for, once known to exist (a label)
+CLIENT_CLOSED = 499  # the status a request counts under when its client hung up first (nginx's)
 
 routes = web.RouteTableDef()
 
 
 @web.middleware
 async def count_requests(request: web.Request, handler: Any) -> web.StreamResponse:
-    """Count every answered request by route, model (when the handler named one) and status."""
+    """Count every answered request by route, model (when the handler named one) and status
+    (:data:`CLIENT_CLOSED` when the client hung up before its answer ended)."""
     status = 500
     try:
         response = await handler(request)
@@ -25,6 +28,9 @@ async def count_requests(request: web.Request, handler: Any) -> web.StreamRespon
         return response
     except web.HTTPException as error:
         status = error.status
+        raise
+    except (asyncio.CancelledError, ConnectionResetError):  # aiohttp cancels the handler of a closed connection
+        status = CLIENT_CLOSED
         raise
     finally:
         resource = request.match_info.route.resource

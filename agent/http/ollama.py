@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import datetime
+import functools
 import hashlib
 import json
 import math
@@ -38,13 +39,15 @@ from agent.http.api import (
     start_generation,
     tool_call_entries,
 )
-from agent.http.app_keys import ORCHESTRATOR, ROUTER, STORE
+from agent.http.app_keys import EMBEDDINGS, ORCHESTRATOR, ROUTER, STORE
 from agent.http.clients import client_of
 from agent.http.metrics_endpoint import REQUEST_MODEL
 from agent.orchestration.orchestrator import Completion, Deployment
 from shards.errors import ShardsError
-from shards.importers.pull import pull_model, resolve_pull_name
+from shards.importers.pull import PULLABLE_ENCODERS, pull_encoder, pull_model, resolve_pull_name
+from shards.runtime.sampling import MAX_TOKENS_LIMIT
 from shards.runtime.tool_calls import ToolCall, tool_format
+from shards.store.encoder_manifest import EncoderManifest
 from shards.store.manifest import Manifest
 
 API_VERSION = "0.6.0"  # the version of Ollama's API these endpoints follow
@@ -213,7 +216,7 @@ def parse_options(body: dict[str, Any]) -> tuple[dict[str, Any], int | None]:
         if num_predict == 0:
             raise InvalidRequestError("option 'num_predict' must be a positive integer, or -1 (until the end) or -2 "
                                       "(fill the context)", "options.num_predict")
-        fields["max_tokens"] = num_predict if num_predict > 0 else None
+        fields["max_tokens"] = num_predict if num_predict > 0 else MAX_TOKENS_LIMIT  # -1, -2: the context decides
     stop = options.get("stop")
     if stop is not None:
         if isinstance(stop, str):
@@ -269,7 +272,24 @@ async def version(request: web.Request) -> web.Response:
 @on_orchestrator
 async def tags(request: web.Request) -> web.StreamResponse:
     """Every model the router knows (stored or in the presets), as Ollama lists its local models."""
-    return web.json_response({"models": [_entry(request, info) for info in request.app[ROUTER].models()]})
+    models = [_entry(request, info) for info in request.app[ROUTER].models()]
+    models += [_encoder_entry(request.app[STORE].encoder_manifest(name)) for name in request.app[EMBEDDINGS].names()]
+    return web.json_response({"models": models})
+
+
+def _encoder_details(manifest: EncoderManifest) -> dict[str, Any]:
+    parameters = manifest.weight_bytes // 4  # stored as float32
+    return {"parent_model": "", "format": "onnx", "family": manifest.architecture,
+            "families": [manifest.architecture], "parameter_size": _human_count(parameters),
+            "quantization_level": "F32"}
+
+
+def _encoder_entry(manifest: EncoderManifest) -> dict[str, Any]:
+    """An embedding model as /api/tags lists it."""
+    return {"name": f"{manifest.name}:{DEFAULT_TAG}", "model": f"{manifest.name}:{DEFAULT_TAG}",
+            "modified_at": _iso(0), "size": manifest.weight_bytes,
+            "digest": hashlib.sha256(manifest.source_digest.encode()).hexdigest(),
+            "details": _encoder_details(manifest)}
 
 
 @routes.get("/api/ps")
@@ -292,6 +312,9 @@ async def running(request: web.Request) -> web.StreamResponse:
 @on_orchestrator
 async def show(request: web.Request) -> web.StreamResponse:
     body = await read_json(request)
+    embedding = request.app[EMBEDDINGS].resolve(_name(body))
+    if embedding is not None:
+        return _show_encoder(request.app[STORE].encoder_manifest(embedding))
     name = _resolve(request, _name(body))
     router = request.app[ROUTER]
     info = router.model_info(name)
@@ -323,6 +346,18 @@ async def show(request: web.Request) -> web.StreamResponse:
     })
 
 
+def _show_encoder(manifest: EncoderManifest) -> web.Response:
+    arch = manifest.architecture
+    info = {"general.architecture": arch, "general.parameter_count": manifest.weight_bytes // 4,
+            f"{arch}.block_count": manifest.n_layers, f"{arch}.embedding_length": manifest.hidden_size,
+            f"{arch}.context_length": manifest.max_tokens, f"{arch}.attention.head_count": manifest.n_heads,
+            f"{arch}.feed_forward_length": manifest.intermediate_size,
+            f"{arch}.pooling_type": manifest.pooling, f"{arch}.normalize": manifest.normalize}
+    return web.json_response({"modelfile": f"# served by ncm\nFROM {manifest.name}\n", "parameters": "",
+                              "template": "", "details": _encoder_details(manifest), "model_info": info,
+                              "capabilities": ["embedding"], "modified_at": _iso(0)})
+
+
 @routes.post("/api/pull")
 @on_orchestrator
 async def pull(request: web.Request) -> web.StreamResponse:
@@ -330,19 +365,23 @@ async def pull(request: web.Request) -> web.StreamResponse:
     lists it from then on. Streams Ollama's status lines unless ``stream`` is false."""
     body = await read_json(request)
     name = _name(body)
-    try:
-        source, weights = resolve_pull_name(name)
-    except ShardsError as error:
-        raise InvalidRequestError(f"{error}", "model", "model_not_found", status=404) from None
+    if name in PULLABLE_ENCODERS:
+        pull, request[REQUEST_MODEL] = functools.partial(pull_encoder, name, request.app[STORE]), name
+    else:
+        try:
+            source, weights = resolve_pull_name(name)
+        except ShardsError as error:
+            raise InvalidRequestError(f"{error}", "model", "model_not_found", status=404) from None
+        pull = functools.partial(pull_model, name, request.app[STORE], weights=weights)
+        request[REQUEST_MODEL] = source.name
     stream = body.get("stream", True) is not False
-    request[REQUEST_MODEL] = source.name
     response: web.StreamResponse | None = None
     if stream:
         response = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})
         await response.prepare(request)
         await response.write(_line({"status": f"pulling {name}"}))
     try:
-        await asyncio.to_thread(pull_model, name, request.app[STORE], weights=weights, progress=False)
+        await asyncio.to_thread(pull, progress=False)
     except ShardsError as error:
         if response is None:
             raise InvalidRequestError(f"pulling {name} failed: {error}", "model", status=502) from None

@@ -111,6 +111,16 @@ _OLLAMA_GENERATE = {"type": "object", "required": ["model"], "properties": {
     "prompt": {"type": "string"}, "system": {"type": "string"}, "raw": {"type": "boolean"}, **_OLLAMA_COMMON}}
 
 
+_TEXTS = {"oneOf": [{"type": "string"}, {"type": "array", "minItems": 1, "maxItems": 2048, "items": {"type": "string"}}]}
+_EMBEDDINGS_REQUEST = {"type": "object", "required": ["model", "input"], "properties": {
+    "model": {"type": "string", "minLength": 1, "maxLength": 256}, "input": _TEXTS,
+    "encoding_format": {"type": "string", "enum": ["float", "base64"]}, "dimensions": {"type": "integer"}}}
+_OLLAMA_EMBED = {"type": "object", "required": ["model", "input"], "properties": {
+    "model": {"type": "string", "minLength": 1, "maxLength": 256}, "input": _TEXTS, "truncate": {"type": "boolean"}}}
+_OLLAMA_EMBEDDINGS = {"type": "object", "required": ["model", "prompt"], "properties": {
+    "model": {"type": "string", "minLength": 1, "maxLength": 256}, "prompt": {"type": "string"}}}
+
+
 def _answers(*statuses: int, stream: bool = False, ollama: bool = False) -> dict[str, Any]:
     responses: dict[str, Any] = {}
     for status in statuses:
@@ -192,6 +202,12 @@ def openapi_document() -> dict[str, Any]:
                                              *_COMMON, 409, 429, body=_OLLAMA_CHAT, stream=True, ollama=True)},
             "/api/generate": {"post": _operation("Ollama API: completion (NDJSON stream unless stream is false)", 200,
                                                  *_COMMON, 409, 429, body=_OLLAMA_GENERATE, stream=True, ollama=True)},
+            "/v1/embeddings": {"post": _operation("embeddings of texts (an embedding model)", 200, 400, 401, 404, 503,
+                                                  body=_EMBEDDINGS_REQUEST)},
+            "/api/embed": {"post": _operation("Ollama API: embeddings of a batch", 200, 400, 401, 404, 503,
+                                              ollama=True, body=_OLLAMA_EMBED)},
+            "/api/embeddings": {"post": _operation("Ollama API: the embedding of one prompt (older form)", 200, 400,
+                                                   401, 404, 503, ollama=True, body=_OLLAMA_EMBEDDINGS)},
             "/cluster/status": {"get": _operation("state of the cluster and its models", 200, 401, 503)},
             "/cluster/plan": {"get": _operation("the plan of the main model", 200, 401, 503)},
             "/cluster/nodes": {"get": _operation("this agent's view of the nodes", 200, 401)},

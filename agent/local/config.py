@@ -98,6 +98,7 @@ class AgentConfig:
     scrub_rate_mib_s: float = 16.0  # at most this fast, on a thread of the lowest priority
     max_requests_in_flight_per_client: int = 0  # per model and client; 0: all slots but one
     max_queued_requests_per_client: int = 0  # per model and client; 0: half the queue
+    default_max_tokens: int = 2048  # a request that names no max_tokens stops here; 0: at the end of the context
     # Settings given explicitly (file, environment or flags): they win over model presets.
     explicit: frozenset[str] = field(default=frozenset(), compare=False)
 
@@ -153,6 +154,9 @@ class AgentConfig:
         if self.max_requests_in_flight_per_client < 0 or self.max_queued_requests_per_client < 0:
             raise ConfigError("max_requests_in_flight_per_client and max_queued_requests_per_client must be >= 0 "
                               "(0 = all slots but one, half the queue)")
+        if self.default_max_tokens < 0:
+            raise ConfigError(f"default_max_tokens must be >= 0 (0 = up to the end of the context), "
+                              f"got {self.default_max_tokens}")
         if self.max_requests_in_flight < 1 or self.max_queued_requests < 0:
             raise ConfigError(f"max_requests_in_flight must be >= 1 and max_queued_requests >= 0 (0 = no queue), "
                               f"got {self.max_requests_in_flight} and {self.max_queued_requests}")
@@ -184,6 +188,7 @@ _FIELD_TYPES: dict[str, str] = {
     "models_load_timeout_s": "float", "sleep_idle_s": "float",
     "max_requests_in_flight": "int", "max_queued_requests": "int", "max_requests_in_flight_per_client": "int",
     "max_queued_requests_per_client": "int", "scrub_interval_s": "float", "scrub_rate_mib_s": "float",
+    "default_max_tokens": "int",
 }
 assert set(_FIELD_TYPES) == {f.name for f in fields(AgentConfig)} - {"explicit"}
 

@@ -57,13 +57,14 @@ from agent.core.protocol import (
 from agent.core.rate_limit import RateLimiter
 from agent.core.wire import decode_frame, encode_frame
 from agent.dataplane.links import Links
-from agent.http import api, dashboard_page, metrics_endpoint, ollama
+from agent.http import api, dashboard_page, embeddings, metrics_endpoint, ollama
 from agent.http.app_keys import (
     ADMIN_TOKEN,
     CLIENT,
     CONFIG,
     DATA_PLANE_SOCKETS,
     DRAIN_TIMEOUT_S,
+    EMBEDDINGS,
     EVENTS,
     INVITES,
     LIFECYCLE,
@@ -90,6 +91,7 @@ from agent.local.lifecycle import Lifecycle
 from agent.local.log_throttle import ThrottledWarning
 from agent.local.metrics import ClusterStateCollector, Metrics
 from agent.local.sd_notify import SystemdNotifier, format_status, run_watchdog, watchdog_interval_s
+from agent.models.embeddings import EmbeddingModels
 from agent.models.router import ModelRouter
 from agent.orchestration.orchestrator import Orchestrator
 from agent.stage.scrub import Scrubber
@@ -395,12 +397,14 @@ def build_app(config: AgentConfig, *, node_id: str, store: ModelStore, api_port:
     app[DRAIN_TIMEOUT_S] = drain_timeout_s
     app[EVENTS] = EventLog()
     app[METRICS] = Metrics()
+    app[EMBEDDINGS] = EmbeddingModels(store, config.threads)
     app[EVENTS].listen(app[METRICS].count_event)
     app.on_shutdown.append(close_data_plane)
     app.on_response_prepare.append(sign_answers)
     app.add_routes(internal)
     app.add_routes(api.routes)
     app.add_routes(ollama.routes)
+    app.add_routes(embeddings.routes)
     app.add_routes(dashboard_page.routes)
     app.add_routes(metrics_endpoint.routes)
 

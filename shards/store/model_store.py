@@ -13,6 +13,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from shards.errors import ModelFormatError, ModelNotFoundError
+from shards.store.encoder_manifest import ENCODER_FILE, EncoderManifest
 from shards.store.manifest import Manifest, valid_model_name
 
 log = logging.getLogger(__name__)
@@ -86,9 +87,27 @@ class ModelStore:
             parsed = self._parsed[name] = (text, Manifest.from_json(text))
         return parsed[1]
 
+    # --- embedding models (an encoder.json instead of a manifest.json) ----------------------------
+    def encoders(self) -> list[str]:
+        """Names of the stored embedding models."""
+        if not self.models_dir.is_dir():
+            return []
+        return sorted(p.name for p in self.models_dir.iterdir()
+                      if not p.name.startswith(".") and (p / ENCODER_FILE).is_file())
+
+    def has_encoder(self, name: str) -> bool:
+        return valid_model_name(name) and (self.models_dir / name / ENCODER_FILE).is_file()
+
+    def encoder_manifest(self, name: str) -> EncoderManifest:
+        """Embedding model ``name``'s manifest (ModelNotFoundError if it is not stored)."""
+        if not self.has_encoder(name):
+            raise ModelNotFoundError(f"embedding model {name!r} is not in the store "
+                                     f"(known: {', '.join(self.encoders()) or 'none'})")
+        return EncoderManifest.from_json((self.models_dir / name / ENCODER_FILE).read_text(encoding="utf-8"))
+
     def remove(self, name: str) -> None:
         """Delete model ``name`` (ModelNotFoundError if absent)."""
-        d = self.model_dir(name)
+        d = self.models_dir / name if self.has_encoder(name) else self.model_dir(name)
         self._parsed.pop(name, None)
         trash = self.models_dir / f"{_TMP_PREFIX}{os.getpid()}-rm-{name}"
         os.replace(d, trash)
@@ -98,7 +117,8 @@ class ModelStore:
     def staging(self, name: str) -> Iterator[Path]:
         """Yield a temp dir inside models_dir; on success it becomes models/NAME, else it is removed.
 
-        The caller writes manifest.json last. An existing model of the same name is replaced.
+        The caller writes manifest.json (an embedding model: encoder.json) last. An existing
+        model of the same name is replaced.
         """
         if not valid_model_name(name):
             raise ModelFormatError(f"bad model name {name!r}: use letters, digits, '.', '_', '-'")
@@ -107,7 +127,7 @@ class ModelStore:
         tmp = Path(tempfile.mkdtemp(prefix=f"{_TMP_PREFIX}{os.getpid()}-{name}-", dir=self.models_dir))
         try:
             yield tmp
-            if not (tmp / MANIFEST_FILE).is_file():
+            if not (tmp / MANIFEST_FILE).is_file() and not (tmp / ENCODER_FILE).is_file():
                 raise ModelFormatError(f"import of {name} wrote no manifest")
             final = self.models_dir / name
             if final.exists():

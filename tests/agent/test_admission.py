@@ -16,7 +16,7 @@ from typing import Any
 import aiohttp
 
 from agent.http.app_keys import ORCHESTRATOR, ROUTER
-from tests.agent.inprocess import LocalAgent, eventually
+from tests.agent.inprocess import LocalAgent, call, eventually
 from tests.agent.tiny import TINY, tiny_cluster
 
 
@@ -118,6 +118,10 @@ def test_the_queue_is_fifo_and_a_client_that_leaves_gives_up_its_place(tmp_path)
             results = {prompt: await task for prompt, task in tasks.items()}
             assert all(status == 200 for status, _, _ in results.values()), results
             assert gate.started == ["w5", "w6", "w8", "w10"]  # first come, first served; w7 never ran
+            # the hang-up counts as such on the agent it reached, not as a server error
+            metrics = (await call("GET", others[0].url + "/metrics"))[1]
+            assert 'endpoint="/v1/completions",model="",status="499"} 1.0' in metrics, metrics
+            assert 'status="500"' not in metrics
 
     asyncio.run(scenario())
 

@@ -88,6 +88,19 @@ def test_the_dashboard_shows_the_cluster_streams_a_chat_and_sees_a_device_die(sm
             page.screenshot(path=str(artifacts / "2-chat.png"), full_page=True)
             assert not problems, problems
 
+            # Stop: the answer so far stays, the form takes the next message
+            page.fill("#chat-input", "Write a long story about a dragon who learns to cook.")
+            page.click("#chat-send")
+            stopping = page.locator("#chat-log .msg.assistant").last
+            page.wait_for_function("() => { const m = [...document.querySelectorAll('#chat-log .msg.assistant')].pop();"
+                                   " return m && m.classList.contains('streaming') && m.textContent.length > 0; }",
+                                   timeout=120_000)
+            page.click("#chat-stop")
+            page.wait_for_function("() => !document.querySelector('#chat-send').disabled", timeout=30_000)
+            assert "streaming" not in (stopping.get_attribute("class") or "") and stopping.inner_text()
+            assert "stopped" in page.locator("#chat-stats").inner_text()
+            assert page.locator("#chat-stop").is_hidden() and not problems, problems
+
             phone = browser.new_page(viewport={"width": 390, "height": 844}, is_mobile=True, has_touch=True)
             phone.goto(host.url + "/")
             phone.wait_for_selector("svg.layer-map", timeout=15_000)

@@ -166,3 +166,19 @@ def test_pull_takes_known_models_only_and_needs_the_admin_token(tmp_path):
             assert unknown.value.status_code == 404 and "llama9-900b" in unknown.value.error
 
     asyncio.run(scenario())
+
+
+def test_a_request_without_a_length_stops_at_the_default_unless_it_asks_for_the_context(tmp_path):
+    async def scenario() -> None:
+        async with tiny_cluster(tmp_path, 1, default_max_tokens=3) as (leader, _):
+            status, answer = await call("POST", leader.url + "/v1/chat/completions", {
+                "model": TINY, "messages": MESSAGES, "temperature": 0, "logit_bias": {"2": -100}})  # no end token
+            assert status == 200 and answer["usage"]["completion_tokens"] == 3, answer
+            assert answer["choices"][0]["finish_reason"] == "length"
+            status, answer = await call("POST", leader.url + "/api/chat", {
+                "model": TINY, "messages": MESSAGES, "stream": False,
+                "options": {"temperature": 0, "num_predict": -1, "num_ctx": 32.0}})
+            assert status == 200, answer  # -1: until the end (its own, or the context's), not the default
+            assert answer["eval_count"] > 3 or answer["done_reason"] == "stop", answer
+
+    asyncio.run(scenario())

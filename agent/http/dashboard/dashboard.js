@@ -8,7 +8,7 @@ const S = {
   token: "", status: null, models: [], tps: [], conv: [], busy: new Set(),
   live: { events: false, models: false }, liveErr: {}, events: [], seen: new Set(),
   nodeCache: new Map(), modelCache: new Map(), mapKey: "", optKey: "", picked: false,
-  chatBusy: false, chatAbort: null,
+  chatBusy: false, chatAbort: null, chatStopped: null,
 };
 
 // -- small helpers
@@ -548,7 +548,7 @@ function addMsg(role, text) {
   return m;
 }
 function scrollChat() { const l = $("chat-log"); l.scrollTop = l.scrollHeight; }
-function setChatBusy(b) { S.chatBusy = b; $("chat-send").disabled = b; }
+function setChatBusy(b) { S.chatBusy = b; $("chat-send").disabled = b; $("chat-stop").hidden = !b; }
 // The temperature field: empty means the API's default (1); 0 answers greedily.
 function chatTemperature() {
   const raw = $("chat-temperature").value.trim();
@@ -602,7 +602,9 @@ async function sendChat() {
     if (!ctrl.signal.aborted) err = "network error: " + str(e && e.message ? e.message : e);
   }
   el.classList.remove("streaming");
-  if (ctrl.signal.aborted || S.chatAbort !== ctrl) return;
+  const stopped = S.chatStopped === ctrl;  // Stop: the answer so far stays, the agent stops generating
+  if (stopped) S.chatStopped = null;
+  if ((ctrl.signal.aborted && !stopped) || S.chatAbort !== ctrl) return;
   S.chatAbort = null;
   setChatBusy(false);
   const secs = Math.max(0.001, (performance.now() - t0) / 1000);
@@ -616,11 +618,16 @@ async function sendChat() {
   }
   if (tn.data && (!err || n)) {
     const toks = usage ?? n;
-    const line = `${toks} tokens in ${secs.toFixed(1)} s · ${(toks / secs).toFixed(1)} tokens/s`;
+    const line = `${stopped ? "stopped · " : ""}${toks} tokens in ${secs.toFixed(1)} s · ${(toks / secs).toFixed(1)} tokens/s`;
     meta.append(line);
     $("chat-stats").textContent = line;
   }
   input.focus();
+}
+function stopChat() {
+  if (!S.chatAbort) return;
+  S.chatStopped = S.chatAbort;
+  S.chatAbort.abort();  // closing the stream stops the generation on the cluster
 }
 function clearChat() {
   if (S.chatAbort) S.chatAbort.abort();
@@ -650,6 +657,7 @@ function start() {
     if (e.key === "Enter" && !e.shiftKey && !e.isComposing) { e.preventDefault(); sendChat(); }
   });
   $("chat-clear").addEventListener("click", clearChat);
+  $("chat-stop").addEventListener("click", stopChat);
   $("chat-model").addEventListener("change", () => { S.picked = true; });
 
   loop(refreshNodes, 1000);
