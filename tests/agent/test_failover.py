@@ -20,6 +20,7 @@ import jsonschema
 import pytest
 
 from tests.agent.agents import (
+    ADMIN,
     FALLBACK,
     MAIN,
     Agent,
@@ -434,3 +435,29 @@ def test_without_fallback_a_lost_layer_fails_the_model_which_loads_again_by_itse
         assert code == 200 and body["model"] == MAIN, body
     finally:
         events.close()
+
+
+def worker_of(agent: Agent) -> dict:
+    """What ``agent``'s worker reports of itself (its served and staged orders)."""
+    nodes = agent.get("/cluster/nodes", timeout_s=10)[1]["nodes"]
+    return next(node for node in nodes if node["self"])["worker"]
+
+
+def test_a_node_frozen_through_an_unload_drops_the_model_once_it_wakes(chaos):
+    """Reconciliation with real processes: the unload cannot reach a frozen node; once it
+    wakes, the orchestrator sees it still holds the model's orders and tells it again."""
+    agents = chaos(orchestrator=0)
+    frozen = agents[2]
+    frozen_id = frozen.node_id()
+    wait_for(lambda: MAIN in worker_of(frozen)["models"], timeout_s=120, what="the third node serving its part")
+    frozen.process.send_signal(signal.SIGSTOP)
+    try:
+        wait_for(lambda: frozen_id not in status_of(agents[0]).get("nodes_alive", []), timeout_s=120,
+                 what="the frozen node counted as gone")
+        status, body = agents[0].post("/models/unload", {"model": MAIN}, headers=ADMIN)
+        assert status == 200, body
+    finally:
+        frozen.process.send_signal(signal.SIGCONT)
+    wait_for(lambda: not worker_of(frozen)["models"] and not worker_of(frozen)["staged"], timeout_s=180,
+             what="the woken node to drop the model it kept")
+    assert "which is not deployed: dropping it there" in agents[0].log()
