@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import math
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from agent.core.errors import InvalidRequestError
@@ -64,7 +64,7 @@ class ChatRequest:
     tools: tuple[Tool, ...] = ()
     tool_choice: str = "auto"  # auto, none, required, or the name of the one tool to call
     parallel_tool_calls: bool = True
-    json_schema: dict[str, Any] | None = field(default=None)  # the answer is JSON valid under it
+    json_schema: dict[str, Any] | None = None  # the answer is JSON valid under it
     logprobs: int | None = None  # report each token's log-probability and this many alternatives
 
     @property

@@ -15,12 +15,12 @@ from dataclasses import dataclass
 import numpy as np
 
 from agent.core.errors import InvalidRequestError, ModelLoadError
+from agent.models.router import LATEST_TAG
 from shards.errors import ShardsError
 from shards.runtime.embedder import Embedder
 from shards.store.model_store import ModelStore
 
 log = logging.getLogger(__name__)
-LATEST_TAG = ":latest"
 
 
 @dataclass(frozen=True)
@@ -72,13 +72,13 @@ class EmbeddingModels:
                 self._open[name] = embedder
                 log.info("opened embedding model %s (%d dimensions)", name, embedder.dimensions)
             opened = time.perf_counter()
-            counts = await asyncio.to_thread(embedder.count_tokens, texts)
-            if not truncate and max(counts) >= embedder.manifest.max_tokens:
-                longest = counts.index(max(counts))
-                raise InvalidRequestError(f"input[{longest}] is longer than the {embedder.manifest.max_tokens} tokens "
+            encodings = await asyncio.to_thread(embedder.tokenize, texts)
+            cut = next((index for index, e in enumerate(encodings) if e.overflowing), None)
+            if not truncate and cut is not None:
+                raise InvalidRequestError(f"input[{cut}] is longer than the {embedder.manifest.max_tokens} tokens "
                                           f"{name} reads (truncate: true cuts it)", "input")
-            vectors = await asyncio.to_thread(embedder.embed, texts)
-            return Embeddings(vectors, sum(counts), opened - started, time.perf_counter() - opened)
-
+            vectors = await asyncio.to_thread(embedder.run, encodings)
+            return Embeddings(vectors, sum(len(e.ids) for e in encodings), opened - started,
+                              time.perf_counter() - opened)
 
 __all__ = ["Embeddings", "EmbeddingModels"]

@@ -94,9 +94,8 @@ def import_encoder(folder: Path | str, *, name: str, store: ModelStore) -> Encod
     files = sorted(folder.glob("*.safetensors"))
     if not files:
         raise ModelFormatError(f"{folder.name}: no .safetensors weights")
-    for file in TOKENIZER_FILES[:1]:
-        if not (folder / file).is_file():
-            raise ModelFormatError(f"{folder.name}: no {file}")
+    if not (folder / "tokenizer.json").is_file():
+        raise ModelFormatError(f"{folder.name}: no tokenizer.json")
     tensors: dict[str, np.ndarray] = {}
     digest = hashlib.sha256()
     for file in files:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -55,26 +56,30 @@ class Embedder:
     def dimensions(self) -> int:
         return self.manifest.hidden_size
 
-    def count_tokens(self, texts: Sequence[str]) -> list[int]:
-        """The tokens each text is read as (after the cut)."""
-        return [len(e.ids) for e in self._tokenizer.encode_batch(list(texts))]
+    def tokenize(self, texts: Sequence[str]) -> list[Any]:
+        """Each text as the model reads it (a ``tokenizers`` encoding: ``ids``, and
+        ``overflowing`` not empty when the text was cut)."""
+        if not texts or not all(isinstance(t, str) for t in texts):
+            raise RunnerError("embed() takes a non-empty list of strings")
+        return self._tokenizer.encode_batch(list(texts))
+
+    def run(self, encodings: Sequence[Any]) -> np.ndarray:
+        """``[len(encodings), dimensions]`` float32: one embedding per encoding, in order."""
+        out = np.empty((len(encodings), self.dimensions), dtype=np.float32)
+        for start in range(0, len(encodings), BATCH_TEXTS):
+            batch = encodings[start:start + BATCH_TEXTS]
+            longest = max(len(e.ids) for e in batch)
+            ids = np.zeros((len(batch), longest), dtype=np.int64)
+            mask = np.zeros_like(ids)
+            for row, encoding in enumerate(batch):
+                ids[row, :len(encoding.ids)] = encoding.ids
+                mask[row, :len(encoding.ids)] = 1
+            out[start:start + len(batch)] = self._session.run(["embeddings"], {"input_ids": ids, "attention_mask": mask})[0]
+        return out
 
     def embed(self, texts: Sequence[str]) -> np.ndarray:
         """``[len(texts), dimensions]`` float32: one embedding per text, in order."""
-        if not texts or not all(isinstance(t, str) for t in texts):
-            raise RunnerError("embed() takes a non-empty list of strings")
-        out = np.empty((len(texts), self.dimensions), dtype=np.float32)
-        for start in range(0, len(texts), BATCH_TEXTS):
-            encodings = self._tokenizer.encode_batch(list(texts[start:start + BATCH_TEXTS]))
-            longest = max(len(e.ids) for e in encodings)
-            ids = np.zeros((len(encodings), longest), dtype=np.int64)
-            mask = np.zeros_like(ids)
-            for row, encoding in enumerate(encodings):
-                ids[row, :len(encoding.ids)] = encoding.ids
-                mask[row, :len(encoding.ids)] = 1
-            out[start:start + len(encodings)] = self._session.run(["embeddings"],
-                                                                  {"input_ids": ids, "attention_mask": mask})[0]
-        return out
+        return self.run(self.tokenize(texts))
 
 
 __all__ = ["BATCH_TEXTS", "Embedder"]

@@ -74,7 +74,7 @@ def grammar_tokenizer(tokenizer: Tokenizer) -> llguidance.LLTokenizer:
 class TokenMask:
     """One generation's place in a grammar: which tokens may come next.
 
-    ``mask(row)`` returns the row with every forbidden token at ``-inf`` (ids past the
+    ``mask(row)`` sets every forbidden token of the row to ``-inf`` (ids past the
     tokenizer's vocabulary, padding of the output layer, are always forbidden); ``accept``
     moves on by the token that was chosen. Once the grammar is complete only end-of-generation
     tokens are allowed.
@@ -88,12 +88,13 @@ class TokenMask:
         self._bits = np.zeros((self._vocab_size + 31) // 32, dtype=np.int32)
 
     def mask(self, row: np.ndarray) -> np.ndarray:
+        """``row`` (a float row the caller owns) with the forbidden tokens at ``-inf``, in place."""
         self._matcher.unsafe_compute_mask_ptr(self._bits.ctypes.data, self._bits.nbytes)
         self._raise_on_error()
-        allowed = np.unpackbits(self._bits.view(np.uint8), bitorder="little")[:row.size].astype(bool)
-        masked = np.full(row.shape, -np.inf, dtype=np.float64)
-        masked[:allowed.size][allowed] = row[:allowed.size][allowed]
-        return masked
+        allowed = np.unpackbits(self._bits.view(np.uint8), count=min(row.size, self._vocab_size), bitorder="little")
+        row[:allowed.size][allowed == 0] = -np.inf
+        row[allowed.size:] = -np.inf
+        return row
 
     def accept(self, token: int) -> None:
         if not self._matcher.consume_token(int(token)):

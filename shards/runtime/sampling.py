@@ -202,7 +202,8 @@ def _logit_bias(value: Any) -> tuple[tuple[int, float], ...]:
 
 
 class Constraint(Protocol):
-    """What limits the next token beyond the params (a grammar: :class:`~shards.runtime.grammar.TokenMask`)."""
+    """What limits the next token beyond the params (a grammar: :class:`~shards.runtime.grammar.TokenMask`);
+    ``mask`` sets the forbidden ids of a row the sampler owns (a copy) to -inf."""
 
     def mask(self, row: np.ndarray) -> np.ndarray: ...
 
