@@ -36,8 +36,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from agent.cli.http_client import http_json  # noqa: E402
 from agent.cli.demo import _ensure_model, start_local_cluster, stop_processes, wait_ready  # noqa: E402
+from agent.cli.http_client import http_json  # noqa: E402
 from agent.core.errors import NcmError  # noqa: E402
 
 MODEL = "smollm2-135m"

@@ -54,12 +54,16 @@ from shards.store.model_store import MANIFEST_FILE
 from shards.store.verify import verify_weight_files
 
 log = logging.getLogger(__name__)
-BUILDER_VERSION = 13
+BUILDER_VERSION = 14
 FRAGMENTS_DIR = "fragments"  # the default cache, inside the model's directory
 BLOB_POOL = ".blobs"
 TMP_PREFIX = ".tmp-frag-"
-# accuracy_level of MatMulNBits: 4 = int8 activations (fast on CPU); 0 = as precise as A.
-Q4_ACCURACY_LEVEL = 4
+# accuracy_level of MatMulNBits on CPU: 0 = float activations, 4 = int8 ones (per block of 32).
+# 4-bit layer weights take float activations: as fast when decoding, and int8 ones flipped the
+# packaged model's answers. 8-bit weights (lm_head) have no fast float kernel: int8, in two
+# passes (see fragment_graph._Builder._linear_nbits).
+Q4_ACCURACY_LEVEL = 0
+Q8_ACCURACY_LEVEL = 4
 
 
 def load_manifest(model_dir: Path) -> Manifest:
@@ -73,7 +77,7 @@ def load_manifest(model_dir: Path) -> Manifest:
 def fragment_key(m: Manifest, spec: FragmentSpec) -> str:
     """Cache key: changes when the builder, the weights, the range, flavour or shapes change."""
     doc = {
-        "builder": BUILDER_VERSION, "ir": IR_VERSION, "q4_level": Q4_ACCURACY_LEVEL,
+        "builder": BUILDER_VERSION, "ir": IR_VERSION, "q4_level": Q4_ACCURACY_LEVEL, "q8_level": Q8_ACCURACY_LEVEL,
         "model": m.to_dict() | {"files": None},
         "files": {k: m.files[k].sha256 for k in m.fragment_files(spec.first_layer, spec.last_layer)},
         "spec": [spec.first_layer, spec.last_layer, spec.flavour, spec.max_context, spec.prefill_chunk],
@@ -111,7 +115,8 @@ def build_fragment(model_dir: Path, first_layer: int, last_layer: int, *, flavou
     try:
         from shards.graph.fragment_graph import write_fragment  # onnx: imported only to build
 
-        weight_bytes = write_fragment(model_dir, m, spec, tmp, root / BLOB_POOL, q4_level=Q4_ACCURACY_LEVEL)
+        weight_bytes = write_fragment(model_dir, m, spec, tmp, root / BLOB_POOL, q4_level=Q4_ACCURACY_LEVEL,
+                                      q8_level=Q8_ACCURACY_LEVEL)
         (tmp / "fragment.json").write_text(json.dumps({"key": key, "builder": BUILDER_VERSION,
                                                        "weight_bytes": weight_bytes, "spec": spec.__dict__}),
                                            encoding="utf-8")

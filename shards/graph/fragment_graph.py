@@ -21,6 +21,7 @@ from shards.store.manifest import Manifest, layer_key
 from shards.store.tensorfile import read_tensors
 
 log = logging.getLogger(__name__)
+INT8_ACTIVATIONS = 4  # MatMulNBits' accuracy_level that quantises x to int8 (per block of 32)
 RMS_SCALE_FLOOR = 1e-3  # the static flavour's RMS norms divide a row by its largest |x|, at least this
 MS = "com.microsoft"
 _NEG = -1e30
@@ -28,11 +29,12 @@ _INLINE_BYTES = 1024
 
 
 def write_fragment(model_dir: Path, m: Manifest, spec: FragmentSpec, out_dir: Path, pool: Path, *,
-                   q4_level: int) -> int:
+                   q4_level: int, q8_level: int) -> int:
     """Write the fragment ``spec`` of model ``m`` into ``out_dir`` (weights linked from
-    ``pool``); returns its weight bytes. ``q4_level``: MatMulNBits' accuracy_level on CPU."""
+    ``pool``); returns its weight bytes. ``q4_level``, ``q8_level``: MatMulNBits' accuracy_level
+    on CPU for 4-bit and 8-bit weights (see :mod:`shards.graph.fragment`)."""
     g = _Graph(out_dir, pool)
-    onnx.save_model(_Builder(model_dir, m, spec, g, q4_level).build(), out_dir / ONNX_FILE)
+    onnx.save_model(_Builder(model_dir, m, spec, g, q4_level, q8_level).build(), out_dir / ONNX_FILE)
     return g.weight_bytes
 
 
@@ -123,9 +125,10 @@ class _Graph:
 class _Builder:
     """Emits one fragment graph for a manifest, a layer range and a flavour."""
 
-    def __init__(self, model_dir: Path, m: Manifest, spec: FragmentSpec, g: _Graph, q4_level: int) -> None:
+    def __init__(self, model_dir: Path, m: Manifest, spec: FragmentSpec, g: _Graph, q4_level: int,
+                 q8_level: int) -> None:
         self.dir, self.m, self.s, self.g = model_dir, m, spec, g
-        self.q4_level = q4_level
+        self.levels = {4: q4_level, 8: q8_level}
         self.q4 = m.weight_format == "q4"
         self.fused = spec.flavour in FUSED_FLAVOURS
         half = spec.flavour == "gpu"
@@ -145,25 +148,64 @@ class _Builder:
         return g.op1("MatMul", [x, g.const(label + ".weight", np.ascontiguousarray(w.T))])
 
     def _linear_nbits(self, x: str, t: dict[str, np.ndarray], names: list[str], label: str) -> str:
-        """MatMulNBits; 4-bit weights also add ``blocksum(x) @ offsets^T`` (see shards.importers.quant)."""
+        """MatMulNBits; 4-bit weights also add ``blocksum(x) @ offsets^T`` (see shards.importers.quant).
+
+        On int8 activations (accuracy_level 4 on CPU, which quantises each block of 32 of x to
+        int8 by its largest magnitude), the product is taken twice: on x, and on what that
+        rounding left of x (``x - q(x)``, itself rounded to int8 by the kernel), so x counts
+        with about 16 bits, at the cost of reading the weights twice."""
         g = self.g
         qw = np.concatenate([t[f"{n}.qweight"] for n in names], axis=0)
         sc = np.concatenate([t[f"{n}.scales"] for n in names], axis=0)
         n_out, kb, blob = qw.shape
         bits = blob * 8 // 32
-        ins = [x, g.const(label + ".qweight", qw), g.const(label + ".scales", sc.reshape(-1).astype(self.dtype))]
+        ins = [g.const(label + ".qweight", qw), g.const(label + ".scales", sc.reshape(-1).astype(self.dtype))]
         if bits == 8:
             zp = np.concatenate([t[f"{n}.zeros"] for n in names], axis=0)
             ins.append(g.const(label + ".zeros", zp.reshape(-1)))
-        y = g.op1("MatMulNBits", ins, domain=MS, K=kb * 32, N=n_out, bits=bits, block_size=32,
-                  accuracy_level=0 if self.s.flavour == "gpu" else self.q4_level)
+        level = 0 if self.s.flavour == "gpu" else self.levels[bits]
+        blocks = g.const(f"blocks_shape_{kb}", np.array([0, 0, kb, 32], np.int64))
+        y = g.op1("MatMulNBits", [x, *ins], domain=MS, K=kb * 32, N=n_out, bits=bits, block_size=32,
+                  accuracy_level=level)
+        if level == INT8_ACTIVATIONS:
+            xb = g.op1("Reshape", [x, blocks])
+            residue = g.op1("Reshape", [g.op1("Sub", [xb, self._int8_rounded(xb)]), g.op1("Shape", [x])])
+            y = g.op1("Add", [y, g.op1("MatMulNBits", [residue, *ins], domain=MS, K=kb * 32, N=n_out, bits=bits,
+                                       block_size=32, accuracy_level=level)])
         off = np.concatenate([t[f"{n}.offsets"] for n in names], axis=0) if bits == 4 else None
         if off is not None and off.any():  # all zero: symmetric blocks (GGUF Q4_0), nothing to add
-            xb = g.op1("Reshape", [x, g.const(f"blocks_shape_{kb}", np.array([0, 0, kb, 32], np.int64))])
-            bsum = g.op1("ReduceSum", [xb, g.const("axis_last", np.array([-1], np.int64))], keepdims=0)
+            bsum = g.op1("ReduceSum", [g.op1("Reshape", [x, blocks]), g.const("axis_last", np.array([-1], np.int64))],
+                         keepdims=0)
             offsets = np.ascontiguousarray(off.T.astype(self.dtype))
             y = g.op1("Add", [y, g.op1("MatMul", [bsum, g.const(label + ".offsets", offsets)])])
         return y
+
+    def _int8_rounded(self, xb: str) -> str:
+        """``xb`` [.., blocks, 32] as an int8 kernel sees it: each block rounded to multiples of
+        its largest magnitude / 127."""
+        g = self.g
+        step = g.op1("Div", [g.op1("ReduceMax", [g.op1("Abs", [xb])], axes=[-1], keepdims=1),
+                             g.const("int8_peak", np.array(127.0, self.dtype))])
+        safe = g.op1("Max", [step, g.const("tiny_step", np.array(np.finfo(self.dtype).tiny, self.dtype))])
+        return g.op1("Mul", [g.op1("Round", [g.op1("Div", [xb, safe])]), step])
+
+    def embed(self, ids: str) -> str:
+        """The float32 rows of the embedding table for ``ids`` (a float table, or 8-bit blocks
+        whose gathered rows are dequantised)."""
+        g, t = self.g, self._load("embed")
+        if "embed" in t:
+            x = g.op1("Gather", [g.const("embed", t["embed"]), ids], axis=0)
+            return x if t["embed"].dtype == np.float32 else g.op1("Cast", [x], to=TensorProto.FLOAT)
+        codes = g.op1("Cast", [g.op1("Gather", [g.const("embed.qweight", t["embed.qweight"]), ids], axis=0)],
+                      to=TensorProto.FLOAT)
+        zeros = g.op1("Cast", [g.op1("Gather", [g.const("embed.zeros", t["embed.zeros"]), ids], axis=0)],
+                      to=TensorProto.FLOAT)
+        scales = g.op1("Gather", [g.const("embed.scales", t["embed.scales"]), ids], axis=0)
+        ax = g.const("axis_last", np.array([-1], np.int64))
+        rows = g.op1("Mul", [g.op1("Sub", [codes, g.op1("Unsqueeze", [zeros, ax])]), g.op1("Unsqueeze", [scales, ax])])
+        shape = g.op1("Concat", [g.op1("Shape", [ids]), g.const("hidden_dim", np.array([self.m.hidden_size], np.int64))],
+                      axis=0)
+        return g.op1("Reshape", [rows, shape])
 
     # --- norms ----------------------------------------------------------------------------
     def rms(self, x: str, w: np.ndarray, label: str) -> str:
@@ -185,6 +227,15 @@ class _Builder:
         ms = g.op1("ReduceMean", [sq], axes=[-1], keepdims=1)
         inv = g.op1("Reciprocal", [g.op1("Sqrt", [g.op1("Add", [ms, eps_term])])])
         return g.op1("Mul", [g.op1("Mul", [x, inv]), wn])
+
+    def head_norm(self, x: str, w: np.ndarray, n_heads: int, label: str) -> str:
+        """RMS norm of each head of ``x`` [B, T, n_heads * head_dim] (in float32, whatever the
+        compute precision: un-normed queries and keys may pass float16's range when squared)."""
+        g, hd = self.g, self.m.head_dim
+        heads = g.op1("Reshape", [self.residual_precision(x),
+                                  g.const(f"per_head_shape_{n_heads}", np.array([0, 0, n_heads, hd], np.int64))])
+        flat = g.const(f"flat_heads_shape_{n_heads}", np.array([0, 0, n_heads * hd], np.int64))
+        return self.compute_precision(g.op1("Reshape", [self.rms(heads, w, label), flat]))
 
     def add_rms(self, x: str, residual: str, w: np.ndarray, label: str) -> tuple[str, str]:
         """(rms(x + residual) * w, x + residual)."""
@@ -267,11 +318,19 @@ class _Builder:
         qkv = self.linear(xn, t, ["q_proj", "k_proj", "v_proj"], f"l{li}.qkv")
         if m.attention_bias:
             qkv = self.add_bias(qkv, t, ["q_bias", "k_bias", "v_bias"], f"l{li}.qkv")
+        qkv_in = [qkv, "", ""]
+        if m.qk_norm:  # normed per head before GroupQueryAttention rotates them: q, k, v apart
+            q_dim, kv_dim = m.n_heads * m.head_dim, m.n_kv_heads * m.head_dim
+            q, k, v = g.op("Split", [qkv, g.const("split_qkv", np.array([q_dim, kv_dim, kv_dim], np.int64))],
+                           n_out=3, axis=-1)
+            qkv_in = [self.head_norm(q, t["q_norm"], m.n_heads, f"l{li}.q_norm"),
+                      self.head_norm(k, t["k_norm"], m.n_kv_heads, f"l{li}.k_norm"), v]
         outs = g.op("GroupQueryAttention",
-                    [qkv, "", "", f"past_key.{li}", f"past_value.{li}", pro["seqlens"], pro["total"],
+                    [*qkv_in, f"past_key.{li}", f"past_value.{li}", pro["seqlens"], pro["total"],
                      pro["cos"], pro["sin"], pro["pos"]],
                     out=[g.name("attn"), f"present_key.{li}", f"present_value.{li}"], domain=MS,
-                    num_heads=m.n_heads, kv_num_heads=m.n_kv_heads, do_rotary=1, rotary_interleaved=0,
+                    num_heads=m.n_heads, kv_num_heads=m.n_kv_heads, do_rotary=int(li not in m.layers_without_rope),
+                    rotary_interleaved=0,
                     scale=float(1.0 / np.sqrt(m.head_dim)))
         return outs[0], outs[1], outs[2]
 
@@ -294,8 +353,12 @@ class _Builder:
         """Attention from plain ops; returns (output, key out, value out) per the flavour's KV contract."""
         g, m, static = self.g, self.m, self.s.flavour == "static"
         kvh, hd = m.n_kv_heads, m.head_dim
-        q = self._rotate(self._proj_heads(xn, t, "q_proj", "q_bias", m.n_heads, li), pro)
-        k = self._rotate(self._proj_heads(xn, t, "k_proj", "k_bias", kvh, li), pro)
+        q = self._proj_heads(xn, t, "q_proj", "q_bias", m.n_heads, li)
+        k = self._proj_heads(xn, t, "k_proj", "k_bias", kvh, li)
+        if m.qk_norm:  # [1, heads, C, head_dim]: normed over the last axis
+            q, k = self.rms(q, t["q_norm"], f"l{li}.q_norm"), self.rms(k, t["k_norm"], f"l{li}.k_norm")
+        if li not in m.layers_without_rope:
+            q, k = self._rotate(q, pro), self._rotate(k, pro)
         v = self._proj_heads(xn, t, "v_proj", "v_bias", kvh, li)
         if static:  # the caller writes the chunk's keys/values into its fixed-size cache
             k_out = g.op("Identity", [k], out=[f"new_key.{li}"])[0]
@@ -346,11 +409,7 @@ class _Builder:
         inputs, outputs = [], []
         if head:
             inputs.append(helper.make_tensor_value_info("input_ids", TensorProto.INT64, [b_dim, t_dim]))
-            emb = self._load("embed")["embed"]
-            x = g.op1("Gather", [g.const("embed", emb), "input_ids"], axis=0)
-            if emb.dtype != np.float32:
-                x = g.op1("Cast", [x], to=TensorProto.FLOAT)
-            del emb
+            x = self.embed("input_ids")
         else:
             inputs.append(helper.make_tensor_value_info("hidden_states", TensorProto.FLOAT, [b_dim, t_dim, m.hidden_size]))
             x = "hidden_states"

@@ -1,11 +1,13 @@
-"""Read a GGUF file (llama / qwen2) as float32 tensors with ncm's canonical names.
+"""Read a GGUF file (llama / qwen2 / qwen3 / smollm3) as float32 tensors with ncm's canonical names.
 
-llama.cpp's converter permutes the rows of llama ``attn_q`` / ``attn_k`` so that rotary pairs
+llama.cpp's converter permutes the rows of llama's (and smollm3's) ``attn_q`` / ``attn_k`` so that rotary pairs
 are interleaved (GPT-J style); we undo that permutation so stored weights are in the Hugging
-Face layout (rotate-half rotary), the layout every ncm fragment uses. qwen2 is not permuted.
+Face layout (rotate-half rotary), the layout every ncm fragment uses. qwen2 and qwen3 are not
+permuted.
 
 Optional tensors are all-or-nothing per model, decided by layer 0: ``attn_q/k/v.bias``
-(q/k/v biases), ``attn_output.bias`` and ``ffn_gate/up/down.bias``. Every tensor of the file
+(q/k/v biases), ``attn_output.bias``, ``ffn_gate/up/down.bias`` and ``attn_q_norm/attn_k_norm``
+(qwen3's per-head query and key norms). Every tensor of the file
 must be one of the model's or on :data:`IGNORED_LAYER_TENSORS`.
 """
 
@@ -21,7 +23,9 @@ from shards.errors import ModelFormatError, UnsupportedArchitectureError
 from shards.store.verify import hash_file
 
 log = logging.getLogger(__name__)
-SUPPORTED = ("llama", "qwen2")
+SUPPORTED = ("llama", "qwen2", "qwen3", "smollm3")
+# SmolLM3 leaves the rotary out of every 4th layer; llama.cpp fixes the step (no GGUF key holds it).
+SMOLLM3_NO_ROPE_STEP = 4
 _LAYER_NAMES = {
     "attn_norm.weight": "input_norm",
     "ffn_norm.weight": "post_norm",
@@ -36,6 +40,7 @@ _LAYER_NAMES = {
 _QKV_BIASES = {"attn_q.bias": "q_bias", "attn_k.bias": "k_bias", "attn_v.bias": "v_bias"}
 _O_BIAS = {"attn_output.bias": "o_bias"}
 _MLP_BIASES = {"ffn_gate.bias": "gate_bias", "ffn_up.bias": "up_bias", "ffn_down.bias": "down_bias"}
+_QK_NORMS = {"attn_q_norm.weight": "q_norm", "attn_k_norm.weight": "k_norm"}
 # Per-layer tensors (``blk.N.<name>``) skipped by name because they hold nothing the model
 # needs: rotary inverse frequencies (GGUF's name for Hugging Face's ``rotary_emb.inv_freq``
 # buffer), which the rope metadata determines.
@@ -71,7 +76,8 @@ class GgufSource:
         self.params = self._params()
         self._layer_map = dict(_LAYER_NAMES)
         for on, names in ((self.params["attention_bias"], _QKV_BIASES),
-                          (self.params["attention_output_bias"], _O_BIAS), (self.params["mlp_bias"], _MLP_BIASES)):
+                          (self.params["attention_output_bias"], _O_BIAS), (self.params["mlp_bias"], _MLP_BIASES),
+                          (self.params["qk_norm"], _QK_NORMS)):
             if on:
                 self._layer_map |= names
 
@@ -113,9 +119,10 @@ class GgufSource:
         elif kind not in ("none", ""):
             raise UnsupportedArchitectureError(f"{self.path.name}: rope scaling {kind!r} is not supported")
         kv = self._field(f"{a}.attention.head_count_kv", n_heads)
+        n_layers = int(self._field(f"{a}.block_count"))
         return {
             "architecture": a,
-            "n_layers": int(self._field(f"{a}.block_count")),
+            "n_layers": n_layers,
             "hidden_size": hidden,
             "intermediate_size": int(self._field(f"{a}.feed_forward_length")),
             "n_heads": n_heads,
@@ -130,6 +137,9 @@ class GgufSource:
             "attention_output_bias": "blk.0.attn_output.bias" in self.tensors,
             "mlp_bias": "blk.0.ffn_gate.bias" in self.tensors,
             "rope_freq_factors": ff,
+            "qk_norm": a == "qwen3",
+            "layers_without_rope": tuple(i for i in range(n_layers)
+                                         if a == "smollm3" and (i + 1) % SMOLLM3_NO_ROPE_STEP == 0),
         }
 
     def tensor_names(self) -> set[str]:
@@ -164,7 +174,7 @@ class GgufSource:
     def layer(self, i: int) -> dict[str, np.ndarray]:
         """Float32 tensors of layer ``i`` (HF layout, linear weights [out, in])."""
         out = {cname: self._tensor(f"blk.{i}.{gname}") for gname, cname in self._layer_map.items()}
-        if self.arch == "llama":
+        if self.arch in ("llama", "smollm3"):
             out["q_proj"] = unpermute_rope_rows(out["q_proj"], self.params["n_heads"])
             out["k_proj"] = unpermute_rope_rows(out["k_proj"], self.params["n_kv_heads"])
             for b, n in (("q_bias", "n_heads"), ("k_bias", "n_kv_heads")):

@@ -1,8 +1,10 @@
 """Read a Hugging Face model folder (config.json + *.safetensors + tokenizer.json).
 
 Supported ``model_type``: ``llama`` (incl. ``rope_scaling`` type "llama3", ``attention_bias``:
-q/k/v/o biases, ``mlp_bias``: gate/up/down biases) and ``qwen2`` (q/k/v biases, tied
-embeddings). Tensors are read with numpy (see :mod:`shards.store.tensorfile`). Every tensor of the
+q/k/v/o biases, ``mlp_bias``: gate/up/down biases), ``qwen2`` (q/k/v biases, tied
+embeddings), ``qwen3`` (a per-head RMS norm of queries and keys, ``attention_bias``: q/k/v/o
+biases), ``mistral`` (llama's maths, when its sliding window, if any, spans the whole context)
+and ``smollm3`` (llama's maths, some layers without rotary positions: ``no_rope_layers``). Tensors are read with numpy (see :mod:`shards.store.tensorfile`). Every tensor of the
 checkpoint must be one the config calls for, or on :data:`IGNORED_LAYER_TENSORS`; a tied
 checkpoint may also store ``lm_head.weight`` if it equals the embedding.
 """
@@ -23,7 +25,7 @@ from shards.store.tensorfile import read_header, read_tensors
 from shards.store.verify import hash_file
 
 log = logging.getLogger(__name__)
-SUPPORTED = ("llama", "qwen2")
+SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "smollm3")
 _LAYER_NAMES = {
     "input_layernorm.weight": "input_norm",
     "post_attention_layernorm.weight": "post_norm",
@@ -38,6 +40,7 @@ _LAYER_NAMES = {
 _QKV_BIASES = {"self_attn.q_proj.bias": "q_bias", "self_attn.k_proj.bias": "k_bias", "self_attn.v_proj.bias": "v_bias"}
 _O_BIAS = {"self_attn.o_proj.bias": "o_bias"}
 _MLP_BIASES = {"mlp.gate_proj.bias": "gate_bias", "mlp.up_proj.bias": "up_bias", "mlp.down_proj.bias": "down_bias"}
+_QK_NORMS = {"self_attn.q_norm.weight": "q_norm", "self_attn.k_norm.weight": "k_norm"}
 # Per-layer tensors (``model.layers.N.<name>``) skipped by name because they hold nothing the
 # model needs: rotary inverse frequencies, a buffer older transformers versions saved, which
 # the rope settings of config.json determine.
@@ -108,7 +111,8 @@ class HfSource:
         self.params = self._params()
         self._layer_map = dict(_LAYER_NAMES)
         for on, names in ((self.params["attention_bias"], _QKV_BIASES),
-                          (self.params["attention_output_bias"], _O_BIAS), (self.params["mlp_bias"], _MLP_BIASES)):
+                          (self.params["attention_output_bias"], _O_BIAS), (self.params["mlp_bias"], _MLP_BIASES),
+                          (self.params["qk_norm"], _QK_NORMS)):
             if on:
                 self._layer_map |= names
 
@@ -124,7 +128,10 @@ class HfSource:
             ff = None
             if c.get("hidden_act", "silu") != "silu":
                 raise UnsupportedArchitectureError(f"{self.path.name}: only SiLU MLPs are supported")
-            if c.get("use_sliding_window"):
+            window = c.get("sliding_window") if self.arch == "mistral" else None  # (qwen's is off by default)
+            context = int(c.get("max_position_embeddings", 4096))
+            if (c.get("use_sliding_window") or any(t != "full_attention" for t in c.get("layer_types") or ())
+                    or (window is not None and int(window) < context)):
                 raise UnsupportedArchitectureError(f"{self.path.name}: sliding-window attention is not supported")
             if rs:
                 kind = rs.get("rope_type", rs.get("type"))
@@ -135,10 +142,10 @@ class HfSource:
                 elif kind not in (None, "default"):
                     raise UnsupportedArchitectureError(f"{self.path.name}: rope scaling {kind!r} is not supported")
             tied = bool(c.get("tie_word_embeddings", False)) or "lm_head.weight" not in self.index
-            # as transformers builds them: qwen2 has q/k/v biases only; llama's attention_bias
-            # gives q/k/v and o_proj biases, its mlp_bias gate/up/down ones
+            # as transformers builds them: qwen2 has q/k/v biases only; llama's and qwen3's
+            # attention_bias gives q/k/v and o_proj biases, llama's mlp_bias gate/up/down ones
             llama = self.arch == "llama"
-            attention_bias = bool(c.get("attention_bias", False)) if llama else True
+            attention_bias = bool(c.get("attention_bias", False)) if self.arch != "qwen2" else True
             return {
                 "architecture": self.arch,
                 "n_layers": int(c["num_hidden_layers"]),
@@ -150,15 +157,31 @@ class HfSource:
                 "vocab_size": int(c["vocab_size"]),
                 "rope_theta": theta,
                 "rms_norm_eps": float(c.get("rms_norm_eps", 1e-6)),
-                "context_length": int(c.get("max_position_embeddings", 4096)),
+                "context_length": context,
                 "tied_embeddings": tied,
                 "attention_bias": attention_bias,
-                "attention_output_bias": llama and attention_bias,
+                "attention_output_bias": self.arch != "qwen2" and attention_bias,
                 "mlp_bias": llama and bool(c.get("mlp_bias", False)),
                 "rope_freq_factors": ff,
+                "qk_norm": self.arch == "qwen3",
+                "layers_without_rope": self._layers_without_rope(),
             }
         except (KeyError, TypeError, ValueError) as e:
             raise ModelFormatError(f"{self.path.name}: config.json lacks or garbles {e}") from e
+
+    def _layers_without_rope(self) -> tuple[int, ...]:
+        """SmolLM3's ``no_rope_layers`` (1: the layer rotates, 0: it does not), or its interval."""
+        c = self.config
+        if self.arch != "smollm3":
+            return ()
+        n = int(c["num_hidden_layers"])
+        flags = c.get("no_rope_layers")
+        if flags is None:
+            interval = int(c.get("no_rope_layer_interval", 4))
+            flags = [int((i + 1) % interval != 0) for i in range(n)]
+        if len(flags) != n:
+            raise ModelFormatError(f"{self.path.name}: no_rope_layers names {len(flags)} layers of {n}")
+        return tuple(i for i, rotates in enumerate(flags) if not rotates)
 
     def tensor_names(self) -> set[str]:
         return set(self.index)

@@ -10,7 +10,8 @@ Weights are stored per layer (``weights/layer_NNN.safetensors``) plus ``weights/
   :mod:`shards.importers.quant`), quantised from the dequantised float32 weights; lm_head as 8-bit
   blocks (the logits are the most sensitive matrix), or 4-bit ones when asked
   (``lm_head_bits=4``: fewer bytes read per token, logits a little further from the source);
-  the embedding table as float16.
+  the embedding table as float16, or as 8-bit blocks when they hold it exactly (a GGUF Q8_0
+  table, whose values float16 would round).
 
 Every tensor of the checkpoint is used or the import is refused (UnmappedTensorError, naming
 them): a tensor the importer does not map would be a weight silently dropped. Each source
@@ -28,7 +29,7 @@ import numpy as np
 from tqdm import tqdm
 
 from shards.errors import ModelFormatError, UnmappedTensorError
-from shards.importers.quant import quantize_q4, quantize_q8
+from shards.importers.quant import exact_q8, quantize_q4, quantize_q8
 from shards.store.manifest import WEIGHT_FORMATS, Manifest, WeightFile, layer_key
 from shards.store.model_store import ModelStore
 from shards.store.tensorfile import write_tensors
@@ -103,6 +104,10 @@ def convert_tensors(tensors: dict[str, np.ndarray], weights: str, lm_head_bits: 
                 out[name] = arr.astype(np.float16)
             else:
                 out[name] = arr.astype(np.float32, copy=False)
+        elif name == "embed" and weights == "q4" and exact_q8(arr):
+            # (a GGUF Q8_0 table: its own grid, where float16 would round its values)
+            for part, val in quantize_q8(arr).items():
+                out[f"{name}.{part}"] = val
         elif name == "embed":
             out[name] = arr.astype(np.float32 if weights == "f32" else np.float16)
         else:
@@ -123,7 +128,8 @@ def _check_layer(src_params: dict[str, Any], i: int, t: dict[str, np.ndarray]) -
     want = {"q_proj": (q, h), "k_proj": (kv, h), "v_proj": (kv, h), "o_proj": (h, q),
             "gate_proj": (f, h), "up_proj": (f, h), "down_proj": (h, f),
             "input_norm": (h,), "post_norm": (h,), "q_bias": (q,), "k_bias": (kv,), "v_bias": (kv,),
-            "o_bias": (h,), "gate_bias": (f,), "up_bias": (f,), "down_bias": (h,)}
+            "o_bias": (h,), "gate_bias": (f,), "up_bias": (f,), "down_bias": (h,),
+            "q_norm": (src_params["head_dim"],), "k_norm": (src_params["head_dim"],)}
     for name, arr in t.items():
         if tuple(arr.shape) != want[name]:
             raise ModelFormatError(f"layer {i}: {name} has shape {arr.shape}, expected {want[name]}")

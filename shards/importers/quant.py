@@ -10,8 +10,10 @@ Q4_1 block (``d * q + m``) is represented (nearly) exactly; a block on a symmetr
 Q4_0 block, ``d * (q - 8)``) keeps it exactly with a zero offset, and a matrix whose offsets are
 all zero runs without the offsets' MatMul.
 
-8-bit (lm_head): ``qweight`` uint8 [N, K/32, 32], ``scales`` float32 [N, K/32], ``zeros``
-uint8 [N, K/32] with ``W = (code - zero) * scale``.
+8-bit (lm_head, and an embedding table it holds exactly): ``qweight`` uint8 [N, K/32, 32],
+``scales`` float32 [N, K/32], ``zeros`` uint8 [N, K/32] with ``W = (code - zero) * scale``. A
+block on a symmetric grid ``d * k``, |k| <= 127 (a GGUF Q8_0 block) keeps it exactly with zero
+point 128; any other block maps its [min(0, lo), max(0, hi)] onto 0..255.
 """
 
 from __future__ import annotations
@@ -20,6 +22,8 @@ import numpy as np
 
 BLOCK = 32
 Q4_ZERO = 8
+Q8_ZERO = 128
+Q8_PEAK = 127  # a GGUF Q8_0 block's largest code magnitude
 
 
 def _blocks(w: np.ndarray) -> np.ndarray:
@@ -67,14 +71,34 @@ def _q4(w: np.ndarray) -> dict[str, np.ndarray]:
     return {"qweight": packed, "scales": scale, "offsets": offsets}
 
 
+def _q8_grid(b: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(symmetric, d, k) per block of ``b``: whether it is ``d * k`` with integer k, |k| <= 127
+    and its largest magnitude at |k| = 127 (a GGUF Q8_0 block)."""
+    peak = np.abs(b).max(axis=2)
+    d = np.where(peak > 0, peak / np.float32(Q8_PEAK), np.float32(1.0)).astype(np.float32)
+    k = b / d[..., None]
+    return np.all(k == np.round(k), axis=2), d, k
+
+
 def _q8(w: np.ndarray) -> dict[str, np.ndarray]:
     b = _blocks(w)
     lo, hi = np.minimum(b.min(axis=2), 0.0), np.maximum(b.max(axis=2), 0.0)
     scale = ((hi - lo) / 255.0).astype(np.float32)
     scale = np.where(scale > 0, scale, np.float32(1.0)).astype(np.float32)
     zero = np.clip(np.round(-lo / scale), 0, 255)
-    codes = np.clip(np.round(b / scale[..., None]) + zero[..., None], 0, 255).astype(np.uint8)
-    return {"qweight": codes, "scales": scale, "zeros": zero.astype(np.uint8)}
+    codes = np.clip(np.round(b / scale[..., None]) + zero[..., None], 0, 255)
+    symmetric, d, k = _q8_grid(b)  # kept exactly, with zero point 128
+    codes = np.where(symmetric[..., None], k + Q8_ZERO, codes).astype(np.uint8)
+    scale = np.where(symmetric, d, scale).astype(np.float32)
+    zero = np.where(symmetric, Q8_ZERO, zero).astype(np.uint8)
+    return {"qweight": codes, "scales": scale, "zeros": zero}
+
+
+def exact_q8(w: np.ndarray) -> bool:
+    """Whether :func:`quantize_q8` keeps ``w`` exactly (every block on a symmetric 8-bit grid)."""
+    if w.ndim != 2 or w.shape[1] % BLOCK:
+        return False
+    return bool(np.all(_by_rows(lambda rows: {"symmetric": _q8_grid(_blocks(rows))[0]}, w)["symmetric"]))
 
 
 def dequantize(t: dict[str, np.ndarray]) -> np.ndarray:

@@ -12,7 +12,7 @@ from typing import Any
 
 from shards.errors import ModelFormatError
 
-ARCHITECTURES = ("llama", "qwen2")
+ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "smollm3")
 WEIGHT_FORMATS = ("f32", "f16", "q4")
 MANIFEST_VERSION = 1
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
@@ -57,10 +57,10 @@ def _pos_float(name: str, v: Any) -> None:
         raise ModelFormatError(f"manifest: {name} must be a positive number, got {v!r}")
 
 
-# Written to the manifest only when true: bias-free models keep the manifest (and so the
-# fragment cache keys) of earlier builds, and a peer whose build predates them refuses only
-# the models it could not run.
-_OPTIONAL_FLAGS = ("attention_output_bias", "mlp_bias")
+# Written to the manifest only when true (or not empty): bias-free models keep the manifest
+# (and so the fragment cache keys) of earlier builds, and a peer whose build predates them
+# refuses only the models it could not run.
+_OPTIONAL_FLAGS = ("attention_output_bias", "mlp_bias", "qk_norm", "layers_without_rope")
 
 
 @dataclass(frozen=True)
@@ -69,7 +69,9 @@ class Manifest:
 
     ``attention_bias``: q/k/v projections have biases (``q_bias``, ``k_bias``, ``v_bias`` in
     the layer files); ``attention_output_bias``: o_proj has one (``o_bias``); ``mlp_bias``:
-    gate/up/down have them (``gate_bias``, ``up_bias``, ``down_bias``)."""
+    gate/up/down have them (``gate_bias``, ``up_bias``, ``down_bias``); ``qk_norm``: each query
+    and key head is RMS-normed (weights ``q_norm``, ``k_norm`` [head_dim]) before the rotary;
+    ``layers_without_rope``: the layers whose attention has no rotary position (SmolLM3's NoPE)."""
 
     name: str
     architecture: str
@@ -93,6 +95,8 @@ class Manifest:
     version: int = MANIFEST_VERSION
     attention_output_bias: bool = False
     mlp_bias: bool = False
+    qk_norm: bool = False
+    layers_without_rope: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if not valid_model_name(self.name):
@@ -115,7 +119,12 @@ class Manifest:
         if self.weight_format == "q4" and (self.hidden_size % 32 or self.intermediate_size % 32
                                            or (self.n_heads * self.head_dim) % 32):
             raise ModelFormatError("manifest: q4 needs matrix input sizes that are multiples of 32")
-        flags = ("tied_embeddings", "attention_bias", *_OPTIONAL_FLAGS)
+        nope = self.layers_without_rope
+        if not isinstance(nope, (tuple, list)) or any(not isinstance(i, int) or isinstance(i, bool) for i in nope) \
+                or list(nope) != sorted(set(nope)) or not all(0 <= i < self.n_layers for i in nope):
+            raise ModelFormatError("manifest: layers_without_rope must be increasing layer indices")
+        object.__setattr__(self, "layers_without_rope", tuple(nope))
+        flags = ("tied_embeddings", "attention_bias", "attention_output_bias", "mlp_bias", "qk_norm")
         if not all(isinstance(getattr(self, f), bool) for f in flags):
             raise ModelFormatError(f"manifest: {' / '.join(flags)} must be booleans")
         if not isinstance(self.source_digest, str) or not _SHA_RE.match(self.source_digest):
@@ -180,6 +189,8 @@ class Manifest:
              if f.name not in _OPTIONAL_FLAGS or getattr(self, f.name)}
         d["files"] = {k: asdict(v) for k, v in self.files.items()}
         d["rope_freq_factors"] = list(self.rope_freq_factors) if self.rope_freq_factors else None
+        if self.layers_without_rope:
+            d["layers_without_rope"] = list(self.layers_without_rope)
         return d
 
     def to_json(self) -> str:

@@ -109,12 +109,25 @@ def write_tiny_checkpoint(folder: Path, *, seed: int = 0, layers: int = 2, q4_0_
 
 def make_hf_checkpoint(folder: Path, arch: str, *, seed: int = 0, attention_bias: bool = False,
                        mlp_bias: bool = False):
-    """Save a tiny random llama / qwen2 checkpoint in ``folder``; returns the torch model (eval, fp32).
+    """Save a tiny random llama / mistral / qwen2 / qwen3 / smollm3 checkpoint in ``folder``; returns the torch model
+    (eval, fp32).
 
-    ``attention_bias`` / ``mlp_bias`` (llama only) give q/k/v/o and gate/up/down biases, as the
-    Llama config options of those names do."""
+    ``attention_bias`` (llama, qwen3) gives q/k/v/o biases and ``mlp_bias`` (llama) gate/up/down
+    ones, as the config options of those names do. The qwen3 one has heads wider than
+    hidden_size / n_heads, as Qwen3's have."""
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+    from transformers import (
+        LlamaConfig,
+        LlamaForCausalLM,
+        MistralConfig,
+        MistralForCausalLM,
+        Qwen2Config,
+        Qwen2ForCausalLM,
+        Qwen3Config,
+        Qwen3ForCausalLM,
+        SmolLM3Config,
+        SmolLM3ForCausalLM,
+    )
 
     torch.manual_seed(seed)
     common = dict(vocab_size=96, hidden_size=64, intermediate_size=160, num_hidden_layers=3,
@@ -126,6 +139,18 @@ def make_hf_checkpoint(folder: Path, arch: str, *, seed: int = 0, attention_bias
                           rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                                         "high_freq_factor": 4.0, "original_max_position_embeddings": 64})
         model = LlamaForCausalLM(cfg)
+    elif arch == "mistral":
+        cfg = MistralConfig(**common, tie_word_embeddings=False, rope_theta=1000000.0, sliding_window=None)
+        model = MistralForCausalLM(cfg)
+    elif arch == "smollm3":  # layer 3 of 5 without rope
+        cfg = SmolLM3Config(**(common | {"num_hidden_layers": 5}), tie_word_embeddings=True, rope_theta=50000.0,
+                            pad_token_id=None)
+        model = SmolLM3ForCausalLM(cfg)
+    elif arch == "qwen3":
+        assert not mlp_bias, "qwen3 has no MLP biases"
+        cfg = Qwen3Config(**common, head_dim=32, tie_word_embeddings=True, rope_theta=1000000.0,
+                          attention_bias=attention_bias)
+        model = Qwen3ForCausalLM(cfg)
     else:
         assert not (attention_bias or mlp_bias), "qwen2 has q/k/v biases and no others"
         cfg = Qwen2Config(**common, tie_word_embeddings=True, rope_theta=1000000.0)
@@ -134,7 +159,7 @@ def make_hf_checkpoint(folder: Path, arch: str, *, seed: int = 0, attention_bias
         for name, p in model.named_parameters():
             if name.endswith(".bias"):
                 p.normal_(0.0, 0.3)
-            elif name.endswith("layernorm.weight") or name == "model.norm.weight":
+            elif name.endswith("norm.weight"):
                 p.uniform_(0.5, 1.5)
     model.eval()
     folder.mkdir(parents=True, exist_ok=True)
@@ -144,7 +169,7 @@ def make_hf_checkpoint(folder: Path, arch: str, *, seed: int = 0, attention_bias
 
 
 def write_gguf_from_hf(model, path: Path, arch: str, extra: dict[str, np.ndarray] | None = None) -> Path:
-    """Write ``model`` (a tiny transformers llama / qwen2) as a GGUF the way llama.cpp's
+    """Write ``model`` (a tiny transformers llama / qwen2 / qwen3) as a GGUF the way llama.cpp's
     converter does: llama Q/K rows permuted for interleaved rotary, tied lm_head omitted,
     llama3 rope factors as ``rope_freqs.weight``, plus a small gpt2-style tokenizer.
     Every tensor of the model is written (AssertionError otherwise), then the ``extra`` ones."""
@@ -155,7 +180,7 @@ def write_gguf_from_hf(model, path: Path, arch: str, extra: dict[str, np.ndarray
     cfg = model.config
     sd = {k: v.detach().float().numpy() for k, v in model.state_dict().items()}
     n_heads, n_kv = cfg.num_attention_heads, cfg.num_key_value_heads
-    hd = cfg.hidden_size // n_heads
+    hd = getattr(cfg, "head_dim", None) or cfg.hidden_size // n_heads
 
     def permute(w: np.ndarray, heads: int) -> np.ndarray:
         return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
@@ -168,6 +193,9 @@ def write_gguf_from_hf(model, path: Path, arch: str, extra: dict[str, np.ndarray
     w.add_head_count(n_heads)
     w.add_head_count_kv(n_kv)
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    if hd != cfg.hidden_size // n_heads:
+        w.add_key_length(hd)
+        w.add_value_length(hd)
     rope = getattr(cfg, "rope_parameters", None) or {}
     theta = float(rope.get("rope_theta", getattr(cfg, "rope_theta", 10000.0)))
     w.add_rope_freq_base(theta)
@@ -193,7 +221,8 @@ def write_gguf_from_hf(model, path: Path, arch: str, extra: dict[str, np.ndarray
              "self_attn.v_proj.bias": "attn_v.bias", "self_attn.o_proj.bias": "attn_output.bias",
              "mlp.gate_proj.weight": "ffn_gate.weight", "mlp.up_proj.weight": "ffn_up.weight",
              "mlp.down_proj.weight": "ffn_down.weight", "mlp.gate_proj.bias": "ffn_gate.bias",
-             "mlp.up_proj.bias": "ffn_up.bias", "mlp.down_proj.bias": "ffn_down.bias"}
+             "mlp.up_proj.bias": "ffn_up.bias", "mlp.down_proj.bias": "ffn_down.bias",
+             "self_attn.q_norm.weight": "attn_q_norm.weight", "self_attn.k_norm.weight": "attn_k_norm.weight"}
     written = {"model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"}
     for i in range(cfg.num_hidden_layers):
         for hf, gg in names.items():
@@ -202,9 +231,9 @@ def write_gguf_from_hf(model, path: Path, arch: str, extra: dict[str, np.ndarray
                 continue
             written.add(key)
             t = sd[key]
-            if arch == "llama" and gg.startswith("attn_q."):
+            if arch in ("llama", "smollm3") and gg.startswith("attn_q."):
                 t = permute(t, n_heads)
-            elif arch == "llama" and gg.startswith("attn_k."):
+            elif arch in ("llama", "smollm3") and gg.startswith("attn_k."):
                 t = permute(t, n_kv)
             w.add_tensor(f"blk.{i}.{gg}", np.ascontiguousarray(t))
     assert set(sd) <= written, f"not written to the GGUF: {sorted(set(sd) - written)}"
@@ -244,7 +273,8 @@ def load_dequantised(model, model_dir: Path, manifest) -> None:
             for proj in ("gate_proj", "up_proj", "down_proj"):
                 getattr(layer.mlp, proj).weight.copy_(deq(t, proj))
         head = read_tensors(model_dir / manifest.files["head"].path)
-        emb = read_tensors(model_dir / manifest.files["embed"].path)["embed"]
+        table = read_tensors(model_dir / manifest.files["embed"].path)
+        emb = table["embed"] if "embed" in table else deq(table, "embed").numpy()  # float16, or exact 8-bit
         hidden, vocab = model.config.hidden_size, model.config.vocab_size
         model.lm_head = torch.nn.Linear(hidden, vocab, bias=False)  # untie: the q4 head is 8-bit, the table f16
         model.lm_head.weight.copy_(deq(head, "lm_head"))

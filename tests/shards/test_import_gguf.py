@@ -1,4 +1,4 @@
-"""GGUF import of tiny llama / qwen2 files written like llama.cpp's converter, against transformers."""
+"""GGUF import of tiny llama / qwen2 / qwen3 / smollm3 files written like llama.cpp's converter, against transformers."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from shards.store.model_store import ModelStore
 pytestmark = pytest.mark.slow
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "smollm3"])
 def test_gguf_logits_match_transformers(tmp_path, arch) -> None:
     import torch
 
@@ -25,23 +25,26 @@ def test_gguf_logits_match_transformers(tmp_path, arch) -> None:
     store = ModelStore(tmp_path / "home")
     m = import_model(gguf_path, store=store, progress=False)
     assert m.name == f"tiny-{arch}" and m.architecture == arch
-    assert m.tied_embeddings is (arch == "qwen2") and m.attention_bias is (arch == "qwen2")
+    assert m.tied_embeddings is (arch != "llama") and m.attention_bias is (arch == "qwen2")
+    assert m.qk_norm is (arch == "qwen3") and m.head_dim == (32 if arch == "qwen3" else 16)
     assert (m.rope_freq_factors is not None) is (arch == "llama")
+    assert m.layers_without_rope == ((3,) if arch == "smollm3" else ())  # llama.cpp's fixed step of 4
     ids = np.random.default_rng(3).integers(3, 96, size=80).astype(np.int64)
     with torch.no_grad():
         ref = model(torch.from_numpy(ids[None, :])).logits[0].numpy()
-    runners = open_chain(store.model_dir(m.name), [(0, 1), (2, 2)], threads=1)
+    runners = open_chain(store.model_dir(m.name), [(0, 1), (2, m.n_layers - 1)], threads=1)
     ours = np.concatenate([chain_forward(runners, "s", ids[:60]), chain_forward(runners, "s", ids[60:])], axis=1)[0]
     np.testing.assert_allclose(ours, ref, atol=1e-4, rtol=0)
 
 
-def test_q4_fragments_compute_the_dequantised_model(tmp_path, monkeypatch) -> None:
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3"])
+def test_q4_fragments_compute_the_dequantised_model(tmp_path, monkeypatch, arch) -> None:
     """The q4 graph (MatMulNBits + offsets, 8-bit lm_head) equals fp32 math on the dequantised weights."""
     import torch
 
-    model = make_hf_checkpoint(tmp_path / "hf", "qwen2", seed=8)
+    model = make_hf_checkpoint(tmp_path / "hf", arch, seed=8)
     store = ModelStore(tmp_path / "home")
-    m = import_model(write_gguf_from_hf(model, tmp_path / "q.gguf", "qwen2"), name="q", weights="q4",
+    m = import_model(write_gguf_from_hf(model, tmp_path / "q.gguf", arch), name="q", weights="q4",
                      store=store, progress=False)
     d = store.model_dir("q")
     load_dequantised(model, d, m)
@@ -49,10 +52,10 @@ def test_q4_fragments_compute_the_dequantised_model(tmp_path, monkeypatch) -> No
     with torch.no_grad():
         ref = model(torch.from_numpy(ids[None, :])).logits[0].numpy()
     fast = chain_forward(open_chain(d, [(0, 2)], threads=1), "s", ids)[0]
-    # default accuracy_level 4 (int8 activations, fast): close on this chaotic random net
-    assert (fast.argmax(-1) == ref.argmax(-1)).mean() >= 0.9
-    # accuracy_level 0 (float activations): the very same function as the dequantised weights
-    monkeypatch.setattr("shards.graph.fragment.Q4_ACCURACY_LEVEL", 0)
+    # float activations on the 4-bit layers, int8 ones in two passes on the 8-bit lm_head: the
+    # dequantised weights' function to about 16-bit activations
+    np.testing.assert_allclose(fast, ref, atol=1e-3, rtol=0)
+    monkeypatch.setattr("shards.graph.fragment.Q8_ACCURACY_LEVEL", 0)  # float activations everywhere: exact
     exact = chain_forward(open_chain(d, [(0, 2)], threads=1), "s", ids)[0]
     np.testing.assert_allclose(exact, ref, atol=1e-4, rtol=0)
 

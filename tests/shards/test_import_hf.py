@@ -1,4 +1,4 @@
-"""Hugging Face folder import (tiny random llama / qwen2) against transformers on the same weights."""
+"""Hugging Face folder import (tiny random llama / mistral / qwen2 / qwen3 / smollm3) against transformers on the same weights."""
 
 from __future__ import annotations
 
@@ -14,12 +14,15 @@ from shards.store.tensorfile import read_tensors
 pytestmark = pytest.mark.slow
 
 
+ARCHS = ("llama", "mistral", "qwen2", "qwen3", "smollm3")
+
+
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
     root = tmp_path_factory.mktemp("hf")
     store = ModelStore(tmp_path_factory.mktemp("home"))
     out = {}
-    for arch in ("llama", "qwen2"):
+    for arch in ARCHS:
         model = make_hf_checkpoint(root / arch, arch)
         manifest = import_model(root / arch, name=f"tiny-{arch}", store=store, progress=False)
         out[arch] = (model, manifest, store.model_dir(manifest.name))
@@ -33,23 +36,43 @@ def torch_logits(model, ids: np.ndarray) -> np.ndarray:
         return model(torch.from_numpy(ids[None, :])).logits[0].numpy()
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("arch", ARCHS)
 def test_manifest_reflects_config(checkpoints, arch) -> None:
     _, m, _ = checkpoints[arch]
-    assert (m.architecture, m.n_layers, m.hidden_size, m.n_heads, m.n_kv_heads, m.head_dim) == (arch, 3, 64, 4, 2, 16)
-    assert m.tied_embeddings is (arch == "qwen2")
+    head_dim = 32 if arch == "qwen3" else 16
+    n_layers = 5 if arch == "smollm3" else 3
+    assert (m.architecture, m.n_layers, m.hidden_size, m.n_heads, m.n_kv_heads, m.head_dim) == (arch, n_layers, 64, 4,
+                                                                                                 2, head_dim)
+    assert m.tied_embeddings is (arch.startswith("qwen") or arch == "smollm3")
+    assert m.layers_without_rope == ((3,) if arch == "smollm3" else ())
     assert m.attention_bias is (arch == "qwen2")
     assert not m.attention_output_bias and not m.mlp_bias
-    assert not {"attention_output_bias", "mlp_bias"} & set(m.to_dict())  # bias-free manifests as before
+    assert m.qk_norm is (arch == "qwen3")
+    # bias-free, norm-free manifests as before
+    assert not {"attention_output_bias", "mlp_bias"} & set(m.to_dict()) and ("qk_norm" in m.to_dict()) is m.qk_norm
+    assert ("layers_without_rope" in m.to_dict()) is (arch == "smollm3")
     assert (m.rope_freq_factors is not None) is (arch == "llama")
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])
-@pytest.mark.parametrize("cuts", [[(0, 2)], [(0, 0), (1, 1), (2, 2)]])
-def test_logits_match_transformers(checkpoints, arch, cuts) -> None:
-    model, _, model_dir = checkpoints[arch]
+def test_a_mistral_window_shorter_than_the_context_is_refused_in_one_line(tmp_path) -> None:
+    import json
+
+    from shards.errors import UnsupportedArchitectureError
+
+    make_hf_checkpoint(tmp_path / "src", "mistral", seed=2)
+    config = json.loads((tmp_path / "src" / "config.json").read_text())
+    (tmp_path / "src" / "config.json").write_text(json.dumps(config | {"sliding_window": 64}))
+    with pytest.raises(UnsupportedArchitectureError, match=r"^src: sliding-window attention is not supported$"):
+        import_model(tmp_path / "src", store=ModelStore(tmp_path / "home"), progress=False)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("cut", ["whole", "per layer"])
+def test_logits_match_transformers(checkpoints, arch, cut) -> None:
+    model, m, model_dir = checkpoints[arch]
     ids = np.random.default_rng(1).integers(3, 96, size=90).astype(np.int64)  # spans the llama3 rope regimes
-    runners = open_chain(model_dir, cuts, threads=1)
+    last = m.n_layers - 1
+    runners = open_chain(model_dir, [(0, last)] if cut == "whole" else [(i, i) for i in range(last + 1)], threads=1)
     ref = torch_logits(model, ids)
     # prefill in two chunks then decode one by one, as a real session does
     parts = [chain_forward(runners, "s", ids[:50]), chain_forward(runners, "s", ids[50:80])]
@@ -73,13 +96,25 @@ def test_bfloat16_checkpoint(tmp_path) -> None:
     np.testing.assert_allclose(ours, torch_logits(ref, ids), atol=1e-4, rtol=0)
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("arch", ARCHS)
 def test_static_flavour_matches_transformers(checkpoints, arch) -> None:
-    model, _, model_dir = checkpoints[arch]
+    model, m, model_dir = checkpoints[arch]
     ids = np.random.default_rng(2).integers(3, 96, size=37).astype(np.int64)
-    runners = open_chain(model_dir, [(0, 1), (2, 2)], flavour="static", max_context=64, prefill_chunk=8, threads=1)
+    runners = open_chain(model_dir, [(0, 1), (2, m.n_layers - 1)], flavour="static", max_context=64, prefill_chunk=8, threads=1)
     rows, _ = greedy(runners, "s", ids, 0)
     np.testing.assert_allclose(rows[0], torch_logits(model, ids)[-1], atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "smollm3"])
+@pytest.mark.parametrize("flavour", ["portable", "gpu"])
+def test_head_norms_and_unrotated_layers_in_the_other_flavours(checkpoints, arch, flavour) -> None:
+    """Qwen3's per-head query/key norms and SmolLM3's layers without rope in the plain-ops
+    graph, and in float16 (the norms in float32)."""
+    model, m, model_dir = checkpoints[arch]
+    ids = np.random.default_rng(6).integers(3, 96, size=41).astype(np.int64)
+    runners = open_chain(model_dir, [(0, 1), (2, m.n_layers - 1)], flavour=flavour, threads=1)
+    ours = np.concatenate([chain_forward(runners, "s", ids[:30]), chain_forward(runners, "s", ids[30:])], axis=1)[0]
+    np.testing.assert_allclose(ours, torch_logits(model, ids), atol=1e-4 if flavour == "portable" else 3e-2, rtol=0)
 
 
 def test_sharded_checkpoint_with_index(tmp_path) -> None:
@@ -131,7 +166,7 @@ def test_biased_llama_q4_computes_the_dequantised_model(tmp_path, monkeypatch) -
     layer = read_tensors(d / m.files["layer.0"].path)
     assert {layer[b].dtype for b in ("q_bias", "o_bias", "gate_bias", "up_bias", "down_bias")} == {np.dtype(np.float32)}
     load_dequantised(model, d, m)
-    monkeypatch.setattr("shards.graph.fragment.Q4_ACCURACY_LEVEL", 0)  # float activations: exact
+    monkeypatch.setattr("shards.graph.fragment.Q8_ACCURACY_LEVEL", 0)  # float activations everywhere: exact
     ids = np.arange(3, 50, dtype=np.int64)
     ours = chain_forward(open_chain(d, [(0, 2)], threads=1), "s", ids)[0]
     np.testing.assert_allclose(ours, torch_logits(model, ids), atol=1e-4, rtol=0)
