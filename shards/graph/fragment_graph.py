@@ -38,11 +38,14 @@ def write_fragment(model_dir: Path, m: Manifest, spec: FragmentSpec, out_dir: Pa
     return g.weight_bytes
 
 
-def rope_tables(m: Manifest, n_positions: int) -> tuple[np.ndarray, np.ndarray]:
-    """cos, sin tables float32 [n_positions, head_dim/2] (with llama3 frequency factors)."""
+def rope_tables(m: Manifest, n_positions: int, sliding: bool = False) -> tuple[np.ndarray, np.ndarray]:
+    """cos, sin tables float32 [n_positions, head_dim/2] (with llama3 frequency factors); those
+    of the sliding-window layers when they have a rotary base of their own (no factors)."""
     hd = m.head_dim
-    inv = 1.0 / (m.rope_theta ** (np.arange(0, hd, 2, dtype=np.float64) / hd))
-    if m.rope_freq_factors is not None:
+    own_base = sliding and m.sliding_rope_theta is not None
+    theta = m.sliding_rope_theta if own_base else m.rope_theta
+    inv = 1.0 / (theta ** (np.arange(0, hd, 2, dtype=np.float64) / hd))
+    if m.rope_freq_factors is not None and not own_base:
         inv = inv / np.asarray(m.rope_freq_factors, dtype=np.float64)
     ang = np.arange(n_positions, dtype=np.float64)[:, None] * inv[None, :]
     return np.cos(ang).astype(np.float32), np.sin(ang).astype(np.float32)
@@ -190,8 +193,15 @@ class _Builder:
         return g.op1("Mul", [g.op1("Round", [g.op1("Div", [xb, safe])]), step])
 
     def embed(self, ids: str) -> str:
-        """The float32 rows of the embedding table for ``ids`` (a float table, or 8-bit blocks
-        whose gathered rows are dequantised)."""
+        """The float32 rows of the embedding table for ``ids``, times the model's embedding scale."""
+        x = self._embedding_rows(ids)
+        if self.m.embedding_scale == 1.0:
+            return x
+        return self.g.op1("Mul", [x, self.g.const("embedding_scale", np.array(self.m.embedding_scale, np.float32))])
+
+    def _embedding_rows(self, ids: str) -> str:
+        """The float32 rows of the table for ``ids`` (a float table, or 8-bit blocks whose
+        gathered rows are dequantised)."""
         g, t = self.g, self._load("embed")
         if "embed" in t:
             x = g.op1("Gather", [g.const("embed", t["embed"]), ids], axis=0)
@@ -271,18 +281,31 @@ class _Builder:
                                 g.const("one_s_i64", np.array(1, np.int64))])
         pos = g.op1("Add", [g.op1("Unsqueeze", ["past_length", g.const("one_ax", np.array([1], np.int64))]),
                             g.op1("Unsqueeze", [steps, g.const("zero_ax", np.array([0], np.int64))])])
-        cos, sin = rope_tables(self.m, self.s.max_context)
-        return {"seqlens": seqlens, "total": total_s, "pos": pos,
-                "cos": g.const("rope.cos", cos.astype(self.dtype)), "sin": g.const("rope.sin", sin.astype(self.dtype))}
+        out = {"seqlens": seqlens, "total": total_s, "pos": pos}
+        for kind in self._rope_kinds():
+            cos, sin = rope_tables(self.m, self.s.max_context, sliding=kind == "sliding")
+            out[f"cos{kind}"] = g.const(f"rope{kind}.cos", cos.astype(self.dtype))
+            out[f"sin{kind}"] = g.const(f"rope{kind}.sin", sin.astype(self.dtype))
+        return out
+
+    def _rope_kinds(self) -> tuple[str, ...]:
+        """Suffixes of the rotary tables: "" (every layer's), and "sliding" when the sliding
+        layers rotate with a base of their own."""
+        return ("", "sliding") if self.m.sliding_layers and self.m.sliding_rope_theta is not None else ("",)
+
+    def _layer_view(self, pro: dict[str, str], li: int) -> dict[str, str]:
+        """The prologue's names as layer ``li`` uses them: its rotary tables and its mask."""
+        if li not in self.m.sliding_layers:
+            return pro
+        view = dict(pro)
+        for name in ("cos", "sin", "mask_grouped"):
+            view[name] = pro.get(name + "sliding", pro.get(name, ""))
+        return view
 
     def prologue_static(self) -> dict[str, str]:
         g, c, mc = self.g, self.s.prefill_chunk, self.s.max_context
         pos = g.op1("Add", ["past_length", g.const("chunk_arange", np.arange(c, dtype=np.int64))])
-        cos, sin = rope_tables(self.m, mc + c)
-        cos_full = g.const("rope.cos", np.concatenate([cos, cos], axis=1))
-        sin_full = g.const("rope.sin", np.concatenate([sin, sin], axis=1))
-        cos_p = g.op1("Gather", [cos_full, pos], axis=0)
-        sin_p = g.op1("Gather", [sin_full, pos], axis=0)
+        out = self._gathered_rope(pos, mc + c)
         visible = g.op1("Less", [g.const("ctx_arange", np.arange(mc, dtype=np.int64)), "past_length"])
         past_mask = g.op1("Where", [visible, g.const("zero_f", np.array(0.0, np.float32)),
                                     g.const("neg_f", np.array(_NEG, np.float32))])
@@ -290,7 +313,31 @@ class _Builder:
                                      g.const("mask_shape", np.array([c, mc], np.int64))])
         causal = np.where(np.tril(np.ones((c, c), bool)), 0.0, _NEG).astype(np.float32)
         mask = g.op1("Concat", [past_mask, g.const("causal", causal)], axis=1)
-        return {"cos": cos_p, "sin": sin_p, "mask": mask}
+        out["mask"] = mask
+        if self.m.sliding_layers:  # keys: the cache's slots 0..mc-1 hold positions 0..mc-1, then the chunk's
+            kpos = g.op1("Concat", [g.const("ctx_arange", np.arange(mc, dtype=np.int64)), pos], axis=0)
+            out["masksliding"] = self._window(mask, kpos, pos)
+        return out
+
+    def _gathered_rope(self, pos: str, n_positions: int) -> dict[str, str]:
+        """Rotary cos and sin rows (full head width) of positions ``pos``, per table kind."""
+        g, out = self.g, {}
+        for kind in self._rope_kinds():
+            cos, sin = rope_tables(self.m, n_positions, sliding=kind == "sliding")
+            cos_full = g.const(f"rope{kind}.cos", np.concatenate([cos, cos], axis=1))
+            sin_full = g.const(f"rope{kind}.sin", np.concatenate([sin, sin], axis=1))
+            out[f"cos{kind}"] = g.op1("Gather", [cos_full, pos], axis=0)
+            out[f"sin{kind}"] = g.op1("Gather", [sin_full, pos], axis=0)
+        return out
+
+    def _window(self, mask: str, kpos: str, qpos: str) -> str:
+        """``mask`` [queries, keys] with the keys more than sliding_window - 1 positions before
+        their query hidden as well."""
+        g = self.g
+        lowest = g.op1("Sub", [g.op1("Unsqueeze", [qpos, g.const("one_ax", np.array([1], np.int64))]),
+                               g.const("window_reach", np.array(self.m.sliding_window, np.int64))])
+        inside = g.op1("Greater", [g.op1("Unsqueeze", [kpos, g.const("zero_ax", np.array([0], np.int64))]), lowest])
+        return g.op1("Where", [inside, mask, g.const("neg_f", np.array(_NEG, np.float32))])
 
     def prologue_portable(self, x: str, past0: str) -> dict[str, str]:
         """Dynamic T and P: positions P..P+T-1, mask [T, P+T] (key j visible to row i iff j <= P+i)."""
@@ -306,11 +353,11 @@ class _Builder:
                                         g.op1("Unsqueeze", [pos, ax])])
         mask = g.op1("Where", [visible, g.const("zero_f", np.array(0.0, np.float32)),
                                g.const("neg_f", np.array(_NEG, np.float32))])
-        cos, sin = rope_tables(self.m, self.s.max_context)
-        cos_full = g.const("rope.cos", np.concatenate([cos, cos], axis=1))
-        sin_full = g.const("rope.sin", np.concatenate([sin, sin], axis=1))
-        return {"cos": g.op1("Gather", [cos_full, pos], axis=0), "sin": g.op1("Gather", [sin_full, pos], axis=0),
-                "mask": mask}
+        out = self._gathered_rope(pos, self.s.max_context)
+        out["mask"] = mask
+        if self.m.sliding_layers:
+            out["masksliding"] = self._window(mask, kpos, pos)
+        return out
 
     # --- attention ----------------------------------------------------------------------------
     def attention_cpu(self, xn: str, t: dict[str, np.ndarray], li: int, pro: dict[str, str]) -> tuple[str, str, str]:
@@ -330,8 +377,8 @@ class _Builder:
                      pro["cos"], pro["sin"], pro["pos"]],
                     out=[g.name("attn"), f"present_key.{li}", f"present_value.{li}"], domain=MS,
                     num_heads=m.n_heads, kv_num_heads=m.n_kv_heads, do_rotary=int(li not in m.layers_without_rope),
-                    rotary_interleaved=0,
-                    scale=float(1.0 / np.sqrt(m.head_dim)))
+                    rotary_interleaved=0, scale=self.attention_scale(),
+                    local_window_size=m.sliding_window if li in m.sliding_layers else -1)
         return outs[0], outs[1], outs[2]
 
     def _proj_heads(self, xn: str, t: dict[str, np.ndarray], name: str, bias: str, n_heads: int, li: int) -> str:
@@ -371,13 +418,17 @@ class _Builder:
         # group the query heads of each KV head: [1, kvh, grp * T, hd] (head h uses KV head h // grp)
         qg = g.op1("Reshape", [q, g.const("q_group_shape", np.array([1, kvh, -1, hd], np.int64))])
         sc = g.op1("MatMul", [qg, g.op1("Transpose", [k_all], perm=[0, 1, 3, 2])])
-        sc = g.op1("Mul", [sc, g.const("attn_scale", np.array(1.0 / np.sqrt(hd), np.float32))])
+        sc = g.op1("Mul", [sc, g.const("attn_scale", np.array(self.attention_scale(), np.float32))])
         p = g.op1("Softmax", [g.op1("Add", [sc, pro["mask_grouped"]])], axis=-1)
         o = g.op1("MatMul", [p, v_all])
         o = g.op1("Reshape", [o, g.const("o_heads_shape", np.array([1, m.n_heads, -1, hd], np.int64))])
         o = g.op1("Transpose", [o], perm=[0, 2, 1, 3])
         o = g.op1("Reshape", [o, g.const("o_flat_shape", np.array([1, -1, m.n_heads * hd], np.int64))])
         return o, k_out, v_out
+
+    def attention_scale(self) -> float:
+        m = self.m
+        return float(m.attention_scale if m.attention_scale is not None else 1.0 / np.sqrt(m.head_dim))
 
     def add_bias(self, y: str, t: dict[str, np.ndarray], names: list[str], label: str) -> str:
         """y + concat(t[names]) (in the graph's precision, whatever the weight format)."""
@@ -390,11 +441,24 @@ class _Builder:
         if self.m.mlp_bias:
             gu = self.add_bias(gu, t, ["gate_bias", "up_bias"], f"l{li}.gate_up")
         gate, up = g.op("Split", [gu, g.const("split_ff", np.array([f, f], np.int64))], n_out=2, axis=-1)
-        act = g.op1("Mul", [gate, g.op1("Sigmoid", [gate])])
+        act = self.activation(gate)
         down = self.linear(g.op1("Mul", [act, up]), t, ["down_proj"], f"l{li}.down")
         if self.m.mlp_bias:
             down = self.add_bias(down, t, ["down_bias"], f"l{li}.down")
         return down
+
+    def activation(self, x: str) -> str:
+        """The gate's activation: SiLU, or GELU's tanh approximation
+        (0.5 x (1 + tanh(sqrt(2 / pi) (x + 0.044715 x^3))))."""
+        g = self.g
+        if self.m.activation == "silu":
+            return g.op1("Mul", [x, g.op1("Sigmoid", [x])])
+        c = lambda name, v: g.const(name, np.array(v, self.dtype))  # noqa: E731 - scalars of the graph's type
+        cube = g.op1("Mul", [g.op1("Mul", [x, x]), x])
+        inner = g.op1("Mul", [g.op1("Add", [x, g.op1("Mul", [cube, c("gelu_cubic", 0.044715)])]),
+                              c("gelu_scale", np.sqrt(2.0 / np.pi))])
+        half = g.op1("Mul", [x, c("gelu_half", 0.5)])
+        return g.op1("Mul", [half, g.op1("Add", [g.op1("Tanh", [inner]), c("gelu_one", 1.0)])])
 
     # --- whole graph ----------------------------------------------------------------------------
     def build(self) -> onnx.ModelProto:
@@ -421,9 +485,10 @@ class _Builder:
             pro = self.prologue_cpu(x)
         else:
             pro = self.prologue_portable(x, f"past_key.{s.first_layer}")
-        if "mask" in pro:  # rows of grouped query heads repeat the mask grp times
-            tile = g.const("mask_tile", np.array([m.group_size, 1], np.int64))
-            pro["mask_grouped"] = g.op1("Tile", [pro["mask"], tile])
+        tile = g.const("mask_tile", np.array([m.group_size, 1], np.int64))
+        for kind in ("", "sliding"):  # rows of grouped query heads repeat the mask grp times
+            if "mask" + kind in pro:
+                pro["mask_grouped" + kind] = g.op1("Tile", [pro["mask" + kind], tile])
         residual, pending = x, None
         for li in range(s.first_layer, s.last_layer + 1):
             for kind in ("key", "value"):
@@ -439,12 +504,16 @@ class _Builder:
             else:
                 xn, residual = self.add_rms(pending, residual, t["input_norm"], f"l{li}.input_norm")
             att = self.attention_cpu if fused else self.attention_plain
-            a, k_out, v_out = att(xn, t, li, pro)
+            a, k_out, v_out = att(xn, t, li, self._layer_view(pro, li))
             o = self.linear(a, t, ["o_proj"], f"l{li}.o_proj")
             if m.attention_output_bias:
                 o = self.add_bias(o, t, ["o_bias"], f"l{li}.o_proj")
+            if m.post_sublayer_norms:
+                o = self.rms(self.residual_precision(o), t["attn_out_norm"], f"l{li}.attn_out_norm")
             xn2, residual = self.add_rms(o, residual, t["post_norm"], f"l{li}.post_norm")
             pending = self.mlp(xn2, t, li)
+            if m.post_sublayer_norms:
+                pending = self.rms(self.residual_precision(pending), t["mlp_out_norm"], f"l{li}.mlp_out_norm")
             new_len: int | str = s.prefill_chunk if static else ("C" if fused else "P_plus_T")
             for kind, name in (("key", k_out), ("value", v_out)):
                 outputs.append(helper.make_tensor_value_info(name, self.elem,

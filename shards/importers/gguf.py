@@ -1,4 +1,4 @@
-"""Read a GGUF file (llama / qwen2 / qwen3 / smollm3) as float32 tensors with ncm's canonical names.
+"""Read a GGUF file (llama / qwen2 / qwen3 / smollm3 / gemma3) as float32 tensors with ncm's canonical names.
 
 llama.cpp's converter permutes the rows of llama's (and smollm3's) ``attn_q`` / ``attn_k`` so that rotary pairs
 are interleaved (GPT-J style); we undo that permutation so stored weights are in the Hugging
@@ -7,13 +7,15 @@ permuted.
 
 Optional tensors are all-or-nothing per model, decided by layer 0: ``attn_q/k/v.bias``
 (q/k/v biases), ``attn_output.bias``, ``ffn_gate/up/down.bias`` and ``attn_q_norm/attn_k_norm``
-(qwen3's per-head query and key norms). Every tensor of the file
+(qwen3's per-head query and key norms). gemma3 has its four norms per layer (llama.cpp's
+converter stores Gemma's 1 + w as the norm weight, which is what ncm stores too). Every tensor of the file
 must be one of the model's or on :data:`IGNORED_LAYER_TENSORS`.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 from pathlib import Path
 from typing import Any
 
@@ -23,9 +25,15 @@ from shards.errors import ModelFormatError, UnsupportedArchitectureError
 from shards.store.verify import hash_file
 
 log = logging.getLogger(__name__)
-SUPPORTED = ("llama", "qwen2", "qwen3", "smollm3")
+SUPPORTED = ("llama", "qwen2", "qwen3", "smollm3", "gemma3")
 # SmolLM3 leaves the rotary out of every 4th layer; llama.cpp fixes the step (no GGUF key holds it).
 SMOLLM3_NO_ROPE_STEP = 4
+# Gemma 3 as llama.cpp runs it (none of it is in the file): every 6th layer global, the others
+# sliding with rotary base 10000; scores scaled by 1/sqrt(head_dim), by 1/sqrt(hidden/heads) in
+# the 27B (62 layers).
+GEMMA3_GLOBAL_STEP = 6
+GEMMA3_SLIDING_ROPE_THETA = 10000.0
+GEMMA3_27B_LAYERS = 62
 _LAYER_NAMES = {
     "attn_norm.weight": "input_norm",
     "ffn_norm.weight": "post_norm",
@@ -41,6 +49,7 @@ _QKV_BIASES = {"attn_q.bias": "q_bias", "attn_k.bias": "k_bias", "attn_v.bias": 
 _O_BIAS = {"attn_output.bias": "o_bias"}
 _MLP_BIASES = {"ffn_gate.bias": "gate_bias", "ffn_up.bias": "up_bias", "ffn_down.bias": "down_bias"}
 _QK_NORMS = {"attn_q_norm.weight": "q_norm", "attn_k_norm.weight": "k_norm"}
+_POST_NORMS = {"post_attention_norm.weight": "attn_out_norm", "post_ffw_norm.weight": "mlp_out_norm"}
 # Per-layer tensors (``blk.N.<name>``) skipped by name because they hold nothing the model
 # needs: rotary inverse frequencies (GGUF's name for Hugging Face's ``rotary_emb.inv_freq``
 # buffer), which the rope metadata determines.
@@ -77,7 +86,7 @@ class GgufSource:
         self._layer_map = dict(_LAYER_NAMES)
         for on, names in ((self.params["attention_bias"], _QKV_BIASES),
                           (self.params["attention_output_bias"], _O_BIAS), (self.params["mlp_bias"], _MLP_BIASES),
-                          (self.params["qk_norm"], _QK_NORMS)):
+                          (self.params["qk_norm"], _QK_NORMS), (self.params["post_sublayer_norms"], _POST_NORMS)):
             if on:
                 self._layer_map |= names
 
@@ -137,10 +146,20 @@ class GgufSource:
             "attention_output_bias": "blk.0.attn_output.bias" in self.tensors,
             "mlp_bias": "blk.0.ffn_gate.bias" in self.tensors,
             "rope_freq_factors": ff,
-            "qk_norm": a == "qwen3",
+            "qk_norm": a in ("qwen3", "gemma3"),
             "layers_without_rope": tuple(i for i in range(n_layers)
                                          if a == "smollm3" and (i + 1) % SMOLLM3_NO_ROPE_STEP == 0),
+            "post_sublayer_norms": False,
+            **(self._gemma3_params(n_layers, hidden, n_heads, head_dim) if a == "gemma3" else {}),
         }
+
+    def _gemma3_params(self, n_layers: int, hidden: int, n_heads: int, head_dim: int) -> dict[str, Any]:
+        window = int(self._field("gemma3.attention.sliding_window"))
+        sliding = tuple(i for i in range(n_layers) if (i + 1) % GEMMA3_GLOBAL_STEP != 0) if window else ()
+        scale_dim = hidden / n_heads if n_layers == GEMMA3_27B_LAYERS else head_dim
+        return {"post_sublayer_norms": True, "embedding_scale": math.sqrt(hidden), "activation": "gelu_tanh",
+                "attention_scale": float(scale_dim) ** -0.5, "sliding_window": window, "sliding_layers": sliding,
+                "sliding_rope_theta": GEMMA3_SLIDING_ROPE_THETA if sliding else None}
 
     def tensor_names(self) -> set[str]:
         return set(self.tensors)

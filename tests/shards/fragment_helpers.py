@@ -109,7 +109,7 @@ def write_tiny_checkpoint(folder: Path, *, seed: int = 0, layers: int = 2, q4_0_
 
 def make_hf_checkpoint(folder: Path, arch: str, *, seed: int = 0, attention_bias: bool = False,
                        mlp_bias: bool = False):
-    """Save a tiny random llama / mistral / qwen2 / qwen3 / smollm3 checkpoint in ``folder``; returns the torch model
+    """Save a tiny random llama / mistral / qwen2 / qwen3 / smollm3 / gemma3 checkpoint in ``folder``; returns the torch model
     (eval, fp32).
 
     ``attention_bias`` (llama, qwen3) gives q/k/v/o biases and ``mlp_bias`` (llama) gate/up/down
@@ -117,6 +117,8 @@ def make_hf_checkpoint(folder: Path, arch: str, *, seed: int = 0, attention_bias
     hidden_size / n_heads, as Qwen3's have."""
     import torch
     from transformers import (
+        Gemma3ForCausalLM,
+        Gemma3TextConfig,
         LlamaConfig,
         LlamaForCausalLM,
         MistralConfig,
@@ -142,6 +144,10 @@ def make_hf_checkpoint(folder: Path, arch: str, *, seed: int = 0, attention_bias
     elif arch == "mistral":
         cfg = MistralConfig(**common, tie_word_embeddings=False, rope_theta=1000000.0, sliding_window=None)
         model = MistralForCausalLM(cfg)
+    elif arch == "gemma3":  # layers 0-4 slide over 16 positions, layer 5 is global (as llama.cpp reads a GGUF)
+        cfg = Gemma3TextConfig(**(common | {"num_hidden_layers": 6}), head_dim=32, sliding_window=16,
+                               query_pre_attn_scalar=32, tie_word_embeddings=True, pad_token_id=0)
+        model = Gemma3ForCausalLM(cfg)
     elif arch == "smollm3":  # layer 3 of 5 without rope
         cfg = SmolLM3Config(**(common | {"num_hidden_layers": 5}), tie_word_embeddings=True, rope_theta=50000.0,
                             pad_token_id=None)
@@ -179,6 +185,8 @@ def write_gguf_from_hf(model, path: Path, arch: str, extra: dict[str, np.ndarray
 
     cfg = model.config
     sd = {k: v.detach().float().numpy() for k, v in model.state_dict().items()}
+    if arch == "gemma3":  # the converter stores each of Gemma's norms as 1 + w
+        sd = {k: v + 1.0 if k.endswith("norm.weight") else v for k, v in sd.items()}
     n_heads, n_kv = cfg.num_attention_heads, cfg.num_key_value_heads
     hd = getattr(cfg, "head_dim", None) or cfg.hidden_size // n_heads
 
@@ -197,8 +205,11 @@ def write_gguf_from_hf(model, path: Path, arch: str, extra: dict[str, np.ndarray
         w.add_key_length(hd)
         w.add_value_length(hd)
     rope = getattr(cfg, "rope_parameters", None) or {}
+    rope = rope.get("full_attention", rope)  # gemma3: one set per attention kind, the global one in the file
     theta = float(rope.get("rope_theta", getattr(cfg, "rope_theta", 10000.0)))
     w.add_rope_freq_base(theta)
+    if arch == "gemma3":
+        w.add_sliding_window(cfg.sliding_window)
     w.add_vocab_size(cfg.vocab_size)
     tokens = ["<unk>", "<s>", "</s>", "ab"] + [chr(c) for c in range(33, 33 + cfg.vocab_size - 4)]
     w.add_tokenizer_model("gpt2")
@@ -223,6 +234,10 @@ def write_gguf_from_hf(model, path: Path, arch: str, extra: dict[str, np.ndarray
              "mlp.down_proj.weight": "ffn_down.weight", "mlp.gate_proj.bias": "ffn_gate.bias",
              "mlp.up_proj.bias": "ffn_up.bias", "mlp.down_proj.bias": "ffn_down.bias",
              "self_attn.q_norm.weight": "attn_q_norm.weight", "self_attn.k_norm.weight": "attn_k_norm.weight"}
+    if arch == "gemma3":  # Gemma's four norms
+        names |= {"post_attention_layernorm.weight": "post_attention_norm.weight",
+                  "pre_feedforward_layernorm.weight": "ffn_norm.weight",
+                  "post_feedforward_layernorm.weight": "post_ffw_norm.weight"}
     written = {"model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"}
     for i in range(cfg.num_hidden_layers):
         for hf, gg in names.items():

