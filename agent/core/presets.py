@@ -20,7 +20,7 @@ from typing import Any
 from agent.core.errors import PresetError
 
 GLOBAL_SECTION = "*"
-WEIGHT_FORMATS = ("f32", "f16", "q4")
+WEIGHT_FORMATS = ("f32", "f16", "q4", "mixed")  # shards.store.manifest's (the core imports no shards)
 MIN_CONTEXT = 16
 SOURCES = ("store", "preset")
 

@@ -15,13 +15,14 @@ from collections.abc import Callable
 from pathlib import Path
 
 from shards.errors import ShardsError
+from shards.store.manifest import WEIGHT_FORMATS
 
 log = logging.getLogger(__name__)
 
 EXIT_OK = 0
 EXIT_ERROR = 2
 EXIT_INTERRUPTED = 130
-WEIGHT_CHOICES = ("f32", "f16", "q4")
+WEIGHT_CHOICES = WEIGHT_FORMATS
 
 
 def _reports_errors(command: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:
@@ -155,10 +156,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     home_help = "model store root (default: $NCM_HOME, $XDG_DATA_HOME/ncm or ~/.local/share/ncm)"
 
     p = subparsers.add_parser("pull", help="download a known model and import it",
-                              description="Download a known model (smollm2-135m) and import it. "
-                              "--weights q4/f16 store it as NAME-q4 / NAME-f16.")
+                              description="Download a known model (smollm2-135m, gemma3-270m) and import it. "
+                              "--weights q4/f16/mixed store it as NAME-q4 / NAME-f16 / NAME-mixed.")
     p.add_argument("name", metavar="NAME", help="model to pull, e.g. smollm2-135m")
-    p.add_argument("--weights", choices=WEIGHT_CHOICES, default="f32", help="weight format (default f32)")
+    p.add_argument("--weights", choices=WEIGHT_CHOICES, default="f32",
+                   help="weight format (default f32; mixed: 4- or 8-bit blocks per tensor, as precise as the file's)")
     p.add_argument("--home", help=home_help)
     p.add_argument("--quiet", action="store_true", help="no progress bars (none either when stderr is no terminal)")
     p.set_defaults(func=cmd_pull, command="pull")
@@ -166,7 +168,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("import", help="import a GGUF file or Hugging Face folder")
     p.add_argument("path", metavar="PATH", help="a .gguf file or a folder with config.json + safetensors")
     p.add_argument("--name", help="name in the store (default: from the file name)")
-    p.add_argument("--weights", choices=WEIGHT_CHOICES, default="f32", help="weight format (default f32)")
+    p.add_argument("--weights", choices=WEIGHT_CHOICES, default="f32",
+                   help="weight format (default f32; mixed: 4- or 8-bit blocks per tensor, as precise as the file's)")
     p.add_argument("--lm-head-bits", type=int, choices=(8, 4), default=8,
                    help="with --weights q4: the lm_head's bits (default 8; 4 reads fewer bytes per token)")
     p.add_argument("--home", help=home_help)

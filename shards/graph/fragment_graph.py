@@ -17,7 +17,7 @@ import onnx
 from onnx import TensorProto, helper
 
 from shards.graph.spec import FUSED_FLAVOURS, IR_VERSION, ONNX_FILE, FragmentSpec
-from shards.store.manifest import Manifest, layer_key
+from shards.store.manifest import BLOCK_FORMATS, Manifest, layer_key
 from shards.store.tensorfile import read_tensors
 
 log = logging.getLogger(__name__)
@@ -132,7 +132,7 @@ class _Builder:
                  q8_level: int) -> None:
         self.dir, self.m, self.s, self.g = model_dir, m, spec, g
         self.levels = {4: q4_level, 8: q8_level}
-        self.q4 = m.weight_format == "q4"
+        self.q4 = m.weight_format in BLOCK_FORMATS
         self.fused = spec.flavour in FUSED_FLAVOURS
         half = spec.flavour == "gpu"
         self.dtype = np.float16 if half else np.float32  # what the graph computes in
@@ -158,6 +158,8 @@ class _Builder:
         rounding left of x (``x - q(x)``, itself rounded to int8 by the kernel), so x counts
         with about 16 bits, at the cost of reading the weights twice."""
         g = self.g
+        if len({t[f"{n}.qweight"].shape[-1] for n in names}) > 1:  # a mixed store: 4- and 8-bit apart
+            return g.op1("Concat", [self._linear_nbits(x, t, [n], f"{label}.{n}") for n in names], axis=-1)
         qw = np.concatenate([t[f"{n}.qweight"] for n in names], axis=0)
         sc = np.concatenate([t[f"{n}.scales"] for n in names], axis=0)
         n_out, kb, blob = qw.shape

@@ -28,6 +28,9 @@ log = logging.getLogger(__name__)
 SUPPORTED = ("llama", "qwen2", "qwen3", "smollm3", "gemma3")
 # SmolLM3 leaves the rotary out of every 4th layer; llama.cpp fixes the step (no GGUF key holds it).
 SMOLLM3_NO_ROPE_STEP = 4
+# GGUF tensor types of at most 4 bits (and a bit of scales) per weight: Q4_0, Q4_1, Q4_K, Q3_K,
+# Q2_K, the IQ and ternary ones, the FP4 ones.
+NARROW_TYPE_PREFIXES = ("Q1", "Q2", "Q3", "Q4", "IQ", "TQ", "MXFP4", "NVFP4")
 # Gemma 3 as llama.cpp runs it (none of it is in the file): every 6th layer global, the others
 # sliding with rotary base 10000; scores scaled by 1/sqrt(head_dim), by 1/sqrt(hidden/heads) in
 # the 27B (62 layers).
@@ -200,6 +203,11 @@ class GgufSource:
                 if b in out:
                     out[b] = unpermute_rope_rows(out[b], self.params[n])
         return out
+
+    def narrow_tensors(self, i: int) -> frozenset[str]:
+        """Layer ``i``'s linear weights the file holds in at most 4 bits per weight."""
+        return frozenset(cname for gname, cname in self._layer_map.items()
+                         if self.tensors[f"blk.{i}.{gname}"].tensor_type.name.startswith(NARROW_TYPE_PREFIXES))
 
     def embed(self) -> np.ndarray:
         return self._tensor("token_embd.weight")

@@ -286,6 +286,10 @@ class HfSource:
 
         return tokenizer_spec_from_hf(self.path)
 
+    def narrow_tensors(self, i: int) -> frozenset[str]:
+        """None: a Hugging Face checkpoint holds floats (a mixed store keeps them in 8 bits)."""
+        return frozenset()
+
     def digest(self) -> str:
         h = hashlib.sha256()
         for f in [self.path / "config.json", *self.files, self.path / "tokenizer.json"]:

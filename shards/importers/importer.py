@@ -12,6 +12,10 @@ Weights are stored per layer (``weights/layer_NNN.safetensors``) plus ``weights/
   (``lm_head_bits=4``: fewer bytes read per token, logits a little further from the source);
   the embedding table as float16, or as 8-bit blocks when they hold it exactly (a GGUF Q8_0
   table, whose values float16 would round).
+- ``mixed``: as ``q4``, with each linear weight in the blocks that keep the source's own
+  precision: 4-bit ones for a tensor the GGUF file holds in at most 4 bits per weight (Q4_0,
+  Q4_1, Q4_K, Q3_K...), 8-bit ones for the others (Q5_0, Q6_K, Q8_0, float): about the file's
+  size, nearly its precision.
 
 Every tensor of the checkpoint is used or the import is refused (UnmappedTensorError, naming
 them): a tensor the importer does not map would be a weight silently dropped. Each source
@@ -30,7 +34,7 @@ from tqdm import tqdm
 
 from shards.errors import ModelFormatError, UnmappedTensorError
 from shards.importers.quant import exact_q8, quantize_q4, quantize_q8
-from shards.store.manifest import WEIGHT_FORMATS, Manifest, WeightFile, layer_key
+from shards.store.manifest import BLOCK_FORMATS, WEIGHT_FORMATS, Manifest, WeightFile, layer_key
 from shards.store.model_store import ModelStore
 from shards.store.tensorfile import write_tensors
 from shards.store.verify import hash_file
@@ -63,6 +67,8 @@ class ModelSource(Protocol):
 
     def digest(self) -> str: ...
 
+    def narrow_tensors(self, i: int) -> frozenset[str]: ...  # layer i's linear weights held in <= 4 bits
+
 
 def open_source(path: Path) -> ModelSource:
     """A GgufSource or HfSource for ``path`` (ModelFormatError if it is neither)."""
@@ -91,20 +97,23 @@ def default_name(path: Path) -> str:
     return clean.lower()[:100]
 
 
-def convert_tensors(tensors: dict[str, np.ndarray], weights: str, lm_head_bits: int = 8) -> dict[str, np.ndarray]:
-    """Canonical float32 tensors -> the stored form for ``weights`` (pure)."""
+def convert_tensors(tensors: dict[str, np.ndarray], weights: str, lm_head_bits: int = 8,
+                    narrow: frozenset[str] = frozenset()) -> dict[str, np.ndarray]:
+    """Canonical float32 tensors -> the stored form for ``weights`` (pure); ``narrow``: the linear
+    weights the source holds in at most 4 bits (the 4-bit ones of a ``mixed`` store)."""
     out: dict[str, np.ndarray] = {}
     for name, arr in tensors.items():
         if name in LINEAR or name == "lm_head":
-            if weights == "q4":
-                eight = name == "lm_head" and lm_head_bits == 8
+            if weights in BLOCK_FORMATS:
+                eight = (name == "lm_head" and lm_head_bits == 8) or (weights == "mixed" and name in LINEAR
+                                                                       and name not in narrow)
                 for part, val in (quantize_q8(arr) if eight else quantize_q4(arr)).items():
                     out[f"{name}.{part}"] = val
             elif weights == "f16":
                 out[name] = arr.astype(np.float16)
             else:
                 out[name] = arr.astype(np.float32, copy=False)
-        elif name == "embed" and weights == "q4" and exact_q8(arr):
+        elif name == "embed" and weights in BLOCK_FORMATS and exact_q8(arr):
             # (a GGUF Q8_0 table: its own grid, where float16 would round its values)
             for part, val in quantize_q8(arr).items():
                 out[f"{name}.{part}"] = val
@@ -164,7 +173,7 @@ def import_model(path: Path | str, *, name: str | None = None, weights: str = "f
     """
     if weights not in WEIGHT_FORMATS:
         raise ModelFormatError(f"unknown weight format {weights!r} (use one of {', '.join(WEIGHT_FORMATS)})")
-    if lm_head_bits not in (4, 8) or (lm_head_bits != 8 and weights != "q4"):
+    if lm_head_bits not in (4, 8) or (lm_head_bits != 8 and weights not in BLOCK_FORMATS):
         raise ModelFormatError(f"lm_head_bits must be 8, or 4 with q4 weights; got {lm_head_bits} with {weights}")
     store = store or ModelStore()
     path = Path(path)
@@ -195,7 +204,7 @@ def import_model(path: Path | str, *, name: str | None = None, weights: str = "f
                 t = src.layer(i)
                 _check_layer(params, i, t)
                 files[layer_key(i)] = _write(tmp, f"{WEIGHTS_DIR}/layer_{i:03d}.safetensors",
-                                             convert_tensors(t, weights))
+                                             convert_tensors(t, weights, narrow=src.narrow_tensors(i)))
                 if i == 0:
                     bar.total = _estimated_bytes(files["embed"].bytes, files[layer_key(0)].bytes, n)
                 bar.update(files[layer_key(i)].bytes)

@@ -32,7 +32,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 DEFAULT_WEIGHTS = "f32"
-WEIGHT_SUFFIXES = {"f32": "", "f16": "-f16", "q4": "-q4"}
+WEIGHT_SUFFIXES = {"f32": "", "f16": "-f16", "q4": "-q4", "mixed": "-mixed"}
 EXTRACT_BLOCK_BYTES = 1 << 20
 
 

@@ -23,6 +23,7 @@ import numpy as np
 BLOCK = 32
 Q4_ZERO = 8
 Q8_ZERO = 128
+GRID_TOLERANCE = 1e-3  # of a code: how far from an integer a value on a block's grid may fall (float rounding)
 Q8_PEAK = 127  # a GGUF Q8_0 block's largest code magnitude
 
 
@@ -50,11 +51,27 @@ def quantize_q8(w: np.ndarray) -> dict[str, np.ndarray]:
     return _by_rows(_q8, w)
 
 
+def _grid(b: np.ndarray, levels: int) -> tuple[np.ndarray, np.ndarray]:
+    """(on_grid, step) per block of ``b``: whether its values are lo + k * step with integer k in
+    0..levels - 1, step the smallest gap between two of its values. A block a quantised file
+    stores (a GGUF Q4_1, Q4_K or Q5_0 block: d * q + m) is such a grid even when its codes do
+    not reach both ends, where spreading [lo, hi] over all the codes would move its values."""
+    ordered = np.sort(b, axis=2)
+    gaps = np.diff(ordered, axis=2)
+    step = np.where(gaps > 0, gaps, np.inf).min(axis=2).astype(np.float32)
+    step = np.where(np.isfinite(step), step, np.float32(1.0)).astype(np.float32)  # one value: any step
+    k = (b - ordered[..., :1]) / step[..., None]
+    on_grid = np.all((np.abs(k - np.round(k)) <= GRID_TOLERANCE) & (np.round(k) <= levels - 1), axis=2)
+    return on_grid, step
+
+
 def _q4(w: np.ndarray) -> dict[str, np.ndarray]:
     b = _blocks(w)
     lo, hi = b.min(axis=2), b.max(axis=2)
     scale = ((hi - lo) / 15.0).astype(np.float32)
     scale = np.where(scale > 0, scale, np.float32(1.0)).astype(np.float32)
+    on_grid, step = _grid(b, 16)  # its own grid, codes from 0 at its lowest value
+    scale = np.where(on_grid, step, scale).astype(np.float32)
     codes = np.clip(np.round((b - lo[..., None]) / scale[..., None]), 0, 15)
     offsets = (lo + Q4_ZERO * scale).astype(np.float32)
     # A block on a symmetric grid, d * k with k in -8..7 and its largest magnitude at k = -8
@@ -87,6 +104,14 @@ def _q8(w: np.ndarray) -> dict[str, np.ndarray]:
     scale = np.where(scale > 0, scale, np.float32(1.0)).astype(np.float32)
     zero = np.clip(np.round(-lo / scale), 0, 255)
     codes = np.clip(np.round(b / scale[..., None]) + zero[..., None], 0, 255)
+    # its own grid when that puts zero on an integer code (a GGUF Q5_0 block, d * (q - 16))
+    on_grid, step = _grid(b, 256)
+    grid_zero = -b.min(axis=2) / step
+    on_grid &= np.abs(grid_zero - np.round(grid_zero)) <= GRID_TOLERANCE
+    grid_zero = np.round(grid_zero)
+    codes = np.where(on_grid[..., None], np.round(b / step[..., None]) + grid_zero[..., None], codes)
+    scale = np.where(on_grid, step, scale)
+    zero = np.where(on_grid, grid_zero, zero)
     symmetric, d, k = _q8_grid(b)  # kept exactly, with zero point 128
     codes = np.where(symmetric[..., None], k + Q8_ZERO, codes).astype(np.uint8)
     scale = np.where(symmetric, d, scale).astype(np.float32)

@@ -14,7 +14,8 @@ from shards.errors import ModelFormatError
 
 ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "smollm3", "gemma3")
 ACTIVATIONS = ("silu", "gelu_tanh")  # of the MLP's gate: SiLU (SwiGLU), GELU's tanh approximation (GeGLU)
-WEIGHT_FORMATS = ("f32", "f16", "q4")
+WEIGHT_FORMATS = ("f32", "f16", "q4", "mixed")
+BLOCK_FORMATS = ("q4", "mixed")  # linear weights in MatMulNBits blocks (4-bit, or 4- and 8-bit)
 MANIFEST_VERSION = 1
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 _SHA_RE = re.compile(r"^[0-9a-f]{64}$")
@@ -134,9 +135,9 @@ class Manifest:
             raise ModelFormatError("manifest: head_dim must be even")
         if self.version != MANIFEST_VERSION:
             raise ModelFormatError(f"manifest: unsupported manifest version {self.version}")
-        if self.weight_format == "q4" and (self.hidden_size % 32 or self.intermediate_size % 32
+        if self.weight_format in BLOCK_FORMATS and (self.hidden_size % 32 or self.intermediate_size % 32
                                            or (self.n_heads * self.head_dim) % 32):
-            raise ModelFormatError("manifest: q4 needs matrix input sizes that are multiples of 32")
+            raise ModelFormatError(f"manifest: {self.weight_format} needs matrix input sizes that are multiples of 32")
         for name in ("layers_without_rope", "sliding_layers"):
             layers = getattr(self, name)
             if not isinstance(layers, (tuple, list)) or any(not isinstance(i, int) or isinstance(i, bool)

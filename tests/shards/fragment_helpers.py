@@ -174,10 +174,12 @@ def make_hf_checkpoint(folder: Path, arch: str, *, seed: int = 0, attention_bias
     return model
 
 
-def write_gguf_from_hf(model, path: Path, arch: str, extra: dict[str, np.ndarray] | None = None) -> Path:
-    """Write ``model`` (a tiny transformers llama / qwen2 / qwen3) as a GGUF the way llama.cpp's
-    converter does: llama Q/K rows permuted for interleaved rotary, tied lm_head omitted,
-    llama3 rope factors as ``rope_freqs.weight``, plus a small gpt2-style tokenizer.
+def write_gguf_from_hf(model, path: Path, arch: str, extra: dict[str, np.ndarray] | None = None,
+                       types: dict[str, str] | None = None) -> Path:
+    """Write ``model`` (a tiny transformers llama / qwen2 / qwen3 / smollm3 / gemma3) as a GGUF the
+    way llama.cpp's converter does: llama Q/K rows permuted for interleaved rotary, tied lm_head
+    omitted, llama3 rope factors as ``rope_freqs.weight``, plus a small gpt2-style tokenizer.
+    ``types``: the GGUF type of layer tensors by name (``{"attn_v": "Q8_0"}``; float32 otherwise).
     Every tensor of the model is written (AssertionError otherwise), then the ``extra`` ones."""
     import gguf
 
@@ -250,7 +252,12 @@ def write_gguf_from_hf(model, path: Path, arch: str, extra: dict[str, np.ndarray
                 t = permute(t, n_heads)
             elif arch in ("llama", "smollm3") and gg.startswith("attn_k."):
                 t = permute(t, n_kv)
-            w.add_tensor(f"blk.{i}.{gg}", np.ascontiguousarray(t))
+            qtype = (types or {}).get(gg.removesuffix(".weight"))
+            if qtype:
+                quantised = gguf.quants.quantize(np.ascontiguousarray(t), gguf.GGMLQuantizationType[qtype])
+                w.add_tensor(f"blk.{i}.{gg}", quantised, raw_dtype=gguf.GGMLQuantizationType[qtype])
+            else:
+                w.add_tensor(f"blk.{i}.{gg}", np.ascontiguousarray(t))
     assert set(sd) <= written, f"not written to the GGUF: {sorted(set(sd) - written)}"
     for name, t in (extra or {}).items():
         w.add_tensor(name, np.ascontiguousarray(t))

@@ -62,6 +62,40 @@ def test_q4_fragments_compute_the_dequantised_model(tmp_path, monkeypatch, arch)
     np.testing.assert_allclose(exact, ref, atol=1e-4, rtol=0)
 
 
+def test_a_mixed_store_keeps_each_tensor_in_the_blocks_of_its_precision(tmp_path) -> None:
+    """Q4_0 tensors in 4-bit blocks (their grid, exactly), Q8_0 ones in 8-bit blocks (exactly) and
+    Q5_0 and float ones in 8-bit blocks; the fragments compute the stored weights' function, and
+    the file's to within the 8-bit rounding of its Q5_0 and float tensors."""
+    import torch
+
+    from shards.importers.quant import dequantize
+    from shards.store.tensorfile import read_tensors
+
+    model = make_hf_checkpoint(tmp_path / "hf", "qwen2", seed=13)
+    types = {"attn_q": "Q4_0", "attn_k": "Q4_0", "attn_v": "Q8_0", "attn_output": "Q8_0", "ffn_gate": "Q4_0",
+             "ffn_up": "Q5_0"}  # ffn_down: float32
+    path = write_gguf_from_hf(model, tmp_path / "m.gguf", "qwen2", types=types)
+    store = ModelStore(tmp_path / "home")
+    m = import_model(path, name="mixed", weights="mixed", store=store, progress=False)
+    layer = read_tensors(store.model_dir("mixed") / m.files["layer.0"].path)
+    bits = {name: layer[f"{name}.qweight"].shape[-1] // 4 for name in ("q_proj", "k_proj", "v_proj", "o_proj",
+                                                                        "gate_proj", "up_proj", "down_proj")}
+    assert bits == {"q_proj": 4, "k_proj": 4, "v_proj": 8, "o_proj": 8, "gate_proj": 4, "up_proj": 8, "down_proj": 8}
+    from shards.importers.gguf import GgufSource
+
+    source = GgufSource(path)
+    file_layer = source.layer(0)
+    for name in ("q_proj", "v_proj", "o_proj", "gate_proj"):  # Q4_0 and Q8_0 blocks: the file's values exactly
+        stored = dequantize({k.split(".", 1)[1]: v for k, v in layer.items() if k.startswith(name + ".")})
+        np.testing.assert_array_equal(stored, file_layer[name])
+    load_dequantised(model, store.model_dir("mixed"), m)
+    ids = np.arange(3, 60, dtype=np.int64)
+    with torch.no_grad():
+        ref = model(torch.from_numpy(ids[None, :])).logits[0].numpy()
+    ours = chain_forward(open_chain(store.model_dir("mixed"), [(0, 1), (2, 2)], threads=1), "s", ids)[0]
+    np.testing.assert_allclose(ours, ref, atol=1e-3, rtol=0)  # 8-bit products on int8 activations, twice
+
+
 def test_gguf_biased_llama_matches_transformers(tmp_path) -> None:
     """A llama with attention_bias and mlp_bias: attn_output.bias and ffn_*.bias are applied."""
     import torch

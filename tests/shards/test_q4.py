@@ -116,6 +116,19 @@ def test_q8_0_blocks_keep_their_grid_and_other_blocks_round_to_half_a_step() -> 
     assert (np.abs(dequantize(q) - w) <= 0.5 * step * (1 + 1e-5)).all()
 
 
+def test_blocks_of_a_quantised_file_keep_their_grid_when_their_codes_miss_its_ends() -> None:
+    """d * q + m blocks (GGUF Q4_1, Q4_K) whose codes use 3..12 only, and d * (q - 16) blocks
+    (Q5_0) in 8 bits: the file's values exactly, where spreading [min, max] over every code
+    would move them."""
+    rng = np.random.default_rng(8)
+    d = rng.uniform(1e-3, 1e-1, size=(32, 4, 1)).astype(np.float16).astype(np.float32)
+    m = rng.uniform(-1, 0, size=(32, 4, 1)).astype(np.float16).astype(np.float32)
+    q4_k = (d * rng.integers(3, 13, size=(32, 4, 32)) + m).astype(np.float32).reshape(32, 128)
+    np.testing.assert_array_equal(dequantize(quantize_q4(q4_k)), q4_k)
+    q5_0 = (d * (rng.integers(0, 32, size=(32, 4, 32)) - 16)).astype(np.float32).reshape(32, 128)
+    np.testing.assert_array_equal(dequantize(quantize_q8(q5_0)), q5_0)
+
+
 def test_degenerate_blocks() -> None:
     w = np.zeros((2, 64), np.float32)
     w[1, 32:] = 3.0
