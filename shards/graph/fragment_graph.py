@@ -196,10 +196,13 @@ class _Builder:
 
     def embed(self, ids: str) -> str:
         """The float32 rows of the embedding table for ``ids``, times the model's embedding scale."""
-        x = self._embedding_rows(ids)
-        if self.m.embedding_scale == 1.0:
+        return self.scaled(self._embedding_rows(ids), self.m.embedding_scale, "embedding_scale", np.float32)
+
+    def scaled(self, x: str, factor: float, label: str, dtype: type | None = None) -> str:
+        """``x`` times ``factor`` (a constant of ``dtype``, default the compute precision), or ``x`` for 1."""
+        if factor == 1.0:
             return x
-        return self.g.op1("Mul", [x, self.g.const("embedding_scale", np.array(self.m.embedding_scale, np.float32))])
+        return self.g.op1("Mul", [x, self.g.const(label, np.array(factor, dtype or self.dtype))])
 
     def _embedding_rows(self, ids: str) -> str:
         """The float32 rows of the table for ``ids`` (a float table, or 8-bit blocks whose
@@ -512,10 +515,12 @@ class _Builder:
                 o = self.add_bias(o, t, ["o_bias"], f"l{li}.o_proj")
             if m.post_sublayer_norms:
                 o = self.rms(self.residual_precision(o), t["attn_out_norm"], f"l{li}.attn_out_norm")
+            o = self.scaled(o, m.residual_scale, "residual_scale")
             xn2, residual = self.add_rms(o, residual, t["post_norm"], f"l{li}.post_norm")
             pending = self.mlp(xn2, t, li)
             if m.post_sublayer_norms:
                 pending = self.rms(self.residual_precision(pending), t["mlp_out_norm"], f"l{li}.mlp_out_norm")
+            pending = self.scaled(pending, m.residual_scale, "residual_scale")
             new_len: int | str = s.prefill_chunk if static else ("C" if fused else "P_plus_T")
             for kind, name in (("key", k_out), ("value", v_out)):
                 outputs.append(helper.make_tensor_value_info(name, self.elem,
@@ -527,7 +532,7 @@ class _Builder:
                 inputs.append(helper.make_tensor_value_info("logits_from", TensorProto.INT64, [1]))
                 normed = g.op1("Slice", [normed, "logits_from", g.const("int64_max", np.array([2**63 - 1], np.int64)),
                                          g.const("one_ax", np.array([1], np.int64))])
-            logits = self.linear(normed, h, ["lm_head"], "lm_head")
+            logits = self.scaled(self.linear(normed, h, ["lm_head"], "lm_head"), m.logit_scale, "logit_scale")
             g.op("Identity" if self.elem == TensorProto.FLOAT else "Cast", [logits], out=["logits"],
                  **({} if self.elem == TensorProto.FLOAT else {"to": TensorProto.FLOAT}))
             rows: int | str = "L" if fused else t_dim

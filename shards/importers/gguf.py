@@ -1,6 +1,6 @@
-"""Read a GGUF file (llama / qwen2 / qwen3 / smollm3 / gemma3) as float32 tensors with ncm's canonical names.
+"""Read a GGUF file (llama / qwen2 / qwen3 / smollm3 / gemma3 / granite) as float32 tensors with ncm's canonical names.
 
-llama.cpp's converter permutes the rows of llama's (and smollm3's) ``attn_q`` / ``attn_k`` so that rotary pairs
+llama.cpp's converter permutes the rows of llama's (smollm3's, granite's) ``attn_q`` / ``attn_k`` so that rotary pairs
 are interleaved (GPT-J style); we undo that permutation so stored weights are in the Hugging
 Face layout (rotate-half rotary), the layout every ncm fragment uses. qwen2 and qwen3 are not
 permuted.
@@ -25,7 +25,7 @@ from shards.errors import ModelFormatError, UnsupportedArchitectureError
 from shards.store.verify import hash_file
 
 log = logging.getLogger(__name__)
-SUPPORTED = ("llama", "qwen2", "qwen3", "smollm3", "gemma3")
+SUPPORTED = ("llama", "qwen2", "qwen3", "smollm3", "gemma3", "granite")
 # SmolLM3 leaves the rotary out of every 4th layer; llama.cpp fixes the step (no GGUF key holds it).
 SMOLLM3_NO_ROPE_STEP = 4
 # GGUF tensor types of at most 4 bits (and a bit of scales) per weight: Q4_0, Q4_1, Q4_K, Q3_K,
@@ -153,6 +153,10 @@ class GgufSource:
             "layers_without_rope": tuple(i for i in range(n_layers)
                                          if a == "smollm3" and (i + 1) % SMOLLM3_NO_ROPE_STEP == 0),
             "post_sublayer_norms": False,
+            **({"embedding_scale": float(self._field(f"{a}.embedding_scale", 1.0)),
+                "residual_scale": float(self._field(f"{a}.residual_scale", 1.0)),
+                "attention_scale": float(self._field(f"{a}.attention.scale", 1.0)),
+                "logit_scale": 1.0 / float(self._field(f"{a}.logit_scale", 1.0))} if a == "granite" else {}),
             **(self._gemma3_params(n_layers, hidden, n_heads, head_dim) if a == "gemma3" else {}),
         }
 
@@ -196,7 +200,7 @@ class GgufSource:
     def layer(self, i: int) -> dict[str, np.ndarray]:
         """Float32 tensors of layer ``i`` (HF layout, linear weights [out, in])."""
         out = {cname: self._tensor(f"blk.{i}.{gname}") for gname, cname in self._layer_map.items()}
-        if self.arch in ("llama", "smollm3"):
+        if self.arch in ("llama", "smollm3", "granite"):
             out["q_proj"] = unpermute_rope_rows(out["q_proj"], self.params["n_heads"])
             out["k_proj"] = unpermute_rope_rows(out["k_proj"], self.params["n_kv_heads"])
             for b, n in (("q_bias", "n_heads"), ("k_bias", "n_kv_heads")):

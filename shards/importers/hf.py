@@ -4,7 +4,9 @@ Supported ``model_type``: ``llama`` (incl. ``rope_scaling`` type "llama3", ``att
 q/k/v/o biases, ``mlp_bias``: gate/up/down biases), ``qwen2`` (q/k/v biases, tied
 embeddings), ``qwen3`` (a per-head RMS norm of queries and keys, ``attention_bias``: q/k/v/o
 biases), ``mistral`` (llama's maths, when its sliding window, if any, spans the whole context)
-``smollm3`` (llama's maths, some layers without rotary positions: ``no_rope_layers``) and
+``smollm3`` (llama's maths, some layers without rotary positions: ``no_rope_layers``),
+``granite`` (llama's maths with multipliers of the embedding, the attention scores, the
+sublayers' outputs and the logits) and
 ``gemma3_text`` (Gemma 3: norms that scale by 1 + w, stored as the plain weight they amount to,
 norms around both sublayers, per-head query/key norms, GeGLU, a scaled embedding, sliding-window
 layers with a rotary base of their own). Tensors are read with numpy (see :mod:`shards.store.tensorfile`). Every tensor of the
@@ -28,7 +30,7 @@ from shards.store.tensorfile import read_header, read_tensors
 from shards.store.verify import hash_file
 
 log = logging.getLogger(__name__)
-SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "smollm3", "gemma3_text")
+SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "smollm3", "gemma3_text", "granite")
 _LAYER_NAMES = {
     "input_layernorm.weight": "input_norm",
     "post_attention_layernorm.weight": "post_norm",
@@ -156,7 +158,7 @@ class HfSource:
             tied = bool(c.get("tie_word_embeddings", False)) or "lm_head.weight" not in self.index
             # as transformers builds them: qwen2 has q/k/v biases only; llama's and qwen3's
             # attention_bias gives q/k/v and o_proj biases, llama's mlp_bias gate/up/down ones
-            llama = self.arch == "llama"
+            llama = self.arch in ("llama", "granite")  # (granite: llama's biases)
             attention_bias = bool(c.get("attention_bias", False)) if self.arch != "qwen2" else True
             return {
                 "architecture": self.arch,
@@ -177,6 +179,7 @@ class HfSource:
                 "rope_freq_factors": ff,
                 "qk_norm": self.arch == "qwen3",
                 "layers_without_rope": self._layers_without_rope(),
+                **self._granite_multipliers(),
             }
         except (KeyError, TypeError, ValueError) as e:
             raise ModelFormatError(f"{self.path.name}: config.json lacks or garbles {e}") from e
@@ -223,6 +226,15 @@ class HfSource:
             }
         except (KeyError, TypeError, ValueError) as e:
             raise ModelFormatError(f"{name}: config.json lacks or garbles {e}") from e
+
+    def _granite_multipliers(self) -> dict[str, Any]:
+        c = self.config
+        if self.arch != "granite":
+            return {}
+        return {"embedding_scale": float(c.get("embedding_multiplier", 1.0)),
+                "residual_scale": float(c.get("residual_multiplier", 1.0)),
+                "attention_scale": float(c.get("attention_multiplier", 1.0)),
+                "logit_scale": 1.0 / float(c.get("logits_scaling", 1.0))}
 
     def _layers_without_rope(self) -> tuple[int, ...]:
         """SmolLM3's ``no_rope_layers`` (1: the layer rotates, 0: it does not), or its interval."""

@@ -12,7 +12,7 @@ from typing import Any
 
 from shards.errors import ModelFormatError
 
-ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "smollm3", "gemma3")
+ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "smollm3", "gemma3", "granite")
 ACTIVATIONS = ("silu", "gelu_tanh")  # of the MLP's gate: SiLU (SwiGLU), GELU's tanh approximation (GeGLU)
 WEIGHT_FORMATS = ("f32", "f16", "q4", "mixed")
 BLOCK_FORMATS = ("q4", "mixed")  # linear weights in MatMulNBits blocks (4-bit, or 4- and 8-bit)
@@ -65,7 +65,8 @@ def _pos_float(name: str, v: Any) -> None:
 _OPTIONAL_DEFAULTS: dict[str, Any] = {
     "attention_output_bias": False, "mlp_bias": False, "qk_norm": False, "layers_without_rope": (),
     "post_sublayer_norms": False, "embedding_scale": 1.0, "activation": "silu", "attention_scale": None,
-    "sliding_window": 0, "sliding_layers": (), "sliding_rope_theta": None,
+    "sliding_window": 0, "sliding_layers": (), "sliding_rope_theta": None, "residual_scale": 1.0,
+    "logit_scale": 1.0,
 }
 
 
@@ -83,7 +84,9 @@ class Manifest:
     ``embedding_scale``: the embedding rows are multiplied by it; ``activation``: of the MLP's
     gate (:data:`ACTIVATIONS`); ``attention_scale``: of the attention scores (None: 1/sqrt(head_dim));
     ``sliding_layers`` attend to the last ``sliding_window`` positions only (the query's own
-    included), with rotary base ``sliding_rope_theta`` (None: ``rope_theta``)."""
+    included), with rotary base ``sliding_rope_theta`` (None: ``rope_theta``);
+    ``residual_scale``: each sublayer's output is multiplied by it before it joins the residual
+    stream; ``logit_scale``: the logits are multiplied by it (Granite's multipliers)."""
 
     name: str
     architecture: str
@@ -116,6 +119,8 @@ class Manifest:
     sliding_window: int = 0
     sliding_layers: tuple[int, ...] = ()
     sliding_rope_theta: float | None = None
+    residual_scale: float = 1.0
+    logit_scale: float = 1.0
 
     def __post_init__(self) -> None:
         if not valid_model_name(self.name):
@@ -151,7 +156,8 @@ class Manifest:
                                    "names layers")
         if self.activation not in ACTIVATIONS:
             raise ModelFormatError(f"manifest: unknown activation {self.activation!r}")
-        _pos_float("embedding_scale", self.embedding_scale)
+        for name in ("embedding_scale", "residual_scale", "logit_scale"):
+            _pos_float(name, getattr(self, name))
         for name in ("attention_scale", "sliding_rope_theta"):
             if getattr(self, name) is not None:
                 _pos_float(name, getattr(self, name))

@@ -109,7 +109,7 @@ def write_tiny_checkpoint(folder: Path, *, seed: int = 0, layers: int = 2, q4_0_
 
 def make_hf_checkpoint(folder: Path, arch: str, *, seed: int = 0, attention_bias: bool = False,
                        mlp_bias: bool = False):
-    """Save a tiny random llama / mistral / qwen2 / qwen3 / smollm3 / gemma3 checkpoint in ``folder``; returns the torch model
+    """Save a tiny random llama / mistral / qwen2 / qwen3 / smollm3 / gemma3 / granite checkpoint in ``folder``; returns the torch model
     (eval, fp32).
 
     ``attention_bias`` (llama, qwen3) gives q/k/v/o biases and ``mlp_bias`` (llama) gate/up/down
@@ -119,6 +119,8 @@ def make_hf_checkpoint(folder: Path, arch: str, *, seed: int = 0, attention_bias
     from transformers import (
         Gemma3ForCausalLM,
         Gemma3TextConfig,
+        GraniteConfig,
+        GraniteForCausalLM,
         LlamaConfig,
         LlamaForCausalLM,
         MistralConfig,
@@ -148,6 +150,10 @@ def make_hf_checkpoint(folder: Path, arch: str, *, seed: int = 0, attention_bias
         cfg = Gemma3TextConfig(**(common | {"num_hidden_layers": 6}), head_dim=32, sliding_window=16,
                                query_pre_attn_scalar=32, tie_word_embeddings=True, pad_token_id=0)
         model = Gemma3ForCausalLM(cfg)
+    elif arch == "granite":
+        cfg = GraniteConfig(**common, tie_word_embeddings=True, embedding_multiplier=3.0, residual_multiplier=0.4,
+                            attention_multiplier=0.05, logits_scaling=2.5)
+        model = GraniteForCausalLM(cfg)
     elif arch == "smollm3":  # layer 3 of 5 without rope
         cfg = SmolLM3Config(**(common | {"num_hidden_layers": 5}), tie_word_embeddings=True, rope_theta=50000.0,
                             pad_token_id=None)
@@ -212,6 +218,11 @@ def write_gguf_from_hf(model, path: Path, arch: str, extra: dict[str, np.ndarray
     w.add_rope_freq_base(theta)
     if arch == "gemma3":
         w.add_sliding_window(cfg.sliding_window)
+    if arch == "granite":
+        w.add_embedding_scale(cfg.embedding_multiplier)
+        w.add_residual_scale(cfg.residual_multiplier)
+        w.add_attention_scale(cfg.attention_multiplier)
+        w.add_logit_scale(cfg.logits_scaling)
     w.add_vocab_size(cfg.vocab_size)
     tokens = ["<unk>", "<s>", "</s>", "ab"] + [chr(c) for c in range(33, 33 + cfg.vocab_size - 4)]
     w.add_tokenizer_model("gpt2")
@@ -248,9 +259,9 @@ def write_gguf_from_hf(model, path: Path, arch: str, extra: dict[str, np.ndarray
                 continue
             written.add(key)
             t = sd[key]
-            if arch in ("llama", "smollm3") and gg.startswith("attn_q."):
+            if arch in ("llama", "smollm3", "granite") and gg.startswith("attn_q."):
                 t = permute(t, n_heads)
-            elif arch in ("llama", "smollm3") and gg.startswith("attn_k."):
+            elif arch in ("llama", "smollm3", "granite") and gg.startswith("attn_k."):
                 t = permute(t, n_kv)
             qtype = (types or {}).get(gg.removesuffix(".weight"))
             if qtype:

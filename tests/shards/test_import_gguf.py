@@ -1,4 +1,4 @@
-"""GGUF import of tiny llama / qwen2 / qwen3 / smollm3 / gemma3 files written like llama.cpp's converter, against transformers."""
+"""GGUF import of tiny llama / qwen2 / qwen3 / smollm3 / gemma3 / granite files written like llama.cpp's converter, against transformers."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from shards.store.model_store import ModelStore
 pytestmark = pytest.mark.slow
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "smollm3", "gemma3"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "smollm3", "gemma3", "granite"])
 def test_gguf_logits_match_transformers(tmp_path, arch) -> None:
     import torch
 

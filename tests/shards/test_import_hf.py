@@ -1,4 +1,4 @@
-"""Hugging Face folder import (tiny random llama / mistral / qwen2 / qwen3 / smollm3 / gemma3) against transformers on the same weights."""
+"""Hugging Face folder import (tiny random llama / mistral / qwen2 / qwen3 / smollm3 / gemma3 / granite) against transformers on the same weights."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from shards.store.tensorfile import read_tensors
 pytestmark = pytest.mark.slow
 
 
-ARCHS = ("llama", "mistral", "qwen2", "qwen3", "smollm3", "gemma3")
+ARCHS = ("llama", "mistral", "qwen2", "qwen3", "smollm3", "gemma3", "granite")
 N_LAYERS = {"smollm3": 5, "gemma3": 6}  # the others: 3
 
 
@@ -53,6 +53,8 @@ def test_manifest_reflects_config(checkpoints, arch) -> None:
     # bias-free, norm-free manifests as before
     assert not {"attention_output_bias", "mlp_bias"} & set(m.to_dict()) and ("qk_norm" in m.to_dict()) is m.qk_norm
     assert ("layers_without_rope" in m.to_dict()) is (arch == "smollm3")
+    if arch == "granite":
+        assert (m.embedding_scale, m.residual_scale, m.attention_scale, m.logit_scale) == (3.0, 0.4, 0.05, 0.4)
     assert (m.rope_freq_factors is not None) is (arch == "llama")
 
 
