@@ -244,12 +244,14 @@ class _Builder:
         return g.op1("Mul", [g.op1("Mul", [x, inv]), wn])
 
     def head_norm(self, x: str, w: np.ndarray, n_heads: int, label: str) -> str:
-        """RMS norm of each head of ``x`` [B, T, n_heads * head_dim] (in float32, whatever the
-        compute precision: un-normed queries and keys may pass float16's range when squared)."""
-        g, hd = self.g, self.m.head_dim
+        """RMS norm of each of the ``n_heads`` equal parts of ``x`` [B, T, width] (in float32,
+        whatever the compute precision: un-normed queries and keys may pass float16's range when
+        squared)."""
+        g = self.g
+        hd = w.shape[0] if n_heads == 1 else self.m.head_dim
         heads = g.op1("Reshape", [self.residual_precision(x),
-                                  g.const(f"per_head_shape_{n_heads}", np.array([0, 0, n_heads, hd], np.int64))])
-        flat = g.const(f"flat_heads_shape_{n_heads}", np.array([0, 0, n_heads * hd], np.int64))
+                                  g.const(f"per_head_shape_{n_heads}x{hd}", np.array([0, 0, n_heads, hd], np.int64))])
+        flat = g.const(f"flat_heads_shape_{n_heads}x{hd}", np.array([0, 0, n_heads * hd], np.int64))
         return self.compute_precision(g.op1("Reshape", [self.rms(heads, w, label), flat]))
 
     def add_rms(self, x: str, residual: str, w: np.ndarray, label: str) -> tuple[str, str]:
@@ -371,12 +373,12 @@ class _Builder:
         if m.attention_bias:
             qkv = self.add_bias(qkv, t, ["q_bias", "k_bias", "v_bias"], f"l{li}.qkv")
         qkv_in = [qkv, "", ""]
-        if m.qk_norm:  # normed per head before GroupQueryAttention rotates them: q, k, v apart
+        if m.qk_norm:  # normed before GroupQueryAttention rotates them: q, k, v apart
             q_dim, kv_dim = m.n_heads * m.head_dim, m.n_kv_heads * m.head_dim
             q, k, v = g.op("Split", [qkv, g.const("split_qkv", np.array([q_dim, kv_dim, kv_dim], np.int64))],
                            n_out=3, axis=-1)
-            qkv_in = [self.head_norm(q, t["q_norm"], m.n_heads, f"l{li}.q_norm"),
-                      self.head_norm(k, t["k_norm"], m.n_kv_heads, f"l{li}.k_norm"), v]
+            qkv_in = [self.head_norm(q, t["q_norm"], 1 if m.qk_norm_whole else m.n_heads, f"l{li}.q_norm"),
+                      self.head_norm(k, t["k_norm"], 1 if m.qk_norm_whole else m.n_kv_heads, f"l{li}.k_norm"), v]
         outs = g.op("GroupQueryAttention",
                     [*qkv_in, f"past_key.{li}", f"past_value.{li}", pro["seqlens"], pro["total"],
                      pro["cos"], pro["sin"], pro["pos"]],
@@ -392,6 +394,9 @@ class _Builder:
         y = self.linear(xn, t, [name], f"l{li}.{name}")
         if m.attention_bias:
             y = g.op1("Add", [y, g.const(f"l{li}.{bias}", t[bias].astype(np.float32))])
+        if m.qk_norm_whole and name in ("q_proj", "k_proj"):  # over the whole projection, before the heads
+            norm = name[0] + "_norm"
+            y = self.rms(y, t[norm], f"l{li}.{norm}")
         y = g.op1("Reshape", [y, g.const(f"heads_shape_{n_heads}", np.array([1, -1, n_heads, m.head_dim], np.int64))])
         return g.op1("Transpose", [y], perm=[0, 2, 1, 3])
 
@@ -407,7 +412,7 @@ class _Builder:
         kvh, hd = m.n_kv_heads, m.head_dim
         q = self._proj_heads(xn, t, "q_proj", "q_bias", m.n_heads, li)
         k = self._proj_heads(xn, t, "k_proj", "k_bias", kvh, li)
-        if m.qk_norm:  # [1, heads, C, head_dim]: normed over the last axis
+        if m.qk_norm and not m.qk_norm_whole:  # [1, heads, C, head_dim]: normed over the last axis
             q, k = self.rms(q, t["q_norm"], f"l{li}.q_norm"), self.rms(k, t["k_norm"], f"l{li}.k_norm")
         if li not in m.layers_without_rope:
             q, k = self._rotate(q, pro), self._rotate(k, pro)
@@ -499,7 +504,11 @@ class _Builder:
             for kind in ("key", "value"):
                 inputs.append(helper.make_tensor_value_info(f"past_{kind}.{li}", self.elem, kv_shape))
             t = self._load(layer_key(li))
-            if pending is None and fused:
+            if not m.pre_sublayer_norms:  # the attention reads the residual stream itself
+                if pending is not None:
+                    residual = g.op1("Add", [self.residual_precision(pending), residual])
+                xn = self.compute_precision(residual)
+            elif pending is None and fused:
                 # Same fused kernel as between layers (skip = 0 is exact): chains stay bit-exact.
                 zeros = g.op1("ConstantOfShape", [g.op1("Shape", [residual])],
                               value=helper.make_tensor("zero", TensorProto.FLOAT, [1], [0.0]))
@@ -516,7 +525,11 @@ class _Builder:
             if m.post_sublayer_norms:
                 o = self.rms(self.residual_precision(o), t["attn_out_norm"], f"l{li}.attn_out_norm")
             o = self.scaled(o, m.residual_scale, "residual_scale")
-            xn2, residual = self.add_rms(o, residual, t["post_norm"], f"l{li}.post_norm")
+            if m.pre_sublayer_norms:
+                xn2, residual = self.add_rms(o, residual, t["post_norm"], f"l{li}.post_norm")
+            else:
+                residual = g.op1("Add", [self.residual_precision(o), residual])
+                xn2 = self.compute_precision(residual)
             pending = self.mlp(xn2, t, li)
             if m.post_sublayer_norms:
                 pending = self.rms(self.residual_precision(pending), t["mlp_out_norm"], f"l{li}.mlp_out_norm")

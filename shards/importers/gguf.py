@@ -1,4 +1,4 @@
-"""Read a GGUF file (llama / qwen2 / qwen3 / smollm3 / gemma3 / granite) as float32 tensors with ncm's canonical names.
+"""Read a GGUF file (llama / qwen2 / qwen3 / smollm3 / gemma3 / granite / olmo2) as float32 tensors with ncm's canonical names.
 
 llama.cpp's converter permutes the rows of llama's (smollm3's, granite's) ``attn_q`` / ``attn_k`` so that rotary pairs
 are interleaved (GPT-J style); we undo that permutation so stored weights are in the Hugging
@@ -25,7 +25,7 @@ from shards.errors import ModelFormatError, UnsupportedArchitectureError
 from shards.store.verify import hash_file
 
 log = logging.getLogger(__name__)
-SUPPORTED = ("llama", "qwen2", "qwen3", "smollm3", "gemma3", "granite")
+SUPPORTED = ("llama", "qwen2", "qwen3", "smollm3", "gemma3", "granite", "olmo2")
 # SmolLM3 leaves the rotary out of every 4th layer; llama.cpp fixes the step (no GGUF key holds it).
 SMOLLM3_NO_ROPE_STEP = 4
 # GGUF tensor types of at most 4 bits (and a bit of scales) per weight: Q4_0, Q4_1, Q4_K, Q3_K,
@@ -87,6 +87,8 @@ class GgufSource:
         self._check_sizes()
         self.params = self._params()
         self._layer_map = dict(_LAYER_NAMES)
+        if not self.params["pre_sublayer_norms"]:  # olmo2: no norms before the sublayers
+            self._layer_map = {k: v for k, v in self._layer_map.items() if v not in ("input_norm", "post_norm")}
         for on, names in ((self.params["attention_bias"], _QKV_BIASES),
                           (self.params["attention_output_bias"], _O_BIAS), (self.params["mlp_bias"], _MLP_BIASES),
                           (self.params["qk_norm"], _QK_NORMS), (self.params["post_sublayer_norms"], _POST_NORMS)):
@@ -149,10 +151,12 @@ class GgufSource:
             "attention_output_bias": "blk.0.attn_output.bias" in self.tensors,
             "mlp_bias": "blk.0.ffn_gate.bias" in self.tensors,
             "rope_freq_factors": ff,
-            "qk_norm": a in ("qwen3", "gemma3"),
+            "qk_norm": a in ("qwen3", "gemma3", "olmo2"),
+            "qk_norm_whole": a == "olmo2",
+            "pre_sublayer_norms": a != "olmo2",
             "layers_without_rope": tuple(i for i in range(n_layers)
                                          if a == "smollm3" and (i + 1) % SMOLLM3_NO_ROPE_STEP == 0),
-            "post_sublayer_norms": False,
+            "post_sublayer_norms": a == "olmo2",
             **({"embedding_scale": float(self._field(f"{a}.embedding_scale", 1.0)),
                 "residual_scale": float(self._field(f"{a}.residual_scale", 1.0)),
                 "attention_scale": float(self._field(f"{a}.attention.scale", 1.0)),

@@ -6,7 +6,8 @@ embeddings), ``qwen3`` (a per-head RMS norm of queries and keys, ``attention_bia
 biases), ``mistral`` (llama's maths, when its sliding window, if any, spans the whole context)
 ``smollm3`` (llama's maths, some layers without rotary positions: ``no_rope_layers``),
 ``granite`` (llama's maths with multipliers of the embedding, the attention scores, the
-sublayers' outputs and the logits) and
+sublayers' outputs and the logits), ``olmo2`` (norms of the sublayers' outputs instead of
+their inputs, query and key norms over the whole projection) and
 ``gemma3_text`` (Gemma 3: norms that scale by 1 + w, stored as the plain weight they amount to,
 norms around both sublayers, per-head query/key norms, GeGLU, a scaled embedding, sliding-window
 layers with a rotary base of their own). Tensors are read with numpy (see :mod:`shards.store.tensorfile`). Every tensor of the
@@ -30,7 +31,7 @@ from shards.store.tensorfile import read_header, read_tensors
 from shards.store.verify import hash_file
 
 log = logging.getLogger(__name__)
-SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "smollm3", "gemma3_text", "granite")
+SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "smollm3", "gemma3_text", "granite", "olmo2")
 _LAYER_NAMES = {
     "input_layernorm.weight": "input_norm",
     "post_attention_layernorm.weight": "post_norm",
@@ -47,6 +48,7 @@ _O_BIAS = {"self_attn.o_proj.bias": "o_bias"}
 _MLP_BIASES = {"mlp.gate_proj.bias": "gate_bias", "mlp.up_proj.bias": "up_bias", "mlp.down_proj.bias": "down_bias"}
 _QK_NORMS = {"self_attn.q_norm.weight": "q_norm", "self_attn.k_norm.weight": "k_norm"}
 # Gemma's four norms: before and after the attention, before and after the MLP.
+_OLMO2_NORMS = {"post_attention_layernorm.weight": "attn_out_norm", "post_feedforward_layernorm.weight": "mlp_out_norm"}
 _GEMMA_NORMS = {"input_layernorm.weight": "input_norm", "post_attention_layernorm.weight": "attn_out_norm",
                 "pre_feedforward_layernorm.weight": "post_norm", "post_feedforward_layernorm.weight": "mlp_out_norm"}
 GEMMA3 = "gemma3_text"
@@ -120,8 +122,9 @@ class HfSource:
         self.consumed: set[str] = set()
         self.params = self._params()
         self._layer_map = dict(_LAYER_NAMES)
-        if self.arch == GEMMA3:
-            self._layer_map = {k: v for k, v in _LAYER_NAMES.items() if not k.endswith("layernorm.weight")} | _GEMMA_NORMS
+        if self.arch in (GEMMA3, "olmo2"):
+            self._layer_map = {k: v for k, v in _LAYER_NAMES.items() if not k.endswith("layernorm.weight")} | (
+                _GEMMA_NORMS if self.arch == GEMMA3 else _OLMO2_NORMS)
         for on, names in ((self.params["attention_bias"], _QKV_BIASES),
                           (self.params["attention_output_bias"], _O_BIAS), (self.params["mlp_bias"], _MLP_BIASES),
                           (self.params["qk_norm"], _QK_NORMS)):
@@ -177,7 +180,10 @@ class HfSource:
                 "attention_output_bias": self.arch != "qwen2" and attention_bias,
                 "mlp_bias": llama and bool(c.get("mlp_bias", False)),
                 "rope_freq_factors": ff,
-                "qk_norm": self.arch == "qwen3",
+                "qk_norm": self.arch in ("qwen3", "olmo2"),
+                "qk_norm_whole": self.arch == "olmo2",
+                "pre_sublayer_norms": self.arch != "olmo2",
+                "post_sublayer_norms": self.arch == "olmo2",
                 "layers_without_rope": self._layers_without_rope(),
                 **self._granite_multipliers(),
             }

@@ -138,7 +138,8 @@ def _check_layer(src_params: dict[str, Any], i: int, t: dict[str, np.ndarray]) -
             "gate_proj": (f, h), "up_proj": (f, h), "down_proj": (h, f),
             "input_norm": (h,), "post_norm": (h,), "q_bias": (q,), "k_bias": (kv,), "v_bias": (kv,),
             "o_bias": (h,), "gate_bias": (f,), "up_bias": (f,), "down_bias": (h,),
-            "q_norm": (src_params["head_dim"],), "k_norm": (src_params["head_dim"],),
+            "q_norm": (q if src_params.get("qk_norm_whole") else src_params["head_dim"],),
+            "k_norm": (kv if src_params.get("qk_norm_whole") else src_params["head_dim"],),
             "attn_out_norm": (h,), "mlp_out_norm": (h,)}
     for name, arr in t.items():
         if tuple(arr.shape) != want[name]:

@@ -12,7 +12,7 @@ from typing import Any
 
 from shards.errors import ModelFormatError
 
-ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "smollm3", "gemma3", "granite")
+ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "smollm3", "gemma3", "granite", "olmo2")
 ACTIVATIONS = ("silu", "gelu_tanh")  # of the MLP's gate: SiLU (SwiGLU), GELU's tanh approximation (GeGLU)
 WEIGHT_FORMATS = ("f32", "f16", "q4", "mixed")
 BLOCK_FORMATS = ("q4", "mixed")  # linear weights in MatMulNBits blocks (4-bit, or 4- and 8-bit)
@@ -66,7 +66,7 @@ _OPTIONAL_DEFAULTS: dict[str, Any] = {
     "attention_output_bias": False, "mlp_bias": False, "qk_norm": False, "layers_without_rope": (),
     "post_sublayer_norms": False, "embedding_scale": 1.0, "activation": "silu", "attention_scale": None,
     "sliding_window": 0, "sliding_layers": (), "sliding_rope_theta": None, "residual_scale": 1.0,
-    "logit_scale": 1.0,
+    "logit_scale": 1.0, "pre_sublayer_norms": True, "qk_norm_whole": False,
 }
 
 
@@ -86,7 +86,10 @@ class Manifest:
     ``sliding_layers`` attend to the last ``sliding_window`` positions only (the query's own
     included), with rotary base ``sliding_rope_theta`` (None: ``rope_theta``);
     ``residual_scale``: each sublayer's output is multiplied by it before it joins the residual
-    stream; ``logit_scale``: the logits are multiplied by it (Granite's multipliers)."""
+    stream; ``logit_scale``: the logits are multiplied by it (Granite's multipliers);
+    ``pre_sublayer_norms``: the attention and the MLP read their input RMS-normed (``input_norm``,
+    ``post_norm``); OLMo 2 reads it as it is and norms only their outputs; ``qk_norm_whole``: the
+    query and key norms span the whole projection (``q_norm`` [n_heads * head_dim]), not a head."""
 
     name: str
     architecture: str
@@ -121,6 +124,8 @@ class Manifest:
     sliding_rope_theta: float | None = None
     residual_scale: float = 1.0
     logit_scale: float = 1.0
+    pre_sublayer_norms: bool = True
+    qk_norm_whole: bool = False
 
     def __post_init__(self) -> None:
         if not valid_model_name(self.name):
@@ -162,7 +167,7 @@ class Manifest:
             if getattr(self, name) is not None:
                 _pos_float(name, getattr(self, name))
         flags = ("tied_embeddings", "attention_bias", "attention_output_bias", "mlp_bias", "qk_norm",
-                 "post_sublayer_norms")
+                 "post_sublayer_norms", "pre_sublayer_norms", "qk_norm_whole")
         if not all(isinstance(getattr(self, f), bool) for f in flags):
             raise ModelFormatError(f"manifest: {' / '.join(flags)} must be booleans")
         if not isinstance(self.source_digest, str) or not _SHA_RE.match(self.source_digest):

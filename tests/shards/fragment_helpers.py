@@ -109,7 +109,7 @@ def write_tiny_checkpoint(folder: Path, *, seed: int = 0, layers: int = 2, q4_0_
 
 def make_hf_checkpoint(folder: Path, arch: str, *, seed: int = 0, attention_bias: bool = False,
                        mlp_bias: bool = False):
-    """Save a tiny random llama / mistral / qwen2 / qwen3 / smollm3 / gemma3 / granite checkpoint in ``folder``; returns the torch model
+    """Save a tiny random llama / mistral / qwen2 / qwen3 / smollm3 / gemma3 / granite / olmo2 checkpoint in ``folder``; returns the torch model
     (eval, fp32).
 
     ``attention_bias`` (llama, qwen3) gives q/k/v/o biases and ``mlp_bias`` (llama) gate/up/down
@@ -125,6 +125,8 @@ def make_hf_checkpoint(folder: Path, arch: str, *, seed: int = 0, attention_bias
         LlamaForCausalLM,
         MistralConfig,
         MistralForCausalLM,
+        Olmo2Config,
+        Olmo2ForCausalLM,
         Qwen2Config,
         Qwen2ForCausalLM,
         Qwen3Config,
@@ -150,6 +152,9 @@ def make_hf_checkpoint(folder: Path, arch: str, *, seed: int = 0, attention_bias
         cfg = Gemma3TextConfig(**(common | {"num_hidden_layers": 6}), head_dim=32, sliding_window=16,
                                query_pre_attn_scalar=32, tie_word_embeddings=True, pad_token_id=0)
         model = Gemma3ForCausalLM(cfg)
+    elif arch == "olmo2":
+        cfg = Olmo2Config(**common, tie_word_embeddings=False, rope_theta=500000.0, pad_token_id=0)
+        model = Olmo2ForCausalLM(cfg)
     elif arch == "granite":
         cfg = GraniteConfig(**common, tie_word_embeddings=True, embedding_multiplier=3.0, residual_multiplier=0.4,
                             attention_multiplier=0.05, logits_scaling=2.5)
@@ -247,6 +252,10 @@ def write_gguf_from_hf(model, path: Path, arch: str, extra: dict[str, np.ndarray
              "mlp.down_proj.weight": "ffn_down.weight", "mlp.gate_proj.bias": "ffn_gate.bias",
              "mlp.up_proj.bias": "ffn_up.bias", "mlp.down_proj.bias": "ffn_down.bias",
              "self_attn.q_norm.weight": "attn_q_norm.weight", "self_attn.k_norm.weight": "attn_k_norm.weight"}
+    if arch == "olmo2":  # norms of the sublayers' outputs only
+        names = {k: v for k, v in names.items() if not k.endswith("layernorm.weight")}
+        names |= {"post_attention_layernorm.weight": "post_attention_norm.weight",
+                  "post_feedforward_layernorm.weight": "post_ffw_norm.weight"}
     if arch == "gemma3":  # Gemma's four norms
         names |= {"post_attention_layernorm.weight": "post_attention_norm.weight",
                   "pre_feedforward_layernorm.weight": "ffn_norm.weight",

@@ -1,4 +1,4 @@
-"""Hugging Face folder import (tiny random llama / mistral / qwen2 / qwen3 / smollm3 / gemma3 / granite) against transformers on the same weights."""
+"""Hugging Face folder import (tiny random llama / mistral / qwen2 / qwen3 / smollm3 / gemma3 / granite / olmo2) against transformers on the same weights."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from shards.store.tensorfile import read_tensors
 pytestmark = pytest.mark.slow
 
 
-ARCHS = ("llama", "mistral", "qwen2", "qwen3", "smollm3", "gemma3", "granite")
+ARCHS = ("llama", "mistral", "qwen2", "qwen3", "smollm3", "gemma3", "granite", "olmo2")
 N_LAYERS = {"smollm3": 5, "gemma3": 6}  # the others: 3
 
 
@@ -44,11 +44,11 @@ def test_manifest_reflects_config(checkpoints, arch) -> None:
     n_layers = N_LAYERS.get(arch, 3)
     assert (m.architecture, m.n_layers, m.hidden_size, m.n_heads, m.n_kv_heads, m.head_dim) == (arch, n_layers, 64, 4,
                                                                                                  2, head_dim)
-    assert m.tied_embeddings is (arch not in ("llama", "mistral"))
+    assert m.tied_embeddings is (arch not in ("llama", "mistral", "olmo2"))
     assert m.layers_without_rope == ((3,) if arch == "smollm3" else ())
     assert m.attention_bias is (arch == "qwen2")
     assert not m.attention_output_bias and not m.mlp_bias
-    assert m.qk_norm is (arch in ("qwen3", "gemma3"))
+    assert m.qk_norm is (arch in ("qwen3", "gemma3", "olmo2")) and m.qk_norm_whole is (arch == "olmo2")
     assert (m.sliding_layers, m.sliding_window) == (((0, 1, 2, 3, 4), 16) if arch == "gemma3" else ((), 0))
     # bias-free, norm-free manifests as before
     assert not {"attention_output_bias", "mlp_bias"} & set(m.to_dict()) and ("qk_norm" in m.to_dict()) is m.qk_norm
@@ -109,7 +109,7 @@ def test_static_flavour_matches_transformers(checkpoints, arch) -> None:
     np.testing.assert_allclose(rows[0], torch_logits(model, ids)[-1], atol=1e-4, rtol=0)
 
 
-@pytest.mark.parametrize("arch", ["qwen3", "smollm3", "gemma3"])
+@pytest.mark.parametrize("arch", ["qwen3", "smollm3", "gemma3", "olmo2"])
 @pytest.mark.parametrize("flavour", ["portable", "gpu"])
 def test_head_norms_and_unrotated_layers_in_the_other_flavours(checkpoints, arch, flavour) -> None:
     """Qwen3's per-head query/key norms, SmolLM3's layers without rope and Gemma 3's sliding
