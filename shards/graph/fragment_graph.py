@@ -445,17 +445,47 @@ class _Builder:
         b = np.concatenate([t[n].astype(self.dtype) for n in names])
         return self.g.op1("Add", [y, self.g.const(label + ".bias", b)])
 
-    def mlp(self, xn: str, t: dict[str, np.ndarray], li: int) -> str:
-        g, f = self.g, self.m.intermediate_size
-        gu = self.linear(xn, t, ["gate_proj", "up_proj"], f"l{li}.gate_up")
+    def mlp(self, xn: str, t: dict[str, np.ndarray], li: int, prefix: str = "") -> str:
+        """The gated MLP; ``prefix`` names an expert's (``experts.E.``), ``expert_intermediate_size`` wide."""
+        if self.m.n_experts and not prefix:
+            return self.experts(xn, t, li)
+        g = self.g
+        f = self.m.expert_intermediate_size if prefix else self.m.intermediate_size
+        gu = self.linear(xn, t, [prefix + "gate_proj", prefix + "up_proj"], f"l{li}.{prefix}gate_up")
         if self.m.mlp_bias:
             gu = self.add_bias(gu, t, ["gate_bias", "up_bias"], f"l{li}.gate_up")
-        gate, up = g.op("Split", [gu, g.const("split_ff", np.array([f, f], np.int64))], n_out=2, axis=-1)
+        gate, up = g.op("Split", [gu, g.const(f"split_ff_{f}", np.array([f, f], np.int64))], n_out=2, axis=-1)
         act = self.activation(gate)
-        down = self.linear(g.op1("Mul", [act, up]), t, ["down_proj"], f"l{li}.down")
+        down = self.linear(g.op1("Mul", [act, up]), t, [prefix + "down_proj"], f"l{li}.{prefix}down")
         if self.m.mlp_bias:
             down = self.add_bias(down, t, ["down_bias"], f"l{li}.down")
         return down
+
+    def experts(self, xn: str, t: dict[str, np.ndarray], li: int) -> str:
+        """The mixture of experts: each row's router softmax picks its experts; each expert runs on
+        the rows that picked it only (none: no work, and its weights are not read), its output
+        weighted by the row's probability for it and added into the row's."""
+        g, m = self.g, self.m
+        ax = lambda name, v: g.const(name, np.array(v, np.int64))  # noqa: E731 - index constants
+        rows = g.op1("Reshape", [xn, ax("rows_shape", [-1, m.hidden_size])])
+        router = np.ascontiguousarray(t["router"].astype(self.dtype).T)
+        probs = g.op1("Softmax", [g.op1("MatMul", [rows, g.const(f"l{li}.router", router)])], axis=-1)
+        top_p, top_i = g.op("TopK", [probs, ax("experts_per_token", [m.experts_per_token])], n_out=2, axis=-1)
+        if m.renormalize_experts:
+            top_p = g.op1("Div", [top_p, g.op1("ReduceSum", [top_p, ax("axis_last", [-1])], keepdims=1)])
+        out = g.op1("Mul", [self.residual_precision(rows), g.const("zero_f32", np.array(0.0, np.float32))])
+        for e in range(m.n_experts):
+            picked = g.op1("Equal", [top_i, ax(f"expert_{e}", e)])
+            weight = g.op1("ReduceSum", [g.op1("Where", [picked, top_p, g.const("zero_c", np.array(0.0, self.dtype))]),
+                                         ax("axis_last", [-1])], keepdims=0)
+            taken = g.op1("Cast", [g.op1("ReduceMax", [g.op1("Cast", [picked], to=TensorProto.INT32)],
+                                         axes=[-1], keepdims=0)], to=TensorProto.BOOL)
+            index = g.op1("Transpose", [g.op1("NonZero", [taken])], perm=[1, 0])  # [M, 1]
+            chosen = g.op1("Unsqueeze", [g.op1("GatherND", [rows, index]), ax("zero_ax", [0])])  # [1, M, hidden]
+            y = g.op1("Squeeze", [self.mlp(chosen, t, li, f"experts.{e}."), ax("zero_ax", [0])])
+            y = g.op1("Mul", [y, g.op1("Unsqueeze", [g.op1("GatherND", [weight, index]), ax("one_ax", [1])])])
+            out = g.op1("ScatterND", [out, index, self.residual_precision(y)], reduction="add")  # (in float32)
+        return self.compute_precision(g.op1("Reshape", [out, g.op1("Shape", [xn])]))
 
     def activation(self, x: str) -> str:
         """The gate's activation: SiLU, or GELU's tanh approximation

@@ -1,4 +1,4 @@
-"""Read a GGUF file (llama / qwen2 / qwen3 / smollm3 / gemma3 / granite / olmo2) as float32 tensors with ncm's canonical names.
+"""Read a GGUF file (llama incl. Mixtral / qwen2 / qwen3 / qwen3moe / smollm3 / gemma3 / granite / olmo2) as float32 tensors with ncm's canonical names.
 
 llama.cpp's converter permutes the rows of llama's (smollm3's, granite's) ``attn_q`` / ``attn_k`` so that rotary pairs
 are interleaved (GPT-J style); we undo that permutation so stored weights are in the Hugging
@@ -25,7 +25,10 @@ from shards.errors import ModelFormatError, UnsupportedArchitectureError
 from shards.store.verify import hash_file
 
 log = logging.getLogger(__name__)
-SUPPORTED = ("llama", "qwen2", "qwen3", "smollm3", "gemma3", "granite", "olmo2")
+SUPPORTED = ("llama", "qwen2", "qwen3", "smollm3", "gemma3", "granite", "olmo2", "qwen3moe")
+# A mixture of experts: the router, and each projection of every expert in one 3-D tensor.
+_EXPERT_TENSORS = {"ffn_gate_exps.weight": "gate_proj", "ffn_up_exps.weight": "up_proj",
+                   "ffn_down_exps.weight": "down_proj"}
 # SmolLM3 leaves the rotary out of every 4th layer; llama.cpp fixes the step (no GGUF key holds it).
 SMOLLM3_NO_ROPE_STEP = 4
 # GGUF tensor types of at most 4 bits (and a bit of scales) per weight: Q4_0, Q4_1, Q4_K, Q3_K,
@@ -87,6 +90,10 @@ class GgufSource:
         self._check_sizes()
         self.params = self._params()
         self._layer_map = dict(_LAYER_NAMES)
+        if self.params.get("n_experts"):  # the router and the experts' 3-D tensors instead of the MLP
+            self._layer_map = {k: v for k, v in self._layer_map.items() if v not in ("gate_proj", "up_proj",
+                                                                                     "down_proj")}
+            self._layer_map |= {"ffn_gate_inp.weight": "router"} | _EXPERT_TENSORS
         if not self.params["pre_sublayer_norms"]:  # olmo2: no norms before the sublayers
             self._layer_map = {k: v for k, v in self._layer_map.items() if v not in ("input_norm", "post_norm")}
         for on, names in ((self.params["attention_bias"], _QKV_BIASES),
@@ -151,18 +158,32 @@ class GgufSource:
             "attention_output_bias": "blk.0.attn_output.bias" in self.tensors,
             "mlp_bias": "blk.0.ffn_gate.bias" in self.tensors,
             "rope_freq_factors": ff,
-            "qk_norm": a in ("qwen3", "gemma3", "olmo2"),
+            "qk_norm": a in ("qwen3", "gemma3", "olmo2", "qwen3moe"),
             "qk_norm_whole": a == "olmo2",
             "pre_sublayer_norms": a != "olmo2",
             "layers_without_rope": tuple(i for i in range(n_layers)
                                          if a == "smollm3" and (i + 1) % SMOLLM3_NO_ROPE_STEP == 0),
             "post_sublayer_norms": a == "olmo2",
+            **self._experts(),
             **({"embedding_scale": float(self._field(f"{a}.embedding_scale", 1.0)),
                 "residual_scale": float(self._field(f"{a}.residual_scale", 1.0)),
                 "attention_scale": float(self._field(f"{a}.attention.scale", 1.0)),
                 "logit_scale": 1.0 / float(self._field(f"{a}.logit_scale", 1.0))} if a == "granite" else {}),
             **(self._gemma3_params(n_layers, hidden, n_heads, head_dim) if a == "gemma3" else {}),
         }
+
+    def _experts(self) -> dict[str, Any]:
+        """A mixture of experts (llama.cpp writes Mixtral as llama with experts): the router's
+        top-k probabilities renormalised, as llama.cpp runs both kinds."""
+        a = self.arch
+        n = int(self._field(f"{a}.expert_count", 0))
+        if not n:
+            return {}
+        return {"architecture": "mixtral" if a == "llama" else "qwen3_moe", "n_experts": n,
+                "experts_per_token": int(self._field(f"{a}.expert_used_count")),
+                "expert_intermediate_size": int(self._field(f"{a}.expert_feed_forward_length", 0))
+                or int(self._field(f"{a}.feed_forward_length")),
+                "renormalize_experts": True}
 
     def _gemma3_params(self, n_layers: int, hidden: int, n_heads: int, head_dim: int) -> dict[str, Any]:
         window = int(self._field("gemma3.attention.sliding_window"))
@@ -203,7 +224,13 @@ class GgufSource:
 
     def layer(self, i: int) -> dict[str, np.ndarray]:
         """Float32 tensors of layer ``i`` (HF layout, linear weights [out, in])."""
-        out = {cname: self._tensor(f"blk.{i}.{gname}") for gname, cname in self._layer_map.items()}
+        out = {}
+        for gname, cname in self._layer_map.items():
+            arr = self._tensor(f"blk.{i}.{gname}")
+            if gname in _EXPERT_TENSORS:  # [experts, out, in]: one matrix per expert
+                out |= {f"experts.{e}.{cname}": arr[e] for e in range(arr.shape[0])}
+            else:
+                out[cname] = arr
         if self.arch in ("llama", "smollm3", "granite"):
             out["q_proj"] = unpermute_rope_rows(out["q_proj"], self.params["n_heads"])
             out["k_proj"] = unpermute_rope_rows(out["k_proj"], self.params["n_kv_heads"])
@@ -214,8 +241,10 @@ class GgufSource:
 
     def narrow_tensors(self, i: int) -> frozenset[str]:
         """Layer ``i``'s linear weights the file holds in at most 4 bits per weight."""
-        return frozenset(cname for gname, cname in self._layer_map.items()
-                         if self.tensors[f"blk.{i}.{gname}"].tensor_type.name.startswith(NARROW_TYPE_PREFIXES))
+        narrow = {gname: cname for gname, cname in self._layer_map.items()
+                  if self.tensors[f"blk.{i}.{gname}"].tensor_type.name.startswith(NARROW_TYPE_PREFIXES)}
+        return frozenset(f"experts.{e}.{cname}" if gname in _EXPERT_TENSORS else cname
+                         for gname, cname in narrow.items() for e in range(self.params.get("n_experts") or 1))
 
     def embed(self) -> np.ndarray:
         return self._tensor("token_embd.weight")

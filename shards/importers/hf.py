@@ -7,7 +7,8 @@ biases), ``mistral`` (llama's maths, when its sliding window, if any, spans the 
 ``smollm3`` (llama's maths, some layers without rotary positions: ``no_rope_layers``),
 ``granite`` (llama's maths with multipliers of the embedding, the attention scores, the
 sublayers' outputs and the logits), ``olmo2`` (norms of the sublayers' outputs instead of
-their inputs, query and key norms over the whole projection) and
+their inputs, query and key norms over the whole projection), ``mixtral`` and ``qwen3_moe``
+(a mixture of experts in every layer; qwen3_moe with qwen3's query and key norms) and
 ``gemma3_text`` (Gemma 3: norms that scale by 1 + w, stored as the plain weight they amount to,
 norms around both sublayers, per-head query/key norms, GeGLU, a scaled embedding, sliding-window
 layers with a rotary base of their own). Tensors are read with numpy (see :mod:`shards.store.tensorfile`). Every tensor of the
@@ -31,7 +32,8 @@ from shards.store.tensorfile import read_header, read_tensors
 from shards.store.verify import hash_file
 
 log = logging.getLogger(__name__)
-SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "smollm3", "gemma3_text", "granite", "olmo2")
+SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "smollm3", "gemma3_text", "granite", "olmo2", "mixtral",
+             "qwen3_moe")
 _LAYER_NAMES = {
     "input_layernorm.weight": "input_norm",
     "post_attention_layernorm.weight": "post_norm",
@@ -122,6 +124,14 @@ class HfSource:
         self.consumed: set[str] = set()
         self.params = self._params()
         self._layer_map = dict(_LAYER_NAMES)
+        if self.params.get("n_experts"):  # the experts and their router instead of the MLP
+            moe = "block_sparse_moe" if self.arch == "mixtral" else "mlp"
+            names = (("w1", "w3", "w2") if self.arch == "mixtral" else ("gate_proj", "up_proj", "down_proj"))
+            self._layer_map = {k: v for k, v in _LAYER_NAMES.items() if not k.startswith("mlp.")}
+            self._layer_map[f"{moe}.gate.weight"] = "router"
+            for e in range(self.params["n_experts"]):
+                for hname, cname in zip(names, ("gate_proj", "up_proj", "down_proj")):
+                    self._layer_map[f"{moe}.experts.{e}.{hname}.weight"] = f"experts.{e}.{cname}"
         if self.arch in (GEMMA3, "olmo2"):
             self._layer_map = {k: v for k, v in _LAYER_NAMES.items() if not k.endswith("layernorm.weight")} | (
                 _GEMMA_NORMS if self.arch == GEMMA3 else _OLMO2_NORMS)
@@ -145,7 +155,7 @@ class HfSource:
             ff = None
             if c.get("hidden_act", "silu") != "silu":
                 raise UnsupportedArchitectureError(f"{self.path.name}: only SiLU MLPs are supported")
-            window = c.get("sliding_window") if self.arch == "mistral" else None  # (qwen's is off by default)
+            window = c.get("sliding_window") if self.arch in ("mistral", "mixtral") else None  # (qwen's: off)
             context = int(c.get("max_position_embeddings", 4096))
             if (c.get("use_sliding_window") or any(t != "full_attention" for t in c.get("layer_types") or ())
                     or (window is not None and int(window) < context)):
@@ -180,12 +190,13 @@ class HfSource:
                 "attention_output_bias": self.arch != "qwen2" and attention_bias,
                 "mlp_bias": llama and bool(c.get("mlp_bias", False)),
                 "rope_freq_factors": ff,
-                "qk_norm": self.arch in ("qwen3", "olmo2"),
+                "qk_norm": self.arch in ("qwen3", "olmo2", "qwen3_moe"),
                 "qk_norm_whole": self.arch == "olmo2",
                 "pre_sublayer_norms": self.arch != "olmo2",
                 "post_sublayer_norms": self.arch == "olmo2",
                 "layers_without_rope": self._layers_without_rope(),
                 **self._granite_multipliers(),
+                **self._experts(),
             }
         except (KeyError, TypeError, ValueError) as e:
             raise ModelFormatError(f"{self.path.name}: config.json lacks or garbles {e}") from e
@@ -232,6 +243,22 @@ class HfSource:
             }
         except (KeyError, TypeError, ValueError) as e:
             raise ModelFormatError(f"{name}: config.json lacks or garbles {e}") from e
+
+    def _experts(self) -> dict[str, Any]:
+        c = self.config
+        if self.arch == "mixtral":  # softmax, top k, renormalised
+            return {"n_experts": int(c["num_local_experts"]), "experts_per_token": int(c["num_experts_per_tok"]),
+                    "expert_intermediate_size": int(c["intermediate_size"]), "renormalize_experts": True}
+        if self.arch == "qwen3_moe":
+            if int(c.get("decoder_sparse_step", 1)) != 1 or c.get("mlp_only_layers"):
+                raise UnsupportedArchitectureError(f"{self.path.name}: layers without experts (decoder_sparse_step, "
+                                                   "mlp_only_layers) are not supported")
+            # (transformers >= 5 writes num_local_experts)
+            return {"n_experts": int(c.get("num_experts") or c["num_local_experts"]),
+                    "experts_per_token": int(c["num_experts_per_tok"]),
+                    "expert_intermediate_size": int(c["moe_intermediate_size"]),
+                    "renormalize_experts": bool(c.get("norm_topk_prob", False))}
+        return {}
 
     def _granite_multipliers(self) -> dict[str, Any]:
         c = self.config

@@ -25,6 +25,7 @@ names the few harmless extras it skips in an explicit, documented list.
 from __future__ import annotations
 
 import logging
+import re
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, Protocol
@@ -41,6 +42,12 @@ from shards.store.verify import hash_file
 
 log = logging.getLogger(__name__)
 LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+_EXPERT = re.compile(r"experts\.\d+\.(gate_proj|up_proj|down_proj)")
+
+
+def is_linear(name: str) -> bool:
+    """A layer tensor that is a linear weight (quantised in block formats): a projection or an expert's."""
+    return name in LINEAR or _EXPERT.fullmatch(name) is not None
 WEIGHTS_DIR = "weights"
 
 
@@ -103,9 +110,9 @@ def convert_tensors(tensors: dict[str, np.ndarray], weights: str, lm_head_bits: 
     weights the source holds in at most 4 bits (the 4-bit ones of a ``mixed`` store)."""
     out: dict[str, np.ndarray] = {}
     for name, arr in tensors.items():
-        if name in LINEAR or name == "lm_head":
+        if is_linear(name) or name == "lm_head":
             if weights in BLOCK_FORMATS:
-                eight = (name == "lm_head" and lm_head_bits == 8) or (weights == "mixed" and name in LINEAR
+                eight = (name == "lm_head" and lm_head_bits == 8) or (weights == "mixed" and is_linear(name)
                                                                        and name not in narrow)
                 for part, val in (quantize_q8(arr) if eight else quantize_q4(arr)).items():
                     out[f"{name}.{part}"] = val
@@ -141,7 +148,12 @@ def _check_layer(src_params: dict[str, Any], i: int, t: dict[str, np.ndarray]) -
             "q_norm": (q if src_params.get("qk_norm_whole") else src_params["head_dim"],),
             "k_norm": (kv if src_params.get("qk_norm_whole") else src_params["head_dim"],),
             "attn_out_norm": (h,), "mlp_out_norm": (h,)}
+    fe = src_params.get("expert_intermediate_size", 0)
+    want |= {"router": (src_params.get("n_experts", 0), h)}
     for name, arr in t.items():
+        expert = _EXPERT.fullmatch(name)
+        if expert:
+            want[name] = (h, fe) if expert.group(1) == "down_proj" else (fe, h)
         if tuple(arr.shape) != want[name]:
             raise ModelFormatError(f"layer {i}: {name} has shape {arr.shape}, expected {want[name]}")
         if not np.isfinite(arr).all():

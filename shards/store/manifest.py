@@ -12,7 +12,8 @@ from typing import Any
 
 from shards.errors import ModelFormatError
 
-ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "smollm3", "gemma3", "granite", "olmo2")
+ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "smollm3", "gemma3", "granite", "olmo2", "mixtral",
+                 "qwen3_moe")
 ACTIVATIONS = ("silu", "gelu_tanh")  # of the MLP's gate: SiLU (SwiGLU), GELU's tanh approximation (GeGLU)
 WEIGHT_FORMATS = ("f32", "f16", "q4", "mixed")
 BLOCK_FORMATS = ("q4", "mixed")  # linear weights in MatMulNBits blocks (4-bit, or 4- and 8-bit)
@@ -66,7 +67,8 @@ _OPTIONAL_DEFAULTS: dict[str, Any] = {
     "attention_output_bias": False, "mlp_bias": False, "qk_norm": False, "layers_without_rope": (),
     "post_sublayer_norms": False, "embedding_scale": 1.0, "activation": "silu", "attention_scale": None,
     "sliding_window": 0, "sliding_layers": (), "sliding_rope_theta": None, "residual_scale": 1.0,
-    "logit_scale": 1.0, "pre_sublayer_norms": True, "qk_norm_whole": False,
+    "logit_scale": 1.0, "pre_sublayer_norms": True, "qk_norm_whole": False, "n_experts": 0, "experts_per_token": 0,
+    "expert_intermediate_size": 0, "renormalize_experts": False,
 }
 
 
@@ -89,7 +91,12 @@ class Manifest:
     stream; ``logit_scale``: the logits are multiplied by it (Granite's multipliers);
     ``pre_sublayer_norms``: the attention and the MLP read their input RMS-normed (``input_norm``,
     ``post_norm``); OLMo 2 reads it as it is and norms only their outputs; ``qk_norm_whole``: the
-    query and key norms span the whole projection (``q_norm`` [n_heads * head_dim]), not a head."""
+    query and key norms span the whole projection (``q_norm`` [n_heads * head_dim]), not a head;
+    ``n_experts`` > 0: a mixture of experts in every layer instead of the MLP: a ``router``
+    [n_experts, hidden] whose softmax picks ``experts_per_token`` of the experts
+    (``experts.E.gate_proj`` / ``up_proj`` / ``down_proj``, ``expert_intermediate_size`` wide),
+    their outputs weighted by those probabilities (renormalised to sum 1 with
+    ``renormalize_experts``)."""
 
     name: str
     architecture: str
@@ -126,6 +133,10 @@ class Manifest:
     logit_scale: float = 1.0
     pre_sublayer_norms: bool = True
     qk_norm_whole: bool = False
+    n_experts: int = 0
+    experts_per_token: int = 0
+    expert_intermediate_size: int = 0
+    renormalize_experts: bool = False
 
     def __post_init__(self) -> None:
         if not valid_model_name(self.name):
@@ -166,8 +177,15 @@ class Manifest:
         for name in ("attention_scale", "sliding_rope_theta"):
             if getattr(self, name) is not None:
                 _pos_float(name, getattr(self, name))
+        for name in ("n_experts", "experts_per_token", "expert_intermediate_size"):
+            if not isinstance(getattr(self, name), int) or isinstance(getattr(self, name), bool) \
+                    or getattr(self, name) < 0:
+                raise ModelFormatError(f"manifest: {name} must be a non-negative integer")
+        if self.n_experts and not (0 < self.experts_per_token <= self.n_experts and self.expert_intermediate_size):
+            raise ModelFormatError("manifest: a mixture of experts needs 0 < experts_per_token <= n_experts "
+                                   "and an expert_intermediate_size")
         flags = ("tied_embeddings", "attention_bias", "attention_output_bias", "mlp_bias", "qk_norm",
-                 "post_sublayer_norms", "pre_sublayer_norms", "qk_norm_whole")
+                 "post_sublayer_norms", "pre_sublayer_norms", "qk_norm_whole", "renormalize_experts")
         if not all(isinstance(getattr(self, f), bool) for f in flags):
             raise ModelFormatError(f"manifest: {' / '.join(flags)} must be booleans")
         if not isinstance(self.source_digest, str) or not _SHA_RE.match(self.source_digest):

@@ -125,12 +125,16 @@ def make_hf_checkpoint(folder: Path, arch: str, *, seed: int = 0, attention_bias
         LlamaForCausalLM,
         MistralConfig,
         MistralForCausalLM,
+        MixtralConfig,
+        MixtralForCausalLM,
         Olmo2Config,
         Olmo2ForCausalLM,
         Qwen2Config,
         Qwen2ForCausalLM,
         Qwen3Config,
         Qwen3ForCausalLM,
+        Qwen3MoeConfig,
+        Qwen3MoeForCausalLM,
         SmolLM3Config,
         SmolLM3ForCausalLM,
     )
@@ -152,6 +156,14 @@ def make_hf_checkpoint(folder: Path, arch: str, *, seed: int = 0, attention_bias
         cfg = Gemma3TextConfig(**(common | {"num_hidden_layers": 6}), head_dim=32, sliding_window=16,
                                query_pre_attn_scalar=32, tie_word_embeddings=True, pad_token_id=0)
         model = Gemma3ForCausalLM(cfg)
+    elif arch == "mixtral":  # 4 experts, 2 per token
+        cfg = MixtralConfig(**common, tie_word_embeddings=False, num_local_experts=4, num_experts_per_tok=2,
+                            rope_theta=1000000.0, sliding_window=None)
+        model = MixtralForCausalLM(cfg)
+    elif arch == "qwen3_moe":  # 6 experts, 2 per token, renormalised (as Qwen3's MoE models are, and llama.cpp's)
+        cfg = Qwen3MoeConfig(**common, tie_word_embeddings=True, num_experts=6, num_experts_per_tok=2,
+                             moe_intermediate_size=48, norm_topk_prob=True, rope_theta=1000000.0)
+        model = Qwen3MoeForCausalLM(cfg)
     elif arch == "olmo2":
         cfg = Olmo2Config(**common, tie_word_embeddings=False, rope_theta=500000.0, pad_token_id=0)
         model = Olmo2ForCausalLM(cfg)
@@ -206,7 +218,15 @@ def write_gguf_from_hf(model, path: Path, arch: str, extra: dict[str, np.ndarray
     def permute(w: np.ndarray, heads: int) -> np.ndarray:
         return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
-    w = gguf.GGUFWriter(str(path), arch)
+    moe = getattr(cfg, "num_local_experts", None) or getattr(cfg, "num_experts", None)
+    if moe:  # experts fused as transformers holds them: [experts, gate + up, hidden], [experts, hidden, ff]
+        for key in [k for k in sd if k.endswith("mlp.experts.gate_up_proj")]:
+            gate_up = sd.pop(key)
+            half = gate_up.shape[1] // 2
+            sd[key.replace("gate_up_proj", "gate_proj")], sd[key.replace("gate_up_proj", "up_proj")] = \
+                gate_up[:, :half], gate_up[:, half:]
+    gguf_arch = {"mixtral": "llama", "qwen3_moe": "qwen3moe"}.get(arch, arch)
+    w = gguf.GGUFWriter(str(path), gguf_arch)
     w.add_block_count(cfg.num_hidden_layers)
     w.add_context_length(cfg.max_position_embeddings)
     w.add_embedding_length(cfg.hidden_size)
@@ -221,6 +241,11 @@ def write_gguf_from_hf(model, path: Path, arch: str, extra: dict[str, np.ndarray
     rope = rope.get("full_attention", rope)  # gemma3: one set per attention kind, the global one in the file
     theta = float(rope.get("rope_theta", getattr(cfg, "rope_theta", 10000.0)))
     w.add_rope_freq_base(theta)
+    if moe:
+        w.add_expert_count(moe)
+        w.add_expert_used_count(cfg.num_experts_per_tok)
+        if getattr(cfg, "moe_intermediate_size", None):
+            w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
     if arch == "gemma3":
         w.add_sliding_window(cfg.sliding_window)
     if arch == "granite":
@@ -251,7 +276,9 @@ def write_gguf_from_hf(model, path: Path, arch: str, extra: dict[str, np.ndarray
              "mlp.gate_proj.weight": "ffn_gate.weight", "mlp.up_proj.weight": "ffn_up.weight",
              "mlp.down_proj.weight": "ffn_down.weight", "mlp.gate_proj.bias": "ffn_gate.bias",
              "mlp.up_proj.bias": "ffn_up.bias", "mlp.down_proj.bias": "ffn_down.bias",
-             "self_attn.q_norm.weight": "attn_q_norm.weight", "self_attn.k_norm.weight": "attn_k_norm.weight"}
+             "self_attn.q_norm.weight": "attn_q_norm.weight", "self_attn.k_norm.weight": "attn_k_norm.weight",
+             "mlp.gate.weight": "ffn_gate_inp.weight", "mlp.experts.gate_proj": "ffn_gate_exps.weight",
+             "mlp.experts.up_proj": "ffn_up_exps.weight", "mlp.experts.down_proj": "ffn_down_exps.weight"}
     if arch == "olmo2":  # norms of the sublayers' outputs only
         names = {k: v for k, v in names.items() if not k.endswith("layernorm.weight")}
         names |= {"post_attention_layernorm.weight": "post_attention_norm.weight",
@@ -268,9 +295,9 @@ def write_gguf_from_hf(model, path: Path, arch: str, extra: dict[str, np.ndarray
                 continue
             written.add(key)
             t = sd[key]
-            if arch in ("llama", "smollm3", "granite") and gg.startswith("attn_q."):
+            if arch in ("llama", "smollm3", "granite", "mixtral") and gg.startswith("attn_q."):
                 t = permute(t, n_heads)
-            elif arch in ("llama", "smollm3", "granite") and gg.startswith("attn_k."):
+            elif arch in ("llama", "smollm3", "granite", "mixtral") and gg.startswith("attn_k."):
                 t = permute(t, n_kv)
             qtype = (types or {}).get(gg.removesuffix(".weight"))
             if qtype:
@@ -297,7 +324,7 @@ def add_tensors(checkpoint: Path, extra: dict[str, np.ndarray]) -> None:
 
 
 def load_dequantised(model, model_dir: Path, manifest) -> None:
-    """Replace ``model``'s (a tiny transformers llama / qwen2) linear weights, embedding and lm_head
+    """Replace ``model``'s (a tiny transformers llama / qwen2 / mixtral...) linear weights, embedding and lm_head
     by those a q4 import stored, dequantised (the lm_head untied; biases are stored as they are)."""
     import torch
 
@@ -305,13 +332,19 @@ def load_dequantised(model, model_dir: Path, manifest) -> None:
     from shards.store.tensorfile import read_tensors
 
     def deq(t: dict, name: str) -> torch.Tensor:
-        return torch.from_numpy(dequantize({k.split(".", 1)[1]: v for k, v in t.items() if k.startswith(name + ".")}))
+        return torch.from_numpy(dequantize({k[len(name) + 1:]: v for k, v in t.items() if k.startswith(name + ".")}))
 
     with torch.no_grad():
         for i, layer in enumerate(model.model.layers):
             t = read_tensors(model_dir / manifest.files[f"layer.{i}"].path)
             for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
                 getattr(layer.self_attn, proj).weight.copy_(deq(t, proj))
+            if manifest.n_experts:  # transformers holds them fused: [experts, gate + up, hidden], [experts, hidden, ff]
+                for e in range(manifest.n_experts):
+                    layer.mlp.experts.gate_up_proj[e].copy_(torch.cat([deq(t, f"experts.{e}.gate_proj"),
+                                                                       deq(t, f"experts.{e}.up_proj")]))
+                    layer.mlp.experts.down_proj[e].copy_(deq(t, f"experts.{e}.down_proj"))
+                continue
             for proj in ("gate_proj", "up_proj", "down_proj"):
                 getattr(layer.mlp, proj).weight.copy_(deq(t, proj))
         head = read_tensors(model_dir / manifest.files["head"].path)

@@ -1,4 +1,4 @@
-"""GGUF import of tiny llama / qwen2 / qwen3 / smollm3 / gemma3 / granite / olmo2 files written like llama.cpp's converter, against transformers."""
+"""GGUF import of tiny llama / qwen2 / qwen3 / smollm3 / gemma3 / granite / olmo2 / mixtral / qwen3_moe files written like llama.cpp's converter, against transformers."""
 
 from __future__ import annotations
 
@@ -16,7 +16,8 @@ from shards.store.model_store import ModelStore
 pytestmark = pytest.mark.slow
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "smollm3", "gemma3", "granite", "olmo2"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "smollm3", "gemma3", "granite", "olmo2", "mixtral",
+                                  "qwen3_moe"])
 def test_gguf_logits_match_transformers(tmp_path, arch) -> None:
     import torch
 
@@ -25,8 +26,9 @@ def test_gguf_logits_match_transformers(tmp_path, arch) -> None:
     store = ModelStore(tmp_path / "home")
     m = import_model(gguf_path, store=store, progress=False)
     assert m.name == f"tiny-{arch}" and m.architecture == arch
-    assert m.tied_embeddings is (arch not in ("llama", "olmo2")) and m.attention_bias is (arch == "qwen2")
-    assert m.qk_norm is (arch in ("qwen3", "gemma3", "olmo2")) and m.head_dim == (32 if arch in ("qwen3", "gemma3") else 16)
+    assert m.tied_embeddings is (arch not in ("llama", "olmo2", "mixtral")) and m.attention_bias is (arch == "qwen2")
+    assert m.qk_norm is (arch in ("qwen3", "gemma3", "olmo2", "qwen3_moe"))
+    assert m.n_experts == {"mixtral": 4, "qwen3_moe": 6}.get(arch, 0) and m.head_dim == (32 if arch in ("qwen3", "gemma3") else 16)
     assert m.sliding_layers == ((0, 1, 2, 3, 4) if arch == "gemma3" else ())  # llama.cpp's: every 6th global
     assert (m.rope_freq_factors is not None) is (arch == "llama")
     assert m.layers_without_rope == ((3,) if arch == "smollm3" else ())  # llama.cpp's fixed step of 4

@@ -14,7 +14,7 @@ from shards.store.tensorfile import read_tensors
 pytestmark = pytest.mark.slow
 
 
-ARCHS = ("llama", "mistral", "qwen2", "qwen3", "smollm3", "gemma3", "granite", "olmo2")
+ARCHS = ("llama", "mistral", "qwen2", "qwen3", "smollm3", "gemma3", "granite", "olmo2", "mixtral", "qwen3_moe")
 N_LAYERS = {"smollm3": 5, "gemma3": 6}  # the others: 3
 
 
@@ -44,11 +44,13 @@ def test_manifest_reflects_config(checkpoints, arch) -> None:
     n_layers = N_LAYERS.get(arch, 3)
     assert (m.architecture, m.n_layers, m.hidden_size, m.n_heads, m.n_kv_heads, m.head_dim) == (arch, n_layers, 64, 4,
                                                                                                  2, head_dim)
-    assert m.tied_embeddings is (arch not in ("llama", "mistral", "olmo2"))
+    assert m.tied_embeddings is (arch not in ("llama", "mistral", "olmo2", "mixtral"))
     assert m.layers_without_rope == ((3,) if arch == "smollm3" else ())
     assert m.attention_bias is (arch == "qwen2")
     assert not m.attention_output_bias and not m.mlp_bias
-    assert m.qk_norm is (arch in ("qwen3", "gemma3", "olmo2")) and m.qk_norm_whole is (arch == "olmo2")
+    assert m.qk_norm is (arch in ("qwen3", "gemma3", "olmo2", "qwen3_moe")) and m.qk_norm_whole is (arch == "olmo2")
+    assert (m.n_experts, m.experts_per_token, m.renormalize_experts) == {"mixtral": (4, 2, True),
+                                                                        "qwen3_moe": (6, 2, True)}.get(arch, (0, 0, False))
     assert (m.sliding_layers, m.sliding_window) == (((0, 1, 2, 3, 4), 16) if arch == "gemma3" else ((), 0))
     # bias-free, norm-free manifests as before
     assert not {"attention_output_bias", "mlp_bias"} & set(m.to_dict()) and ("qk_norm" in m.to_dict()) is m.qk_norm
@@ -109,7 +111,7 @@ def test_static_flavour_matches_transformers(checkpoints, arch) -> None:
     np.testing.assert_allclose(rows[0], torch_logits(model, ids)[-1], atol=1e-4, rtol=0)
 
 
-@pytest.mark.parametrize("arch", ["qwen3", "smollm3", "gemma3", "olmo2"])
+@pytest.mark.parametrize("arch", ["qwen3", "smollm3", "gemma3", "olmo2", "mixtral"])
 @pytest.mark.parametrize("flavour", ["portable", "gpu"])
 def test_head_norms_and_unrotated_layers_in_the_other_flavours(checkpoints, arch, flavour) -> None:
     """Qwen3's per-head query/key norms, SmolLM3's layers without rope and Gemma 3's sliding
@@ -121,6 +123,50 @@ def test_head_norms_and_unrotated_layers_in_the_other_flavours(checkpoints, arch
     ref = torch_logits(model, ids)
     # float16: within 2 % of the logits' range
     np.testing.assert_allclose(ours, ref, atol=1e-4 if flavour == "portable" else 2e-2 * np.abs(ref).max(), rtol=0)
+
+
+def test_experts_are_picked_per_token_and_run_from_4_bit_blocks(checkpoints, tmp_path) -> None:
+    """Mixtral's routing differs from token to token in this prompt (the float store follows
+    transformers there, above), and the q4 store computes its dequantised weights' function: each
+    expert's products on the rows that picked it only."""
+    import torch
+
+    model, _, _ = checkpoints["mixtral"]
+    ids = np.random.default_rng(1).integers(3, 96, size=40).astype(np.int64)
+    picks = []
+    hook = model.model.layers[0].mlp.gate.register_forward_hook(lambda _m, _i, out: picks.append(out))
+    torch_logits(model, ids)
+    hook.remove()
+    routed = picks[0][-1] if isinstance(picks[0], tuple) else picks[0]  # top-k expert ids (or router logits)
+    chosen = routed if routed.dtype == torch.int64 else routed.topk(2, dim=-1).indices
+    assert len({tuple(sorted(row.tolist())) for row in chosen.reshape(-1, 2)}) > 2
+    source = make_hf_checkpoint(tmp_path / "src", "mixtral", seed=4)
+    store = ModelStore(tmp_path / "home")
+    m = import_model(tmp_path / "src", name="moe-q4", weights="q4", store=store, progress=False)
+    load_dequantised(source, store.model_dir(m.name), m)
+    runners = open_chain(store.model_dir(m.name), [(0, 1), (2, 2)], threads=1)
+    ours = np.concatenate([chain_forward(runners, "s", ids[:30])] +
+                          [chain_forward(runners, "s", ids[i:i + 1]) for i in range(30, 40)], axis=1)[0]
+    np.testing.assert_allclose(ours, torch_logits(source, ids), atol=1e-3, rtol=0)  # the lm_head's int8 x2
+
+
+def test_experts_weighted_by_their_probabilities_as_they_are(tmp_path) -> None:
+    """norm_topk_prob off (OLMoE's and some Qwen MoE models' way): the picked experts' outputs are
+    weighted by their softmax probabilities without renormalising them."""
+    import json
+
+    from transformers import Qwen3MoeForCausalLM
+
+    make_hf_checkpoint(tmp_path / "src", "qwen3_moe", seed=6)
+    config = json.loads((tmp_path / "src" / "config.json").read_text())
+    (tmp_path / "src" / "config.json").write_text(json.dumps(config | {"norm_topk_prob": False}))
+    store = ModelStore(tmp_path / "home")
+    m = import_model(tmp_path / "src", name="raw-weights", store=store, progress=False)
+    assert not m.renormalize_experts
+    ids = np.random.default_rng(5).integers(3, 96, size=33).astype(np.int64)
+    ours = chain_forward(open_chain(store.model_dir(m.name), [(0, 2)], threads=1), "s", ids)[0]
+    reference = Qwen3MoeForCausalLM.from_pretrained(tmp_path / "src").eval()
+    np.testing.assert_allclose(ours, torch_logits(reference, ids), atol=1e-4, rtol=0)
 
 
 def test_sharded_checkpoint_with_index(tmp_path) -> None:
