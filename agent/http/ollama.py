@@ -105,7 +105,11 @@ def _manifest(request: web.Request, name: str) -> Manifest | None:
 def _parameter_count(manifest: Manifest) -> int:
     hidden, inter, vocab = manifest.hidden_size, manifest.intermediate_size, manifest.vocab_size
     kv = manifest.n_kv_heads * manifest.head_dim
-    per_layer = hidden * manifest.n_heads * manifest.head_dim * 2 + hidden * kv * 2 + 3 * hidden * inter
+    if manifest.n_experts:  # every expert and the router (the active ones are experts_per_token of them)
+        mlp = manifest.n_experts * (3 * hidden * manifest.expert_intermediate_size + hidden)
+    else:
+        mlp = 3 * hidden * inter
+    per_layer = hidden * manifest.n_heads * manifest.head_dim * 2 + hidden * kv * 2 + mlp
     return manifest.n_layers * per_layer + vocab * hidden * (1 if manifest.tied_embeddings else 2)
 
 

@@ -32,6 +32,7 @@ LAYERS = 8
 BOARD = ["Radxa ROCK 5B", "radxa,rock-5b rockchip,rk3588"]  # /proc/device-tree/model, compatible
 TABLE_TOPS, _ = npu_tops_for(BOARD)
 MEMORY = [{"orchestrator": True, "ram_gib": 4.0}, {"ram_gib": 3.0}]
+RKNN_PROBE_S = 240  # the RKNN simulator's self-test and calibration, its first start on a fresh machine included
 
 
 @pytest.fixture
@@ -66,8 +67,13 @@ async def layer_counts(orchestrator: LocalAgent) -> dict[str, int]:
 
 
 def run_cluster(tmp_path, per_agent: list[dict[str, Any]], check) -> None:
+    # node-1's first round waits for its backends' self-tests and calibration: with rknn-sim,
+    # the simulator's start (its toolkit's first import on a fresh machine takes most of a minute)
+    probing = any(agent.get("providers") for agent in per_agent)
+
     async def scenario() -> None:
-        async with tiny_cluster(tmp_path, 2, layers=LAYERS, per_agent=per_agent) as (orchestrator, others):
+        async with tiny_cluster(tmp_path, 2, layers=LAYERS, per_agent=per_agent,
+                                election_timeout_s=RKNN_PROBE_S if probing else 20) as (orchestrator, others):
             agents = {a.node_id: a for a in [orchestrator, *others]}
             await check(orchestrator, agents)
     asyncio.run(scenario())

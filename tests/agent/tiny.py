@@ -30,12 +30,15 @@ def store_tiny_models(tmp: Path, names: tuple[str, ...] = (TINY,), *, layers: in
 
 @contextlib.asynccontextmanager
 async def tiny_cluster(tmp: Path, count: int = 2, *, names: tuple[str, ...] = (TINY,), layers: int = 2,
-                       **settings: Any) -> AsyncIterator[tuple[LocalAgent, list[LocalAgent]]]:
+                       election_timeout_s: float = 20, **settings: Any
+                       ) -> AsyncIterator[tuple[LocalAgent, list[LocalAgent]]]:
     """``count`` in-process agents, the first storing the tiny models; yields the orchestrator
-    (once the main model is ready) and the others."""
+    (once the main model is ready) and the others. An agent's first round, and so the election,
+    waits for its backends' self-tests: ``election_timeout_s`` covers those of its providers."""
     store_tiny_models(tmp, names, layers=layers)
     async with local_agents(tmp, count, model=TINY, **settings) as agents:
-        await eventually(lambda: all(a.app[MEMBERSHIP].election for a in agents), timeout_s=20, what="an election")
+        await eventually(lambda: all(a.app[MEMBERSHIP].election for a in agents), timeout_s=election_timeout_s,
+                         what="an election")
         leader = agents[0].app[MEMBERSHIP].election.orchestrator
         orchestrator = next(a for a in agents if a.node_id == leader)
         router = orchestrator.app[ROUTER]
