@@ -10,7 +10,7 @@ import json
 import sys
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from agent.cli.http_client import HTTP_TIMEOUT_S
@@ -37,9 +37,10 @@ def _api_error_message(body: bytes, fallback: str) -> str:
 
 
 def stream_chat(url: str, payload: dict[str, Any], *, token: str | None = None,
-                timeout_s: float = CHAT_TIMEOUT_S) -> Iterator[str]:
+                timeout_s: float = CHAT_TIMEOUT_S, on_reasoning: Callable[[str], None] | None = None) -> Iterator[str]:
     """POST ``payload`` (with "stream": true) to a /v1/chat/completions ``url``; yields the
-    content pieces of the server-sent events as they arrive.
+    content pieces of the server-sent events as they arrive (a reasoning model's reasoning
+    pieces go to ``on_reasoning``, when given).
 
     Raises ChatError for an error answer (HTTP status or an error object in the stream) and
     ChatConnectionError when the agent cannot be reached or the connection breaks.
@@ -67,14 +68,23 @@ def stream_chat(url: str, payload: dict[str, Any], *, token: str | None = None,
                     error = chunk["error"]
                     raise ChatError(str(error.get("message") if isinstance(error, dict) else error))
                 for choice in chunk.get("choices") or []:
-                    content = (choice.get("delta") or {}).get("content")
-                    if content:
-                        yield content
+                    delta = choice.get("delta") or {}
+                    if delta.get("reasoning_content") and on_reasoning is not None:
+                        on_reasoning(delta["reasoning_content"])
+                    if delta.get("content"):
+                        yield delta["content"]
     except urllib.error.HTTPError as error:
         raise ChatError(_api_error_message(error.read(), f"HTTP {error.code} {error.reason}")) from None
     except (urllib.error.URLError, http.client.HTTPException, TimeoutError, OSError) as error:
         reason = getattr(error, "reason", None) or error
         raise ChatConnectionError(f"cannot reach {url}: {reason}") from None
+
+
+def _show_reasoning(text: str) -> None:
+    """A reasoning model's reasoning, on standard error (dimmed on a terminal) before its reply."""
+    dim = sys.stderr.isatty()
+    sys.stderr.write(f"\x1b[2m{text}\x1b[0m" if dim else text)
+    sys.stderr.flush()
 
 
 def _unreachable(url: str, token: str | None) -> str | None:
@@ -143,8 +153,17 @@ def run_chat(args: argparse.Namespace) -> int:
             continue
         turn = {"role": "user", "content": text}
         pieces: list[str] = []
+        reasoned: list[str] = []  # shown as it comes, on standard error, before the reply
+
+        def reason(text: str) -> None:
+            reasoned.append(text)
+            _show_reasoning(text)
+
         try:
-            for piece in stream_chat(url, {**settings, "messages": [*opening, *history, turn]}, token=args.token):
+            for piece in stream_chat(url, {**settings, "messages": [*opening, *history, turn]}, token=args.token,
+                                     on_reasoning=reason):
+                if reasoned and not pieces:
+                    _show_reasoning("\n\n")
                 pieces.append(piece)
                 sys.stdout.write(piece)
                 sys.stdout.flush()

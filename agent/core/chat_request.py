@@ -26,8 +26,15 @@ MAX_TOOLS = 256
 TOOL_NAME = re.compile(r"^[A-Za-z0-9_.:-]{1,128}$")
 TOOL_CHOICES = ("auto", "none", "required")
 # Keys a message may hold: what ncm renders, and those that must stay empty (text models).
-_MESSAGE_KEYS = {"role", "content", "name", "tool_calls", "tool_call_id", "tool_name"}
-_EMPTY_MESSAGE_KEYS = {"images", "refusal", "audio", "thinking", "reasoning_content"}
+_MESSAGE_KEYS = {"role", "content", "name", "tool_calls", "tool_call_id", "tool_name", "thinking", "reasoning_content"}
+_EMPTY_MESSAGE_KEYS = {"images", "refusal", "audio"}
+# OpenAI's reasoning_effort values; Ollama's think takes the last three too
+EFFORTS = ("none", "minimal", "low", "medium", "high")
+MAX_TEMPLATE_VARIABLES = 16
+_TEMPLATE_VARIABLE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,63}$")
+# what ncm itself gives the chat template: a request cannot set it
+_RESERVED_TEMPLATE_VARIABLES = {"messages", "tools", "add_generation_prompt", "bos_token", "eos_token", "pad_token",
+                                "unk_token"}
 
 
 @dataclass(frozen=True)
@@ -66,6 +73,10 @@ class ChatRequest:
     parallel_tool_calls: bool = True
     json_schema: dict[str, Any] | None = None  # the answer is JSON valid under it
     logprobs: int | None = None  # report each token's log-probability and this many alternatives
+    think: bool | None = None  # thinking on or off (None: as the model's template decides)
+    reasoning_effort: str | None = None  # low, medium, high...: passed to a template that reads it
+    template_variables: tuple[tuple[str, Any], ...] = ()  # more variables of the chat template
+    think_field: str = "think"  # the field that said whether to think, for errors to name
 
     @property
     def calls_tools(self) -> bool:
@@ -196,7 +207,60 @@ def parse_request(body: Any, *, chat: bool) -> ChatRequest:
         parallel_tool_calls=parallel,
         json_schema=response_schema(body.get("response_format")),
         logprobs=_logprobs(body, chat=chat),
+        **_reasoning(body),
     )
+
+
+def _reasoning(body: dict[str, Any]) -> dict[str, Any]:
+    """``think`` (Ollama: true, false or an effort), ``reasoning_effort`` (OpenAI) and llama.cpp's
+    ``chat_template_kwargs`` (whose ``enable_thinking`` is one more way to say ``think``), made
+    one: a request whose fields disagree is refused."""
+    kwargs = body.get("chat_template_kwargs")
+    if kwargs is None:
+        kwargs = {}
+    if not isinstance(kwargs, dict) or len(kwargs) > MAX_TEMPLATE_VARIABLES:
+        raise InvalidRequestError(f"'chat_template_kwargs' must be an object of at most {MAX_TEMPLATE_VARIABLES} "
+                                  "template variables", "chat_template_kwargs")
+    for key in kwargs:
+        if not _TEMPLATE_VARIABLE.match(key) or key in _RESERVED_TEMPLATE_VARIABLES:
+            raise InvalidRequestError(f"'chat_template_kwargs' cannot set {key[:64]!r}: ncm gives the template "
+                                      "its messages, tools and special tokens itself", "chat_template_kwargs")
+    variables = dict(kwargs)
+    wishes: list[tuple[str, bool, str | None]] = []  # (field, think, effort)
+    if "enable_thinking" in variables:
+        enabled = variables.pop("enable_thinking")
+        if not isinstance(enabled, bool):
+            raise InvalidRequestError("'chat_template_kwargs.enable_thinking' must be true or false",
+                                      "chat_template_kwargs")
+        wishes.append(("chat_template_kwargs", enabled, None))
+    for field, value in (("chat_template_kwargs", variables.pop("reasoning_effort", None)),
+                         ("reasoning_effort", body.get("reasoning_effort"))):
+        if value is not None:
+            level = _effort(value, field)
+            wishes.append((field, level != "none", None if level == "none" else level))
+    think = body.get("think")
+    if think is not None:
+        if isinstance(think, bool):
+            wishes.append(("think", think, None))
+        elif isinstance(think, str) and think in EFFORTS[2:]:
+            wishes.append(("think", True, think))
+        else:
+            raise InvalidRequestError("'think' must be true, false, \"low\", \"medium\" or \"high\"", "think")
+    if not wishes:
+        return {"template_variables": tuple(sorted(variables.items()))}
+    field, wanted, level = wishes[-1]
+    for other, other_think, _ in wishes[:-1]:
+        if other_think != wanted:
+            raise InvalidRequestError(f"'{field}' and '{other}' disagree on thinking: send one of them", field)
+    level = level or next((effort for _, _, effort in wishes if effort), None)
+    return {"think": wanted, "reasoning_effort": level, "template_variables": tuple(sorted(variables.items())),
+            "think_field": field}
+
+
+def _effort(value: Any, field: str) -> str:
+    if not isinstance(value, str) or value not in EFFORTS:
+        raise InvalidRequestError(f"'{field}' must be one of {', '.join(EFFORTS)}, got {str(value)[:40]!r}", field)
+    return value
 
 
 def _logprobs(body: dict[str, Any], *, chat: bool) -> int | None:
@@ -264,6 +328,13 @@ def _message(message: Any, where: str) -> dict[str, Any]:
         if not isinstance(name, str) or len(name) > 256:
             raise InvalidRequestError(f"{where}.name must be a string", f"{where}.name")
         parsed["name"] = name
+    reasoning = message.get("reasoning_content", message.get("thinking"))
+    if reasoning:  # an earlier answer's reasoning: the template decides whether it shows
+        key = "reasoning_content" if "reasoning_content" in message else "thinking"
+        if role != "assistant" or not isinstance(reasoning, str) or len(reasoning) > MAX_CONTENT_CHARS:
+            raise InvalidRequestError(f"{where}.{key} must be the text of an assistant message's reasoning",
+                                      f"{where}.{key}")
+        parsed["reasoning_content"] = reasoning
     if message.get("tool_calls"):
         if role != "assistant":
             raise InvalidRequestError(f"{where}: only assistant messages carry tool_calls", f"{where}.tool_calls")

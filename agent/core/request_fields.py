@@ -76,7 +76,10 @@ OPENAI_CHAT = _table(
     Field("response_format", HONOURED, "text, json_object or json_schema (constrained decoding: the output parses)"),
     Field("logprobs", HONOURED, "each token's log-probability under the model (choices[].logprobs.content)"),
     Field("top_logprobs", HONOURED, "with logprobs: that many likeliest alternatives per token (0-20)"),
-    Field("reasoning_effort", REFUSED, "reasoning models are not supported yet"),
+    Field("reasoning_effort", HONOURED, "none turns thinking off, the others on (and reach a template that reads "
+                                        "them); a model that cannot think refuses all but none"),
+    Field("chat_template_kwargs", HONOURED, "more variables of the chat template (llama.cpp's extension); "
+                                            "enable_thinking is thinking on or off"),
     Field("modalities", REFUSED, "text models only", (["text"],)),
     Field("audio", REFUSED, "text models only"),
     Field("prediction", REFUSED, "predicted outputs are not supported"),
@@ -128,7 +131,9 @@ _OLLAMA_COMMON = (
     Field("stream", HONOURED, "NDJSON lines (default true)"),
     Field("keep_alive", HONOURED, "how long the model stays loaded after this request (0 with the admin token: unload)"),
     Field("format", HONOURED, "\"json\" or a JSON schema (constrained decoding: the output parses)"),
-    Field("think", REFUSED, "reasoning models are not supported yet", (False,)),
+    Field("think", HONOURED, "true or false: the model thinks or not (\"low\", \"medium\", \"high\": on, the "
+                             "level passed to a template that reads it); the reasoning comes apart in thinking; a "
+                             "model that cannot think refuses true"),
 )
 OLLAMA_CHAT = _table(
     *_OLLAMA_COMMON,

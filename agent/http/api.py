@@ -66,9 +66,11 @@ from agent.local.metrics import THROUGHPUT_WINDOW_S
 from agent.orchestration.orchestrator import Completion, Deployment
 from agent.orchestration.public_errors import public_reason
 from shards.errors import ShardsError
+from shards.runtime.answer_reader import AnswerPiece, AnswerReader
 from shards.runtime.grammar import json_schema_grammar
+from shards.runtime.reasoning import ReasoningSplitter, ReasoningSupport, prompt_opens_thinking, reasoning_support
 from shards.runtime.sampling import SamplingParams, TokenLogprobs
-from shards.runtime.tool_calls import ToolCall, call_grammar, may_hold_call, parse_calls, prompt_messages, tool_format
+from shards.runtime.tool_calls import ToolCall, call_grammar, prompt_messages, tool_format
 from shards.text.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -524,37 +526,75 @@ def _resume_tokens(request: web.Request, body: Any, deployment: Deployment) -> t
 
 @dataclasses.dataclass(frozen=True)
 class Generation:
-    """A generation started: its events, and how its text reads (``tool_format``: the format
-    its tool calls are written in, None when it may call none)."""
+    """A generation started: its events, and the reader of its text (reasoning, reply, calls)."""
 
     events: AsyncIterator[Completion]
-    tool_format: str | None = None
+    reader: AnswerReader
 
 
-def _prompt(parsed: ChatRequest, tokenizer: Tokenizer) -> tuple[list[int], str | None, str | None]:
-    """The prompt's ids, the grammar of the answer and the tool-call format (see
-    :mod:`shards.runtime.tool_calls`)."""
+def _prompt(parsed: ChatRequest, deployment: Deployment) -> tuple[list[int], str | None, AnswerReader]:
+    """The prompt's ids, the grammar of the answer and its reader (see
+    :mod:`shards.runtime.tool_calls` and :mod:`shards.runtime.reasoning`)."""
+    tokenizer = deployment.tokenizer
     if parsed.messages is None:
         assert parsed.prompt is not None
-        return tokenizer.encode(parsed.prompt), _schema_grammar(parsed.json_schema), None
+        if parsed.think or parsed.template_variables:
+            raise InvalidRequestError(f"'{parsed.think_field if parsed.think else 'chat_template_kwargs'}' needs the "
+                                      "chat template: send messages, without raw", parsed.think_field)
+        return tokenizer.encode(parsed.prompt), _schema_grammar(parsed.json_schema), AnswerReader()
     tools = [{"name": t.name, "description": t.description, "parameters": t.parameters}
              for t in parsed.tools] if parsed.calls_tools else []
-    fmt = tool_format(tokenizer.spec.chat_template)
-    messages, extra = prompt_messages(fmt, parsed.messages, tools, parallel=parsed.parallel_tool_calls)
-    try:
-        prompt_ids = tokenizer.encode_chat(messages, **extra)
-    except ShardsError as error:
-        raise InvalidRequestError(f"cannot apply the chat template: {error}", "messages") from None
+    template = tokenizer.spec.chat_template
+    fmt = tool_format(template)
     if not tools:
-        return prompt_ids, _schema_grammar(parsed.json_schema), None
-    if parsed.json_schema is not None:
+        grammar = _schema_grammar(parsed.json_schema)
+    elif parsed.json_schema is not None:
         raise InvalidRequestError("'response_format' cannot be combined with 'tools' yet: send one of them",
                                   "response_format")
+    else:
+        try:
+            grammar = call_grammar(fmt, tools, parsed.tool_choice, parallel=parsed.parallel_tool_calls,
+                                   special=tokenizer.special_token_texts)
+        except ShardsError as error:
+            raise InvalidRequestError(f"the tools cannot be turned into a grammar: {error}", "tools") from None
+    support = reasoning_support(template)
+    think, variables = _thinking(parsed, support, deployment.name, constrained=grammar is not None)
+    messages, extra = prompt_messages(fmt, parsed.messages, tools, parallel=parsed.parallel_tool_calls)
     try:
-        grammar = call_grammar(fmt, tools, parsed.tool_choice, parallel=parsed.parallel_tool_calls)
+        prompt_ids = tokenizer.encode_chat(messages, **variables, **extra)
     except ShardsError as error:
-        raise InvalidRequestError(f"the tools cannot be turned into a grammar: {error}", "tools") from None
-    return prompt_ids, grammar, fmt
+        raise InvalidRequestError(f"cannot apply the chat template: {error}", "messages") from None
+    splitter = None
+    if support is not None and grammar is None:  # a constrained answer has no reasoning: it is what the grammar says
+        splitter = ReasoningSplitter(inside=prompt_opens_thinking(tokenizer.decode(prompt_ids[-PROMPT_TAIL_TOKENS:])))
+    return prompt_ids, grammar, AnswerReader(tool_format=fmt if tools else None, reasoning=splitter,
+                                             show_reasoning=think is not False)
+
+
+PROMPT_TAIL_TOKENS = 8  # enough of a prompt's end to see whether its template opened a think block
+
+
+def _thinking(parsed: ChatRequest, support: ReasoningSupport | None, model: str, *,
+              constrained: bool) -> tuple[bool | None, dict[str, Any]]:
+    """Whether the answer thinks (None: as the template decides) and the template's variables
+    that say so; a model that cannot think refuses to, and a constrained answer does not."""
+    variables = dict(parsed.template_variables)
+    think = parsed.think
+    if support is None:
+        if think:
+            raise InvalidRequestError(f"\"{model}\" does not support thinking ('{parsed.think_field}' asks for it)",
+                                      parsed.think_field)
+        return think, variables
+    if constrained:
+        if think:
+            raise InvalidRequestError("thinking cannot be combined with a constrained answer (a JSON format or a "
+                                      "forced tool call) yet: turn it off or send one of them", parsed.think_field)
+        think = False
+    if support.switch and think is not None:
+        variables["enable_thinking"] = think
+    if support.effort and parsed.reasoning_effort:
+        variables["reasoning_effort"] = parsed.reasoning_effort
+    return think, variables
 
 
 def _schema_grammar(schema: dict[str, Any] | None) -> str | None:
@@ -569,12 +609,16 @@ def start_generation(request: web.Request, parsed: ChatRequest, deployment: Depl
     """A generation of ``parsed`` (its messages through the chat template, with its tools,
     else its prompt as it is) on ``deployment``, timed and counted; ``max_context`` narrows
     the model's context."""
-    prompt_ids, grammar, fmt = _prompt(parsed, deployment.tokenizer)
+    prompt_ids, grammar, reader = _prompt(parsed, deployment)
     params = sampling_params(parsed, len(prompt_ids), max_context or deployment.settings.max_context, grammar,
                              default_max_tokens=request.app[CONFIG].default_max_tokens)
+    if resume:  # the reader reads on where the lost orchestrator's stopped (its text went out already)
+        decoder = deployment.tokenizer.stream_decoder(skip_special_tokens=True)
+        for token in resume:
+            reader.push(decoder.push(token))
     events = request.app[METRICS].observe_generation(
         deployment.name, request.app[ORCHESTRATOR].complete(deployment, prompt_ids, params, resume))
-    return Generation(events, fmt)
+    return Generation(events, reader)
 
 
 def tool_call_entries(calls: list[ToolCall], *, arguments_as_text: bool) -> list[dict[str, Any]]:
@@ -611,37 +655,10 @@ def completion_logprobs(tokenizer: Tokenizer, entries: tuple[TokenLogprobs, ...]
                              for e in entries]}
 
 
-class HeldText:
-    """The answer's text as it streams, held back from the moment it may be a tool call
-    (:func:`~shards.runtime.tool_calls.may_hold_call`) until the end, where the calls are
-    read out of it."""
-
-    def __init__(self, fmt: str | None) -> None:
-        self.fmt = fmt
-        self._held = ""
-
-    def push(self, text: str) -> str:
-        """What may go out now of the text so far."""
-        if self.fmt is None:
-            return text
-        self._held += text
-        if may_hold_call(self.fmt, self._held):
-            return ""
-        text, self._held = self._held, ""
-        return text
-
-    def finish(self) -> tuple[str, list[ToolCall]]:
-        """The rest of the text, and the calls it held."""
-        if self.fmt is None or not self._held:
-            return "", []
-        held, self._held = self._held, ""
-        return parse_calls(self.fmt, held)
-
-
 async def _generate(request: web.Request, parsed: ChatRequest, deployment: Deployment, *, chat: bool,
                     headers: dict[str, str], resume: tuple[int, ...] = ()) -> web.StreamResponse:
     generation = start_generation(request, parsed, deployment, resume=resume)
-    events, held = generation.events, HeldText(generation.tool_format)
+    events, reader = generation.events, generation.reader
     created = int(time.time())
     ident = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
     with_tokens = bool(request.headers.get(RESUMABLE_HEADER)) and from_member(request)
@@ -654,11 +671,11 @@ async def _generate(request: web.Request, parsed: ChatRequest, deployment: Deplo
     if not parsed.stream:
         pieces, last, logprobs = [], Completion("", deployment.name), []
         async for event in events:
-            pieces.append(held.push(event.text))
+            pieces.append(reader.push(event.text))
             logprobs += event.logprobs
             last = event
-        rest, calls = held.finish()
-        text_out = "".join(pieces) + rest
+        answer = AnswerPiece.joined([*pieces, reader.finish()])
+        text_out, calls = answer.content, list(answer.calls)
         finish = "tool_calls" if calls else last.finish_reason
         choice: dict[str, Any] = {"index": 0, "finish_reason": finish, "logprobs": None}
         if parsed.logprobs is not None:
@@ -666,6 +683,8 @@ async def _generate(request: web.Request, parsed: ChatRequest, deployment: Deplo
                                   else completion_logprobs(tokenizer, tuple(logprobs), 0))
         if chat:
             choice["message"] = {"role": "assistant", "content": text_out or (None if calls else "")}
+            if answer.reasoning:
+                choice["message"]["reasoning_content"] = answer.reasoning
             if calls:
                 choice["message"]["tool_calls"] = [{k: v for k, v in entry.items() if k != "index"}
                                                    for entry in tool_call_entries(calls, arguments_as_text=True)]
@@ -683,14 +702,18 @@ async def _generate(request: web.Request, parsed: ChatRequest, deployment: Deplo
 
     sent_chars = 0  # of the text, for the legacy completions' text offsets
 
-    async def send(model: str, text: str | None, finish: str | None, *, role: bool = False,
-                   tokens: tuple[int, ...] = (), calls: list[ToolCall] = (),  # type: ignore[assignment]
-                   logprobs: tuple[TokenLogprobs, ...] = ()) -> None:
+    async def send(model: str, piece: AnswerPiece, finish: str | None, *, role: bool = False,
+                   tokens: tuple[int, ...] = (), logprobs: tuple[TokenLogprobs, ...] = ()) -> None:
         nonlocal sent_chars
+        text = piece.content
         if chat:
-            delta: dict[str, Any] = {"role": "assistant", "content": ""} if role else ({"content": text} if text else {})
-            if calls:
-                delta["tool_calls"] = tool_call_entries(calls, arguments_as_text=True)
+            delta: dict[str, Any] = {"role": "assistant", "content": ""} if role else {}
+            if piece.reasoning:
+                delta["reasoning_content"] = piece.reasoning
+            if text:
+                delta["content"] = text
+            if piece.calls:
+                delta["tool_calls"] = tool_call_entries(list(piece.calls), arguments_as_text=True)
             choice = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}
             if logprobs:
                 choice["logprobs"] = chat_logprobs(tokenizer, logprobs)
@@ -706,22 +729,22 @@ async def _generate(request: web.Request, parsed: ChatRequest, deployment: Deplo
 
     try:
         if chat:
-            await send(first.model, None, None, role=True)
+            await send(first.model, AnswerPiece(), None, role=True)
         last = first
         async for event in chain_events(first, events):
             last = event
-            text = held.push(event.text)
+            piece = reader.push(event.text)
             if event.finish_reason is None:
-                await send(event.model, text, None, tokens=event.tokens, logprobs=event.logprobs)
+                await send(event.model, piece, None, tokens=event.tokens, logprobs=event.logprobs)
                 continue
-            rest, calls = held.finish()
-            if calls:
-                await send(event.model, text + rest, None, tokens=event.tokens, logprobs=event.logprobs)
-                await send(event.model, None, None, calls=calls)
-                await send(event.model, None, "tool_calls")
-            else:
-                await send(event.model, text + rest, event.finish_reason, tokens=event.tokens,
+            piece = AnswerPiece.joined([piece, reader.finish()])
+            if piece.calls:
+                await send(event.model, AnswerPiece(piece.reasoning, piece.content), None, tokens=event.tokens,
                            logprobs=event.logprobs)
+                await send(event.model, AnswerPiece(calls=piece.calls), None)
+                await send(event.model, AnswerPiece(), "tool_calls")
+            else:
+                await send(event.model, piece, event.finish_reason, tokens=event.tokens, logprobs=event.logprobs)
         if parsed.include_usage:
             chunk = {"id": ident, "object": kind, "created": created, "model": last.model, "choices": [],
                      "usage": usage_of(last)}

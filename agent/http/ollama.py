@@ -29,7 +29,6 @@ from agent.core.errors import ClusterError, InvalidRequestError, without_address
 from agent.core.request_fields import OLLAMA_CHAT, OLLAMA_GENERATE, OLLAMA_OPTIONS, check_fields, integer
 from agent.dataplane.links import StageError
 from agent.http.api import (
-    HeldText,
     admin_token_required,
     chain_events,
     holds_admin_token,
@@ -45,8 +44,10 @@ from agent.http.metrics_endpoint import REQUEST_MODEL
 from agent.orchestration.orchestrator import Completion, Deployment
 from shards.errors import ShardsError
 from shards.importers.pull import PULLABLE_ENCODERS, pull_encoder, pull_model, resolve_pull_name
+from shards.runtime.answer_reader import AnswerPiece
+from shards.runtime.reasoning import reasoning_support
 from shards.runtime.sampling import MAX_TOKENS_LIMIT
-from shards.runtime.tool_calls import ToolCall, tool_format
+from shards.runtime.tool_calls import tool_format
 from shards.store.encoder_manifest import EncoderManifest
 from shards.store.manifest import Manifest
 
@@ -249,7 +250,7 @@ def _openai_body(body: dict[str, Any], *, chat: bool) -> dict[str, Any] | None:
     stream = body.get("stream", True)
     if not isinstance(stream, bool):
         raise InvalidRequestError("'stream' must be true or false", "stream")
-    shared = {"stream": stream, "response_format": _response_format(body.get("format"))}
+    shared = {"stream": stream, "response_format": _response_format(body.get("format")), "think": body.get("think")}
     if chat:
         messages = body.get("messages") or []
         if not isinstance(messages, list):
@@ -341,6 +342,8 @@ async def show(request: web.Request) -> web.StreamResponse:
     parameters = f"num_ctx {settings['max_context']}" if "max_context" in settings else ""
     # Every chat model takes tools: in its template's own format, else in the generic one.
     capabilities = ["completion", "tools"] if template else ["completion"]
+    if reasoning_support(template) is not None:
+        capabilities.append("thinking")
     if template:
         model_info["ncm.tool_format"] = tool_format(template)
     return web.json_response({
@@ -461,7 +464,7 @@ async def _answer(request: web.Request, parsed: ChatRequest, deployment: Deploym
     # num_ctx narrows the model's context; a larger one is capped at what the model was planned for.
     context = min(num_ctx, deployment.settings.max_context) if num_ctx else None
     generation = start_generation(request, parsed, deployment, max_context=context)
-    events, held = generation.events, HeldText(generation.tool_format)
+    events, reader = generation.events, generation.reader
     # The first token is computed before anything goes out: early failures are still 4xx/5xx.
     generating = time.perf_counter()
     try:
@@ -474,29 +477,25 @@ async def _answer(request: web.Request, parsed: ChatRequest, deployment: Deploym
         pieces, last = [], first
         try:
             async for event in chain_events(first, events):
-                pieces.append(held.push(event.text))
+                pieces.append(reader.push(event.text))
                 last = event
         finally:
             await events.aclose()
-        rest, calls = held.finish()
-        return web.json_response(_final(last, "".join(pieces) + rest, calls, chat=chat, started=started,
-                                        load_s=load_s, prompt_s=prompt_s))
+        answer = AnswerPiece.joined([*pieces, reader.finish()])
+        return web.json_response(_final(last, answer, chat=chat, started=started, load_s=load_s, prompt_s=prompt_s))
     response = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})
     await response.prepare(request)
     last = first
     try:
         async for event in chain_events(first, events):
             last = event
-            text = held.push(event.text)
+            piece = reader.push(event.text)
             if event.finish_reason is not None:
-                rest, calls = held.finish()
-                text += rest
-                if calls:
-                    await response.write(_line(_chunk(event.model, text, calls, chat=chat)))
-                    text = ""
-            if text:
-                await response.write(_line(_chunk(event.model, text, chat=chat)))
-        await response.write(_line(_final(last, "", chat=chat, started=started, load_s=load_s, prompt_s=prompt_s)))
+                piece = AnswerPiece.joined([piece, reader.finish()])
+            if piece.reasoning or piece.content or piece.calls:
+                await response.write(_line(_chunk(event.model, piece, chat=chat)))
+        await response.write(_line(_final(last, AnswerPiece(), chat=chat, started=started, load_s=load_s,
+                                          prompt_s=prompt_s)))
     except (StageError, ClusterError) as error:
         await response.write(_line({"error": without_addresses(str(error))}))
     finally:
@@ -509,22 +508,27 @@ def _line(payload: dict[str, Any]) -> bytes:
     return json.dumps(payload).encode() + b"\n"
 
 
-def _chunk(model: str, text: str, calls: list[ToolCall] = (), *, chat: bool) -> dict[str, Any]:  # type: ignore[assignment]
+def _chunk(model: str, piece: AnswerPiece, *, chat: bool) -> dict[str, Any]:
+    """One line of the answer: its reply (and reasoning, calls) as Ollama writes them."""
     chunk: dict[str, Any] = {"model": model, "created_at": _iso(time.time()), "done": False}
     if chat:
-        chunk["message"] = {"role": "assistant", "content": text}
-        if calls:
-            chunk["message"]["tool_calls"] = tool_call_entries(calls, arguments_as_text=False)
+        chunk["message"] = {"role": "assistant", "content": piece.content}
+        if piece.reasoning:
+            chunk["message"]["thinking"] = piece.reasoning
+        if piece.calls:
+            chunk["message"]["tool_calls"] = tool_call_entries(list(piece.calls), arguments_as_text=False)
     else:
-        chunk["response"] = text
+        chunk["response"] = piece.content
+        if piece.reasoning:
+            chunk["thinking"] = piece.reasoning
     return chunk
 
 
-def _final(last: Completion, text: str, calls: list[ToolCall] = (), *, chat: bool,  # type: ignore[assignment]
-           started: float, load_s: float, prompt_s: float) -> dict[str, Any]:
+def _final(last: Completion, answer: AnswerPiece, *, chat: bool, started: float, load_s: float,
+           prompt_s: float) -> dict[str, Any]:
     """The last object: the whole answer when not streaming, and Ollama's counts and durations (ns)."""
     total_s = time.perf_counter() - started
-    final = _chunk(last.model, text, calls, chat=chat)
+    final = _chunk(last.model, answer, chat=chat)
     final.update(done=True, done_reason=last.finish_reason or "stop", total_duration=int(total_s * 1e9),
                  load_duration=int(load_s * 1e9), prompt_eval_count=last.prompt_tokens,
                  prompt_eval_duration=int(prompt_s * 1e9), eval_count=last.completion_tokens,

@@ -7,8 +7,8 @@ The formats follow llama.cpp's ``common/chat.cpp``, chosen from the chat templat
 - ``llama3`` (Llama 3.1+): a JSON object ``{"name", "parameters"}``, after ``<|python_tag|>`` or alone.
 - ``mistral`` (Mistral, Ministral): ``[TOOL_CALLS][{"name", "arguments"}, ...]``.
 
-(The markers that are special tokens may be missing from the decoded text: the calls are
-read without them.)
+A marker the tokenizer holds as a special token is one token in the grammar, and stays in the
+decoded text (:data:`shards.text.tokenizer.KEPT_MARKERS`); calls are read without it too.
 - ``generic`` (a template that knows no tools, such as SmolLM2's): the tools are described in
   the system turn and the whole answer is JSON, ``{"tool_calls": [...]}`` or
   ``{"response": "..."}``, always constrained by a grammar (a small model cannot be trusted
@@ -106,9 +106,17 @@ def prompt_messages(fmt: str, messages: Sequence[Mapping[str, Any]], tools: Sequ
     return rendered, {}
 
 
-def call_grammar(fmt: str, tools: Sequence[Mapping[str, Any]], choice: str, *, parallel: bool) -> str | None:
+def _marker(text: str, special: frozenset[str]) -> str:
+    """A call's marker in a grammar: the token itself where the tokenizer holds it as a special
+    token (the model writes it as that one token), else its text."""
+    return text if text in special else json.dumps(text)
+
+
+def call_grammar(fmt: str, tools: Sequence[Mapping[str, Any]], choice: str, *, parallel: bool,
+                 special: frozenset[str] = frozenset()) -> str | None:
     """The grammar the answer follows: None when it is free (``auto`` in a template format);
-    ``choice`` is auto, required or the name of the one tool to call."""
+    ``choice`` is auto, required or the name of the one tool to call; ``special``: the texts
+    of the tokenizer's special tokens."""
     if choice not in ("auto", "required"):
         tools = [tool for tool in tools if tool["name"] == choice]
     if fmt == GENERIC:
@@ -125,7 +133,8 @@ def call_grammar(fmt: str, tools: Sequence[Mapping[str, Any]], choice: str, *, p
     if choice == "auto":
         return None
     if fmt == HERMES:
-        call = f'"<tool_call>\\n" {lark_json(_one_of(tools))} "\\n</tool_call>"'
+        call = (f'{_marker("<tool_call>", special)} "\\n" {lark_json(_one_of(tools))} "\\n" '
+                f'{_marker("</tool_call>", special)}')
         repeat = f"({call} \"\\n\")*" if parallel else ""
         return lark_grammar(f"start: {call} {repeat}\n")
     if fmt == LLAMA3:
@@ -133,7 +142,7 @@ def call_grammar(fmt: str, tools: Sequence[Mapping[str, Any]], choice: str, *, p
     calls = {"type": "array", "items": _one_of(tools), "minItems": 1}
     if not parallel:
         calls["maxItems"] = 1
-    return lark_grammar(f'start: "[TOOL_CALLS]" {lark_json(calls)}\n')
+    return lark_grammar(f'start: {_marker("[TOOL_CALLS]", special)} {lark_json(calls)}\n')
 
 
 def _as_call(value: Any, index: int, arguments_key: str = "arguments") -> ToolCall | None:

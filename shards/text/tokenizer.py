@@ -26,6 +26,9 @@ logger = logging.getLogger(__name__)
 _DECODE_BYTE_LEVEL = "byte_level"
 _DECODE_SENTENCEPIECE = "sentencepiece"
 _DECODE_GENERIC = "generic"
+# Special tokens that stay in decoded text even when special tokens are skipped: the marks
+# of reasoning and of tool calls, which the answer's reader looks for.
+KEPT_MARKERS = frozenset({"<think>", "</think>", "<tool_call>", "</tool_call>", "[TOOL_CALLS]", "<|python_tag|>"})
 
 def _byte_level_alphabet() -> dict[str, int]:
     """GPT-2's byte alphabet: printable character -> the byte it stands for."""
@@ -85,6 +88,8 @@ class Tokenizer:
         added = self._backend.get_added_tokens_decoder()
         self._added_text: dict[int, str] = {i: token.content for i, token in added.items()}
         self._special_ids: frozenset[int] = frozenset(i for i, token in added.items() if token.special)
+        # what an answer's text loses when special tokens are skipped: never the markers its reader needs
+        self._skipped_ids = frozenset(i for i in self._special_ids if self._added_text[i] not in KEPT_MARKERS)
         self._template = None
 
     @classmethod
@@ -103,6 +108,10 @@ class Tokenizer:
     @property
     def special_token_ids(self) -> frozenset[int]:
         return self._special_ids
+
+    @cached_property
+    def special_token_texts(self) -> frozenset[str]:
+        return frozenset(self._added_text[i] for i in self._special_ids)
 
     def token_to_id(self, token: str) -> int | None:
         return self._backend.token_to_id(token)
@@ -280,7 +289,7 @@ class StreamDecoder:
             return self._push_generic(token_id)
         added = tok._added_text.get(token_id)
         if added is not None:
-            if self._skip_special and token_id in tok._special_ids:
+            if self._skip_special and token_id in tok._skipped_ids:
                 return ""  # skipped as if absent: bytes on both sides still join
             text = self._utf8.decode(b"", final=True) + added
             self._utf8.reset()
@@ -297,15 +306,17 @@ class StreamDecoder:
 
     # Decoders we cannot map to bytes: decode the whole sequence and emit what grew.
     def _push_generic(self, token_id: int) -> str:
+        if self._skip_special and token_id in self._tokenizer._skipped_ids:
+            return ""
         self._ids.append(token_id)
-        text = self._tokenizer._backend.decode(self._ids, skip_special_tokens=self._skip_special)
+        text = self._tokenizer._backend.decode(self._ids, skip_special_tokens=False)
         if text.endswith("\ufffd") or not text.startswith(self._emitted):
             return ""
         piece, self._emitted = text[len(self._emitted):], text
         return piece
 
     def _flush_generic(self) -> str:
-        text = self._tokenizer._backend.decode(self._ids, skip_special_tokens=self._skip_special)
+        text = self._tokenizer._backend.decode(self._ids, skip_special_tokens=False)
         piece = text[len(self._emitted):] if text.startswith(self._emitted) else ""
         self._emitted = text
         return piece

@@ -292,6 +292,21 @@ def test_killing_the_orchestrator_elects_a_new_one_that_goes_on_with_the_stream(
     assert reference(agents[2]) == undisturbed
 
 
+def test_a_tool_call_held_back_when_the_orchestrator_dies_comes_whole_from_the_new_one(chaos):
+    """The call's text never went out before the orchestrator died: the new one reads on after
+    the tokens it had (held back as they were) and answers the whole call."""
+    agents = chaos(orchestrator=0)
+    stream = Stream(agents[2], max_tokens=160, tools=[WEATHER_TOOL], tool_choice="required")
+    wait_for(lambda: len(stream.ids) >= 8 or not stream.thread.is_alive(), timeout_s=120, what="8 chunks")
+    agents[0].kill()
+    stream.join()
+    assert stream.errors == [] and stream.done
+    assert stream.finish == "tool_calls" and len(stream.tool_calls) == 1 and stream.text == "", (stream.text, stream.tool_calls)
+    call = stream.tool_calls[0]["function"]
+    assert call["name"] == "get_weather"
+    jsonschema.validate(json.loads(call["arguments"]), WEATHER_TOOL["function"]["parameters"])
+
+
 def test_a_node_that_comes_back_returns_the_cluster_to_the_main_model(chaos):
     agents = chaos(orchestrator=0)
     ids = node_ids(agents)

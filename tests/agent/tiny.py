@@ -19,9 +19,11 @@ from tests.shards.fragment_helpers import write_tiny_checkpoint
 TINY = "tiny"
 
 
-def store_tiny_models(tmp: Path, names: tuple[str, ...] = (TINY,), *, layers: int = 2) -> ModelStore:
-    """The store of the first in-process agent, holding the tiny model under every name."""
-    source = write_tiny_checkpoint(tmp / "checkpoint", layers=layers)
+def store_tiny_models(tmp: Path, names: tuple[str, ...] = (TINY,), *, layers: int = 2,
+                      chat_template: str | None = None) -> ModelStore:
+    """The store of the first in-process agent, holding the tiny model under every name
+    (``chat_template``: a real one, with a byte-level tokenizer that spells any text)."""
+    source = write_tiny_checkpoint(tmp / "checkpoint", layers=layers, chat_template=chat_template)
     store = ModelStore(tmp / "home-0")
     for name in names:
         import_model(source, name=name, store=store, progress=False)
@@ -30,12 +32,12 @@ def store_tiny_models(tmp: Path, names: tuple[str, ...] = (TINY,), *, layers: in
 
 @contextlib.asynccontextmanager
 async def tiny_cluster(tmp: Path, count: int = 2, *, names: tuple[str, ...] = (TINY,), layers: int = 2,
-                       election_timeout_s: float = 20, **settings: Any
+                       election_timeout_s: float = 20, chat_template: str | None = None, **settings: Any
                        ) -> AsyncIterator[tuple[LocalAgent, list[LocalAgent]]]:
     """``count`` in-process agents, the first storing the tiny models; yields the orchestrator
     (once the main model is ready) and the others. An agent's first round, and so the election,
     waits for its backends' self-tests: ``election_timeout_s`` covers those of its providers."""
-    store_tiny_models(tmp, names, layers=layers)
+    store_tiny_models(tmp, names, layers=layers, chat_template=chat_template)
     async with local_agents(tmp, count, model=TINY, **settings) as agents:
         await eventually(lambda: all(a.app[MEMBERSHIP].election for a in agents), timeout_s=election_timeout_s,
                          what="an election")

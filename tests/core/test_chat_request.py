@@ -117,3 +117,42 @@ def test_response_formats():
                                                                                                "strict": True}}}
     assert parse_request(body, chat=True).json_schema == schema
     assert parse_request({"messages": MESSAGES, "response_format": {"type": "text"}}, chat=True).json_schema is None
+
+
+@pytest.mark.parametrize("body, think, effort, field", [
+    ({}, None, None, "think"),
+    ({"think": True}, True, None, "think"),
+    ({"think": "high"}, True, "high", "think"),
+    ({"think": False}, False, None, "think"),
+    ({"reasoning_effort": "none"}, False, None, "reasoning_effort"),
+    ({"reasoning_effort": "low"}, True, "low", "reasoning_effort"),
+    ({"chat_template_kwargs": {"enable_thinking": False}}, False, None, "chat_template_kwargs"),
+    ({"chat_template_kwargs": {"enable_thinking": True}, "reasoning_effort": "medium"}, True, "medium",
+     "reasoning_effort"),
+])
+def test_thinking_is_said_one_of_three_ways(body, think, effort, field):
+    request = parse_request({"messages": MESSAGES, **body}, chat=True)
+    assert (request.think, request.reasoning_effort, request.think_field) == (think, effort, field)
+
+
+def test_template_variables_pass_on_and_reasoning_goes_back_to_the_template():
+    request = parse_request({"messages": [*MESSAGES, {"role": "assistant", "content": "b", "thinking": "a"}],
+                             "chat_template_kwargs": {"custom_flag": 1, "enable_thinking": True}}, chat=True)
+    assert request.template_variables == (("custom_flag", 1),)
+    assert request.messages[1] == {"role": "assistant", "content": "b", "reasoning_content": "a"}
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"think": "max"}, "think"),
+    ({"reasoning_effort": "extreme"}, "reasoning_effort"),
+    ({"reasoning_effort": "high", "chat_template_kwargs": {"enable_thinking": False}}, "reasoning_effort"),
+    ({"think": False, "reasoning_effort": "low"}, "think"),
+    ({"chat_template_kwargs": {"messages": []}}, "chat_template_kwargs"),
+    ({"chat_template_kwargs": {"enable_thinking": "no"}}, "chat_template_kwargs"),
+    ({"chat_template_kwargs": ["x"]}, "chat_template_kwargs"),
+    ({"messages": [{"role": "user", "content": "x", "reasoning_content": "y"}]}, "messages[0].reasoning_content"),
+])
+def test_each_bad_thinking_field_is_named(body, param):
+    with pytest.raises(InvalidRequestError) as caught:
+        parse_request({"messages": MESSAGES, **body}, chat=True)
+    assert caught.value.param == param

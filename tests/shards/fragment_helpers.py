@@ -62,10 +62,36 @@ CHAT_TEMPLATE = ("{{ bos_token }}{% for m in messages %}{{ {'system': 'w3', 'use
                  "{{ m['content'] }} {% endfor %}{% if add_generation_prompt %}w5 {% endif %}")
 
 
-def write_tiny_checkpoint(folder: Path, *, seed: int = 0, layers: int = 2, q4_0_grid: bool = False) -> Path:
+CHATML_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>", "<tool_call>", "</tool_call>")
+
+
+def write_chatml_tokenizer(folder: Path, chat_template: str) -> int:
+    """A byte-level tokenizer (a token per byte, no merges: it spells any text) with Qwen's
+    ChatML tokens after the 256 bytes, every one of them special (so the reasoning and
+    tool-call marks must stay in decoded text on their own); returns the vocabulary size."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    tok = Tokenizer(models.BPE({char: i for i, char in enumerate(alphabet)}, []))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens([AddedToken(token, special=True, normalized=False) for token in CHATML_TOKENS])
+    tok.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps(
+        {"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>", "bos_token": None, "add_bos_token": False,
+         "chat_template": chat_template}))
+    return len(alphabet) + len(CHATML_TOKENS)
+
+
+def write_tiny_checkpoint(folder: Path, *, seed: int = 0, layers: int = 2, q4_0_grid: bool = False,
+                          chat_template: str | None = None) -> Path:
     """A random llama checkpoint (config.json, model.safetensors, a word-level tokenizer with a
     chat template) made with numpy alone: no torch, so it is written in milliseconds.
-    ``q4_0_grid``: the weights lie on GGUF Q4_0 grids, as a Q4_0 file's dequantised weights do."""
+    ``q4_0_grid``: the weights lie on GGUF Q4_0 grids, as a Q4_0 file's dequantised weights do.
+    ``chat_template``: a real template instead, with the byte-level ChatML tokenizer it needs
+    (:func:`write_chatml_tokenizer`)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    vocab = VOCAB if chat_template is None else write_chatml_tokenizer(folder, chat_template)
     rng = np.random.default_rng(seed)
     hidden, inter, heads, kv_heads = 64, 160, 4, 2
     head_dim = hidden // heads
@@ -79,7 +105,7 @@ def write_tiny_checkpoint(folder: Path, *, seed: int = 0, layers: int = 2, q4_0_
             w = gguf.quants.dequantize(gguf.quants.quantize(w, q4_0), q4_0).reshape(shape).astype(np.float32)
         return w
 
-    tensors = {"model.embed_tokens.weight": weight(VOCAB, hidden), "model.norm.weight": np.ones(hidden, np.float32)}
+    tensors = {"model.embed_tokens.weight": weight(vocab, hidden), "model.norm.weight": np.ones(hidden, np.float32)}
     for i in range(layers):
         prefix = f"model.layers.{i}."
         tensors.update({
@@ -93,13 +119,14 @@ def write_tiny_checkpoint(folder: Path, *, seed: int = 0, layers: int = 2, q4_0_
             prefix + "mlp.up_proj.weight": weight(inter, hidden),
             prefix + "mlp.down_proj.weight": weight(hidden, inter),
         })
-    folder.mkdir(parents=True, exist_ok=True)
     write_tensors(folder / "model.safetensors", tensors)
     (folder / "config.json").write_text(json.dumps({
         "model_type": "llama", "hidden_size": hidden, "intermediate_size": inter, "num_hidden_layers": layers,
-        "num_attention_heads": heads, "num_key_value_heads": kv_heads, "vocab_size": VOCAB,
-        "max_position_embeddings": 256, "rms_norm_eps": 1e-5, "tie_word_embeddings": True,
-        "bos_token_id": 1, "eos_token_id": 2}))
+        "num_attention_heads": heads, "num_key_value_heads": kv_heads, "vocab_size": vocab,
+        "max_position_embeddings": 256 if chat_template is None else 1024, "rms_norm_eps": 1e-5,
+        "tie_word_embeddings": True, **({"bos_token_id": 1, "eos_token_id": 2} if chat_template is None else {})}))
+    if chat_template is not None:
+        return folder
     write_word_tokenizer(folder, VOCAB)
     config = json.loads((folder / "tokenizer_config.json").read_text())
     config["chat_template"] = CHAT_TEMPLATE

@@ -444,3 +444,13 @@ def test_conversations_without_control_text_encode_as_the_whole_prompt(smollm2_t
     tok = smollm2_tokenizer
     messages = [{"role": "user", "content": "What is the capital of France? <b>bold</b> | <|not special|>"}]
     assert tok.encode_chat(messages) == tok.encode(tok.apply_chat_template(messages), add_special_tokens=False)
+
+
+def test_skipping_special_tokens_keeps_the_marks_of_reasoning_and_tool_calls(tmp_path: Path) -> None:
+    from tests.shards.fragment_helpers import write_chatml_tokenizer
+
+    write_chatml_tokenizer(tmp_path, "{{ messages }}")
+    tok = Tokenizer(tokenizer_spec_from_hf(tmp_path))
+    ids = tok.encode("<|im_start|>assistant\n<think>a</think><tool_call>b</tool_call><|im_end|>", add_special_tokens=False)
+    assert tok.decode(ids, skip_special_tokens=True) == "assistant\n<think>a</think><tool_call>b</tool_call>"
+    assert "<tool_call>" in tok.special_token_texts and "<|im_end|>" in tok.special_token_texts

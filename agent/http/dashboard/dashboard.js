@@ -576,7 +576,7 @@ async function sendChat() {
   S.chatAbort = ctrl;
   setChatBusy(true);
   const t0 = performance.now();
-  let n = 0, usage = null, err = null;
+  let n = 0, usage = null, err = null, thought = null;  // thought: a reasoning model's reasoning, shown apart
   try {
     const res = await fetch("/v1/chat/completions", {
       method: "POST", signal: ctrl.signal, cache: "no-store",
@@ -592,6 +592,11 @@ async function sendChat() {
         if (!j || typeof j !== "object") return undefined;
         if (j.error) { err = (typeof j.error === "object" ? str(j.error.message) : str(j.error)) || "stream error"; return false; }
         const c = Array.isArray(j.choices) && j.choices[0];
+        const reasoning = c && c.delta && c.delta.reasoning_content;
+        if (typeof reasoning === "string" && reasoning) {
+          if (!thought) { thought = document.createTextNode(""); el.prepend(h("details", { class: "msg-thinking", open: true }, [h("summary", { text: "Thinking" }), thought])); }
+          n++; thought.data += reasoning; scrollChat();
+        }
         const piece = c && c.delta && c.delta.content;
         if (typeof piece === "string" && piece) { n++; tn.data += piece; scrollChat(); }
         if (j.usage && num(j.usage.completion_tokens)) usage = j.usage.completion_tokens;
