@@ -220,6 +220,7 @@ async def hop_round_trip_ms(rounds: int = 2000, *, tls: bool) -> float:
     """A step frame with a [1, 1, 576] float32 hidden state there, a result frame back."""
     from aiohttp import ClientSession, WSMsgType, web
 
+    from agent.core.protocol import StepFrame
     from agent.core.wire import decode_frame, encode_frame
 
     async def echo(request):
@@ -253,8 +254,8 @@ async def hop_round_trip_ms(rounds: int = 2000, *, tls: bool) -> float:
             for index in range(rounds + 100):
                 if index == 100:
                     started = time.perf_counter()
-                header = {"kind": "step", "sid": "b", "seq": index, "layer": 10, "start": index, "sample": True, "epoch": 1, "plan": 1}
-                await ws.send_bytes(encode_frame(header, hidden))
+                step = StepFrame("b", index, 10, index, 1, 1, True).replying_to("bench", "https://127.0.0.1:1")
+                await ws.send_bytes(encode_frame(step.header(), hidden))
                 decode_frame((await ws.receive()).data)
             elapsed = time.perf_counter() - started
     await runner.cleanup()

@@ -77,6 +77,7 @@ class ChatRequest:
     reasoning_effort: str | None = None  # low, medium, high...: passed to a template that reads it
     template_variables: tuple[tuple[str, Any], ...] = ()  # more variables of the chat template
     think_field: str = "think"  # the field that said whether to think, for errors to name
+    cache_prompt: bool = True  # start from a kept KV cache of a request that began the same way
 
     @property
     def calls_tools(self) -> bool:
@@ -207,6 +208,7 @@ def parse_request(body: Any, *, chat: bool) -> ChatRequest:
         parallel_tool_calls=parallel,
         json_schema=response_schema(body.get("response_format")),
         logprobs=_logprobs(body, chat=chat),
+        cache_prompt=_flag(body, "cache_prompt", True),
         **_reasoning(body),
     )
 
@@ -255,6 +257,13 @@ def _reasoning(body: dict[str, Any]) -> dict[str, Any]:
     level = level or next((effort for _, _, effort in wishes if effort), None)
     return {"think": wanted, "reasoning_effort": level, "template_variables": tuple(sorted(variables.items())),
             "think_field": field}
+
+
+def _flag(body: dict[str, Any], name: str, default: bool) -> bool:
+    value = body.get(name, default)
+    if not isinstance(value, bool):
+        raise InvalidRequestError(f"'{name}' must be true or false", name)
+    return value
 
 
 def _effort(value: Any, field: str) -> str:

@@ -12,7 +12,8 @@ and a stage that fails, or whose next stage does not take the step, sends its er
 (:meth:`agent.dataplane.links.StageError.to_header`) there too; nothing goes back along the chain,
 so a token crosses each link once. The orchestrator finds frozen and vanished stages itself:
 ``ping`` frames, which a live node answers with ``pong`` at once. A :class:`CloseFrame`
-frees a session on a stage.
+frees a session on a stage, or keeps its cache for a later request that begins the same
+way (a step's ``reuse`` takes it over).
 Each frame is a header validated by :data:`agent.core.wire.SCHEMAS` on decode; the link adds
 ``cid``, which pairs a pong with its ping on that link.
 """
@@ -66,12 +67,15 @@ class StepFrame:
     params: Mapping[str, Any] | None = None
     reply: str | None = None
     reply_url: str | None = None
+    reuse: str | None = None  # a kept session whose cache, cut to ``start`` positions, this one takes over
 
     def header(self) -> dict[str, Any]:
         header = {"kind": "step", "sid": self.sid, "seq": self.seq, "layer": self.layer, "start": self.start,
                   "epoch": self.epoch, "plan": self.plan, "sample": self.sample}
         if self.params is not None:
             header["params"] = dict(self.params)
+        if self.reuse is not None:
+            header["reuse"] = self.reuse
         if self.reply is not None and self.reply_url is not None:
             header["reply"], header["reply_url"] = self.reply, self.reply_url
         return header
@@ -80,7 +84,8 @@ class StepFrame:
     def from_header(cls, header: Mapping[str, Any]) -> StepFrame:
         """The step of a decoded (so validated) header."""
         return cls(header["sid"], header["seq"], header["layer"], header["start"], header["epoch"], header["plan"],
-                   header["sample"], header.get("params"), header.get("reply"), header.get("reply_url"))
+                   header["sample"], header.get("params"), header.get("reply"), header.get("reply_url"),
+                   header.get("reuse"))
 
     def replying_to(self, node_id: str, url: str) -> StepFrame:
         """The same step, its outcome sent straight to ``node_id`` (at ``url``)."""
@@ -121,14 +126,19 @@ class ResultFrame:
 
 @dataclass(frozen=True)
 class CloseFrame:
-    """Free session ``sid`` on the stage whose layers start at ``layer`` (of plan ``plan``)."""
+    """Free session ``sid`` on the stage whose layers start at ``layer`` (of plan ``plan``),
+    or, with ``keep``, keep its cache for a later request (the orchestrator's prompt cache)."""
 
     sid: str
     layer: int
     plan: int
+    keep: bool = False
 
     def header(self) -> dict[str, Any]:
-        return {"kind": "close", "sid": self.sid, "layer": self.layer, "plan": self.plan}
+        header = {"kind": "close", "sid": self.sid, "layer": self.layer, "plan": self.plan}
+        if self.keep:
+            header["keep"] = True
+        return header
 
 
 

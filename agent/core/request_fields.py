@@ -63,6 +63,8 @@ _SAMPLING_OPENAI = (
     Field("repeat_penalty", HONOURED, "divides the logits of recent tokens (llama.cpp's extension; 1: off)"),
     Field("repeat_last_n", HONOURED, "the window of the three penalties (llama.cpp's extension; default 64, -1: all)"),
     Field("logit_bias", HONOURED, "adds to the logits of the token ids named (-100 bans one)"),
+    Field("cache_prompt", HONOURED, "false: read the whole prompt, and keep nothing for the next request (llama.cpp's "
+                                    "extension; default true: start from the KV cache of one that began the same way)"),
     Field("n", REFUSED, "one choice per request", (1,)),
     Field("user", NO_EFFECT, "an end-user id for the app's own records"),
 )

@@ -39,8 +39,8 @@ SCHEMAS: dict[str, dict[str, str]] = {
 TENSOR_KINDS = frozenset({"step"})
 # "cid" pairs a pong with its ping on one link.
 OPTIONAL_FIELDS: dict[str, dict[str, str]] = {
-    "step": {"params": _MAP},
-    "close": {"plan": _INT},
+    "step": {"params": _MAP, "reuse": _STR},
+    "close": {"plan": _INT, "keep": _BOOL},
     "result": {"logprobs": _MAP},
     "ping": {"cid": _INT},
     "pong": {"cid": _INT},

@@ -617,7 +617,8 @@ def start_generation(request: web.Request, parsed: ChatRequest, deployment: Depl
         for token in resume:
             reader.push(decoder.push(token))
     events = request.app[METRICS].observe_generation(
-        deployment.name, request.app[ORCHESTRATOR].complete(deployment, prompt_ids, params, resume))
+        deployment.name, request.app[ORCHESTRATOR].complete(deployment, prompt_ids, params, resume,
+                                                            cache_prompt=parsed.cache_prompt))
     return Generation(events, reader)
 
 
@@ -663,9 +664,10 @@ async def _generate(request: web.Request, parsed: ChatRequest, deployment: Deplo
     ident = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
     with_tokens = bool(request.headers.get(RESUMABLE_HEADER)) and from_member(request)
 
-    def usage_of(last: Completion) -> dict[str, int]:
+    def usage_of(last: Completion) -> dict[str, Any]:
         return {"prompt_tokens": last.prompt_tokens, "completion_tokens": last.completion_tokens,
-                "total_tokens": last.prompt_tokens + last.completion_tokens}
+                "total_tokens": last.prompt_tokens + last.completion_tokens,
+                "prompt_tokens_details": {"cached_tokens": last.cached_tokens}}
 
     tokenizer = deployment.tokenizer
     if not parsed.stream:

@@ -530,7 +530,7 @@ def _final(last: Completion, answer: AnswerPiece, *, chat: bool, started: float,
     total_s = time.perf_counter() - started
     final = _chunk(last.model, answer, chat=chat)
     final.update(done=True, done_reason=last.finish_reason or "stop", total_duration=int(total_s * 1e9),
-                 load_duration=int(load_s * 1e9), prompt_eval_count=last.prompt_tokens,
+                 load_duration=int(load_s * 1e9), prompt_eval_count=last.prompt_tokens - last.cached_tokens,
                  prompt_eval_duration=int(prompt_s * 1e9), eval_count=last.completion_tokens,
                  eval_duration=int(max(total_s - load_s - prompt_s, 0.0) * 1e9))
     return final

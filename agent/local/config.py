@@ -84,6 +84,8 @@ class AgentConfig:
     fallback_model: str = "ncm-tiny"
     allow_fallback: bool = True
     session_idle_timeout_s: float = 300.0  # a stage frees a session unused this long (its request is gone)
+    prompt_cache_entries: int = 2  # per model: finished requests whose KV the stages keep for the next; 0 = off
+    prompt_cache_idle_s: float = 1800.0  # a kept KV cache unused this long is freed
     fallback_copies: int = 0  # nodes asked to hold the fallback model whole; 0 = every node with room
     replan_min_interval_s: float = 10.0
     models_preset: Path | None = None
@@ -142,6 +144,9 @@ class AgentConfig:
             raise ConfigError("fallback_model must not be empty (set allow_fallback = false to disable it)")
         if not self.session_idle_timeout_s > 0:
             raise ConfigError(f"session_idle_timeout_s must be > 0, got {self.session_idle_timeout_s}")
+        if self.prompt_cache_entries < 0 or not self.prompt_cache_idle_s > 0:
+            raise ConfigError(f"prompt_cache_entries must be >= 0 (0 = off) and prompt_cache_idle_s > 0, got "
+                              f"{self.prompt_cache_entries} and {self.prompt_cache_idle_s}")
         if self.fallback_copies < 0 or self.fallback_copies == 1:
             raise ConfigError(f"fallback_copies must be 0 (every node with room) or >= 2 (a single copy dies with "
                               f"its node), got {self.fallback_copies}")
@@ -184,6 +189,7 @@ _FIELD_TYPES: dict[str, str] = {
     "discovery_grace_s": "float", "replicate_head_ratio": "float", "replica_count": "int?",
     "min_layers_per_node": "int", "max_context": "int", "prefill_chunk": "int",
     "fallback_model": "str", "allow_fallback": "bool", "fallback_copies": "int", "session_idle_timeout_s": "float", "replan_min_interval_s": "float",
+    "prompt_cache_entries": "int", "prompt_cache_idle_s": "float",
     "models_preset": "path?", "models_max": "int", "models_memory_margin_mib": "int", "models_autoload": "bool",
     "models_load_timeout_s": "float", "sleep_idle_s": "float",
     "max_requests_in_flight": "int", "max_queued_requests": "int", "max_requests_in_flight_per_client": "int",

@@ -361,7 +361,7 @@ async def stream(request: web.Request) -> web.WebSocketResponse:
             if kind == "step":  # run, handed on; its outcome goes to its reply node
                 steps.create_task(worker.relay(StepFrame.from_header(header), tensor))
             elif kind == "close":
-                worker.close_session(header["sid"])
+                worker.close_session(header["sid"], keep=header.get("keep", False))
             elif kind in ("result", "error"):  # a step's outcome, sent straight to this orchestrator
                 worker.replies.deliver(header)
             elif kind == "ping":

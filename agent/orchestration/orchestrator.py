@@ -394,6 +394,6 @@ class Orchestrator:
 
     # --- requests ---------------------------------------------------------------------------
     def complete(self, deployment: Deployment, prompt_ids: list[int], params: SamplingParams,
-                 generated: Sequence[int] = ()) -> AsyncIterator[Completion]:
+                 generated: Sequence[int] = (), *, cache_prompt: bool = True) -> AsyncIterator[Completion]:
         """Generate from ``prompt_ids`` (see :meth:`agent.orchestration.token_loop.TokenLoop.complete`)."""
-        return self.requests.complete(deployment, prompt_ids, params, generated)
+        return self.requests.complete(deployment, prompt_ids, params, generated, cache_prompt=cache_prompt)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
@@ -19,6 +20,7 @@ import numpy as np
 from agent.cluster.membership import Membership
 from agent.core.errors import ClusterError, InvalidRequestError
 from agent.core.orders import RoutingOrder
+from agent.core.prompt_cache import KeptPrompt, PromptCache
 from agent.core.protocol import CloseFrame, ResultFrame, StepFrame
 from agent.dataplane.links import SILENCE_S, StageError, StageLink
 from agent.local.compat import timeout
@@ -44,6 +46,7 @@ class Completion:
     completion_tokens: int = 0
     tokens: tuple[int, ...] = ()  # the sampled ids behind this event's text (since the previous event)
     logprobs: tuple[TokenLogprobs, ...] = ()  # theirs, when the request asks
+    cached_tokens: int = 0  # of the prompt's, read from a kept KV cache instead of computed (the last event)
 
 
 class TokenLoop:
@@ -57,6 +60,7 @@ class TokenLoop:
         self.worker = worker
         self._recover = recover
         self._running = 0
+        self._caches: dict[str, PromptCache] = {}  # per model: the KV caches its stages keep
         self._none_running = asyncio.Event()
         self._none_running.set()
 
@@ -123,26 +127,30 @@ class TokenLoop:
                 raise outcome
 
     async def _prefill(self, deployment: Deployment, order: RoutingOrder, sid: str, ids: list[int],
-                       sampling: dict[str, Any]) -> ResultFrame:
-        """Feed ``ids`` from position 0 in chunks; the last chunk samples the next token."""
+                       sampling: dict[str, Any], kept: KeptPrompt | None = None, reused: int = 0) -> ResultFrame:
+        """Feed ``ids`` in chunks, from position 0 or, taking over the ``kept`` session's cache,
+        from ``reused``; the last chunk samples the next token."""
         for link in await self._links_to_stages(order):  # linked to every stage: one that dies is noticed at once
             await link.connect()
         chunk = deployment.settings.prefill_chunk
         result: ResultFrame | None = None
-        for seq, start in enumerate(range(0, len(ids), chunk)):
+        for seq, start in enumerate(range(reused if kept else 0, len(ids), chunk)):
             last = start + chunk >= len(ids)
-            step = StepFrame(sid, seq, 0, start, order.epoch, order.plan_version, last, sampling if last else None)
+            step = StepFrame(sid, seq, 0, start, order.epoch, order.plan_version, last, sampling if last else None,
+                             reuse=kept.sid if kept is not None and seq == 0 else None)
             result = await self._step(order, step, np.asarray([ids[start:start + chunk]], dtype=np.int64),
                                       PREFILL_STEP_TIMEOUT_S)
         assert result is not None and result.token is not None
         return result
 
     async def complete(self, deployment: Deployment, prompt_ids: list[int], params: SamplingParams,
-                       generated: Sequence[int] = ()) -> AsyncIterator[Completion]:
+                       generated: Sequence[int] = (), *, cache_prompt: bool = True) -> AsyncIterator[Completion]:
         """Generate from ``prompt_ids``: yields text pieces, the last event has the finish reason.
 
         ``generated``: the ids an earlier orchestrator sampled for this request before it was
-        lost (their text was sent already): the request goes on after them.
+        lost (their text was sent already): the request goes on after them. ``cache_prompt``:
+        start from the KV cache of an earlier request that began the same way, where the
+        stages keep one, and keep this one's for the next (:mod:`agent.core.prompt_cache`).
         """
         max_context = deployment.settings.max_context
         if len(prompt_ids) + len(generated) + 1 > max_context:
@@ -156,6 +164,13 @@ class TokenLoop:
             if stream.done:
                 raise InvalidRequestError("the tokens to go on after end the generation already", "ncm_resume")
         context = [*prompt_ids, *generated]  # every token whose KV the stages must hold before the next step
+        cache = self._cache(deployment) if cache_prompt else None
+        kept, reused = None, 0
+        if cache is not None:
+            kept, reused, expired = cache.take(context, deployment.order.plan_version, time.monotonic())
+            for old in expired:
+                await self._close(deployment.order, old.sid)
+        finished = False  # the stages hold the KV of every token of context: it may be kept
         unsent: list[int] = []  # sampled ids whose text has not gone out yet
         unsent_logprobs: list[TokenLogprobs] = []
         recoveries = 0
@@ -170,21 +185,20 @@ class TokenLoop:
                 try:
                     if result is None:  # the tail catches up with the tokens chosen so far (grammar, penalties)
                         result = await self._prefill(deployment, order, sid, context,
-                                                     {**sampling, "generated": context[len(prompt_ids):]})
+                                                     {**sampling, "generated": context[len(prompt_ids):]},
+                                                     kept, reused)
                     token = result.token
                     assert token is not None
                     text = stream.push(token)
                     unsent.append(token)
                     if result.logprobs is not None:
                         unsent_logprobs.append(TokenLogprobs(token, *result.logprobs))
-                    if stream.done:
+                    if stream.done or len(context) + 1 >= max_context:
+                        finished = True
+                        if not stream.done:
+                            text += stream.finish(FINISH_LENGTH)
                         yield Completion(text, served, stream.finish_reason, len(prompt_ids), stream.completion_tokens,
-                                         tuple(unsent), tuple(unsent_logprobs))
-                        return
-                    if len(context) + 1 >= max_context:
-                        yield Completion(text + stream.finish(FINISH_LENGTH), served, FINISH_LENGTH,
-                                         len(prompt_ids), stream.completion_tokens, tuple(unsent),
-                                         tuple(unsent_logprobs))
+                                         tuple(unsent), tuple(unsent_logprobs), min(reused, len(prompt_ids)))
                         return
                     if text:
                         yield Completion(text, served, tokens=tuple(unsent), logprobs=tuple(unsent_logprobs))
@@ -196,33 +210,61 @@ class TokenLoop:
                     result = await self._step(order, step, np.asarray([[context[-1]]], dtype=np.int64),
                                               DECODE_STEP_TIMEOUT_S)
                 except StageError as error:
+                    if error.code == "cache_miss" and kept is not None:  # not kept there any more: read it all
+                        log.info("request %s: a stage no longer keeps the cached prompt; reading it all", sid[:8])
+                        await self._close(order, kept.sid)  # what the other stages still keep of it
+                        kept, reused, result = None, 0, None
+                        continue
                     if error.node is None or error.node == self.node_id or recoveries >= MAX_RECOVERIES_PER_REQUEST:
                         raise
                     recoveries += 1
                     log.warning("request %s: stage %s failed (%s); failing over", sid[:8], error.node, error.code)
                     self.membership.mark_unreachable(error.node)
                     await self._close(order, sid)
+                    if kept is not None:  # what the other stages still keep of the cache it started from
+                        await self._close(order, kept.sid)
                     previous = deployment
                     deployment = await self._recover(deployment, {error.node})
                     if deployment.order.model != previous.order.model and deployment.tokenizer.vocab_size != previous.tokenizer.vocab_size:
                         raise ClusterError("the fallback model uses another tokenizer; the request cannot continue on it") from None
                     sid = uuid.uuid4().hex
+                    kept, reused = None, 0  # the new route keeps nothing of this request
                     result = None  # replay everything so far on the new route
         finally:
             self._running -= 1
             if not self._running:
                 self._none_running.set()
-            await self._close(deployment.order, sid)
+            order = deployment.order
+            if finished and cache is not None and cache.entries and not recoveries \
+                    and len(context) > cache.min_reused_tokens:
+                for old in cache.keep(KeptPrompt(sid, tuple(context), order.plan_version, time.monotonic())):
+                    await self._close(order, old.sid)
+                await self._close(order, sid, keep=True)
+            else:
+                await self._close(order, sid)
 
-    async def _close(self, order: RoutingOrder, sid: str) -> None:
-        """Free ``sid`` on every stage of ``order``'s route: each is told directly, so that a
-        dead or frozen stage does not keep the ones after it holding the session (its own go
-        when it has been idle for a while)."""
+    def kept(self, model: str) -> tuple[KeptPrompt, ...]:
+        """The KV caches the stages keep for ``model``'s next requests."""
+        cache = self._caches.get(model)
+        return cache.kept if cache is not None else ()
+
+    def _cache(self, deployment: Deployment) -> PromptCache:
+        """The prompt cache of ``deployment``'s model."""
+        cache = self._caches.get(deployment.name)
+        if cache is None:
+            config = self.worker.config
+            cache = self._caches[deployment.name] = PromptCache(config.prompt_cache_entries, config.prompt_cache_idle_s)
+        return cache
+
+    async def _close(self, order: RoutingOrder, sid: str, *, keep: bool = False) -> None:
+        """Free ``sid`` on every stage of ``order``'s route (``keep``: keep its KV cache for the
+        prompt cache): each is told directly, so that a dead or frozen stage does not keep the
+        ones after it holding the session (its own go when it has been idle for a while)."""
         alive = self.membership.alive_nodes()
         for node_id in order.route.nodes:
             if node_id == self.node_id:
-                self.worker.close_session(sid)
+                self.worker.close_session(sid, keep=keep)
             elif node_id in alive:
                 link = await self.worker.links.get(node_id, order.addresses[node_id])
                 layer = order.hops_of(node_id)[0].layers.first
-                await link.send(CloseFrame(sid, layer, order.plan_version).header())
+                await link.send(CloseFrame(sid, layer, order.plan_version, keep).header())

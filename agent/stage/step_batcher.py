@@ -43,15 +43,29 @@ class _Pending:
     x: np.ndarray
     future: asyncio.Future[np.ndarray] = field(repr=False)
     arrived_s: float = 0.0  # event-loop time
+    reuse: str | None = None  # a kept session whose cache this one takes over (see _prepare)
 
     @property
     def decode(self) -> bool:
         return self.x.shape[1] == 1
 
 
-def _prepare(runner: FragmentRunner, sid: str, start: int) -> None:
+def _prepare(runner: FragmentRunner, sid: str, start: int, reuse: str | None = None) -> None:
     """Open ``sid`` on ``runner`` where needed; a step from position 0 (a replay) starts its
-    cache anew. StageError if the cache does not end where the step starts."""
+    cache anew, one that ``reuse``s a kept session takes its cache over, cut to ``start``
+    positions. StageError if the cache does not end where the step starts, ``cache_miss``
+    when the kept session is not here (any more)."""
+    if reuse is not None:
+        if sid in runner.sessions():
+            runner.close_session(sid)
+        try:
+            runner.adopt_session(reuse, sid, start)
+        except ShardsError as error:
+            if reuse in runner.sessions():
+                runner.close_session(reuse)
+            raise StageError("cache_miss", f"the kept session {reuse[:8]} cannot be reused here: {error}",
+                             None) from None
+        return
     if start == 0 and sid in runner.sessions():
         runner.close_session(sid)
     if sid not in runner.sessions():
@@ -61,14 +75,16 @@ def _prepare(runner: FragmentRunner, sid: str, start: int) -> None:
         raise StageError("session_out_of_sync", f"session {sid} holds {length} positions, step starts at {start}", None)
 
 
-def run_batch(runner: FragmentRunner, steps: list[tuple[str, int, np.ndarray]]) -> list[np.ndarray | BaseException]:
-    """Run ``steps`` ((session, start, input) each) on ``runner``: one batched call for the
-    rows that are ready, each row alone if that call fails. Per step its output or its error."""
+def run_batch(runner: FragmentRunner, steps: list[tuple[str, int, np.ndarray, str | None]]
+              ) -> list[np.ndarray | BaseException]:
+    """Run ``steps`` ((session, start, input, reused session) each) on ``runner``: one batched
+    call for the rows that are ready, each row alone if that call fails. Per step its output
+    or its error."""
     results: list[np.ndarray | BaseException | None] = [None] * len(steps)
     ready = []
-    for index, (sid, start, _) in enumerate(steps):
+    for index, (sid, start, _, reuse) in enumerate(steps):
         try:
-            _prepare(runner, sid, start)
+            _prepare(runner, sid, start, reuse)
             ready.append(index)
         except (StageError, ShardsError) as error:
             results[index] = error
@@ -81,7 +97,7 @@ def run_batch(runner: FragmentRunner, steps: list[tuple[str, int, np.ndarray]]) 
         except ShardsError as error:
             log.warning("a batch of %d steps failed, running them one by one: %s", len(ready), error)
     for index in ready:
-        sid, _, x = steps[index]
+        sid, _, x, _ = steps[index]
         try:
             results[index] = runner.forward(sid, x, last_only=True)  # a tail's step samples its last row
         except (StageError, ShardsError) as error:
@@ -103,11 +119,13 @@ class StepBatcher:
         self.batches = 0  # calls that ran more than one step
         self.batched_steps = 0  # steps that ran in those calls
 
-    async def compute(self, runner: FragmentRunner, sid: str, start: int, x: np.ndarray) -> np.ndarray:
-        """Run ``x`` (positions from ``start`` on) through ``runner`` for session ``sid``."""
+    async def compute(self, runner: FragmentRunner, sid: str, start: int, x: np.ndarray,
+                      reuse: str | None = None) -> np.ndarray:
+        """Run ``x`` (positions from ``start`` on) through ``runner`` for session ``sid``
+        (which takes over the cache of the kept session ``reuse`` first, when given)."""
         loop = asyncio.get_running_loop()
         future: asyncio.Future[np.ndarray] = loop.create_future()
-        self._queue.append(_Pending(runner, sid, start, x, future, loop.time()))
+        self._queue.append(_Pending(runner, sid, start, x, future, loop.time(), reuse))
         self._next()
         return await future
 
@@ -163,7 +181,7 @@ class StepBatcher:
             self.batches += 1
             self.batched_steps += len(batch)
         started_s = loop.time()
-        steps = [(p.sid, p.start, p.x) for p in batch]
+        steps = [(p.sid, p.start, p.x, p.reuse) for p in batch]
         if self._inline(batch):
             try:
                 results: list[np.ndarray | BaseException | None] = list(run_batch(batch[0].runner, steps))

@@ -106,6 +106,7 @@ class _SessionInfo:
     plan_version: int
     last_used: float
     sampler: Sampler | None = None
+    kept: bool = False  # its request is over; its KV cache waits for one that begins the same way
 
 
 def max_frame_bytes(store: ModelStore) -> int:
@@ -239,8 +240,10 @@ class Worker:
                 self._retire()  # free what was built for it
                 raise
             if missing or order.name not in self.memory_bytes:
+                # a request's KV cache at full context, and as many kept for the prompt cache
                 kv_bytes = _kv_budget_bytes(self.store, order, wanted, self.config.max_context)
-                self.memory_bytes[order.name] = max(self.fragments.memory_bytes(wanted), grown) + kv_bytes
+                self.memory_bytes[order.name] = (max(self.fragments.memory_bytes(wanted), grown)
+                                                 + kv_bytes * (1 + self.config.prompt_cache_entries))
             self.orders[order.plan_version] = order
             self.staged[order.name] = order
             self._retire()  # an older staged order of this model is replaced
@@ -325,14 +328,17 @@ class Worker:
                              held_bytes=sum(self.memory_bytes.values()))
 
     def _retire(self) -> None:
-        """Forget orders no request uses any more, and free the fragments none of the rest needs."""
-        in_use = {info.plan_version for info in self.sessions.values()}
+        """Forget orders no request uses any more, and free the fragments none of the rest needs
+        (and the KV caches kept on them)."""
+        in_use = {info.plan_version for info in self.sessions.values() if not info.kept}
         now = time.monotonic()
         self.retiring = {version: until for version, until in self.retiring.items() if until > now}
         newest = {order.plan_version for order in (*self.serving.values(), *self.staged.values())}
         for version in list(self.orders):
             if version not in newest and version not in in_use and version not in self.retiring:
                 del self.orders[version]
+        for sid in [s for s, info in self.sessions.items() if info.kept and info.plan_version not in self.orders]:
+            self._free(sid)
         needed: set[RunnerKey] = set()
         for order in self.orders.values():
             needed |= self._keys(order, with_standby=order.plan_version in newest)
@@ -362,7 +368,8 @@ class Worker:
             "fragments_held": len(self.fragments.runners),  # also standby, staged and retiring ones
             "standby": [r for m in models.values() for r in m["standby"]],
             "models": models,
-            "sessions": len(self.sessions),
+            "sessions": sum(not info.kept for info in self.sessions.values()),  # requests in flight
+            "kept_sessions": sum(info.kept for info in self.sessions.values()),  # the prompt cache's
             "batches": {"calls": self.batcher.batches, "steps": self.batcher.batched_steps},
             "orders": [order.to_json() for _, order in sorted(self.serving.items())],
         }
@@ -380,13 +387,15 @@ class Worker:
             raise StageError("wrong_stage", f"node {self.node_id} does not serve layers starting at {step.layer}", None)
         if tensor is None:
             raise StageError("bad_request", "step frame without tensor", None)
+        if step.reuse is not None:  # the kept session is this one's now (or, on a cache miss, gone)
+            self.sessions.pop(step.reuse, None)
         info = self.sessions.get(sid)
         fresh = info is None or info.plan_version != order.plan_version
         if info is None or fresh:
             info = self.sessions[sid] = _SessionInfo(order.plan_version, time.monotonic())
         info.last_used = started = time.monotonic()
         try:
-            output = await self.batcher.compute(runner, sid, step.start, tensor)
+            output = await self.batcher.compute(runner, sid, step.start, tensor, step.reuse)
             self.metrics.child(self.metrics.stage_compute, order.name).observe(time.monotonic() - started)
         except (StageError, ShardsError) as error:
             if fresh:  # a step of a session this node does not hold (a late one, after its close)
@@ -476,8 +485,13 @@ class Worker:
         self.sessions.pop(sid, None)
         self.fragments.free_session(sid)
 
-    def close_session(self, sid: str) -> None:
-        """Free ``sid`` here (the orchestrator tells every stage of the route itself)."""
+    def close_session(self, sid: str, *, keep: bool = False) -> None:
+        """Free ``sid`` here (the orchestrator tells every stage of the route itself), or keep
+        its KV cache for a later request's step that reuses it."""
+        info = self.sessions.get(sid)
+        if keep and info is not None:
+            info.kept, info.last_used = True, time.monotonic()
+            return
         self._free(sid)
         self._retire()
 
@@ -488,10 +502,12 @@ class Worker:
         """Free sessions abandoned by their requests (owned by the service's cleanup context)."""
         while True:
             await asyncio.sleep(self.config.session_idle_timeout_s / 10)
-            cutoff = time.monotonic() - self.config.session_idle_timeout_s
-            for sid in [s for s, info in self.sessions.items() if info.last_used < cutoff]:
-                log.info("freeing abandoned session %s", sid)
-                self._free(sid)
+            now = time.monotonic()
+            for sid, info in list(self.sessions.items()):
+                if info.last_used < now - (self.config.prompt_cache_idle_s if info.kept
+                                           else self.config.session_idle_timeout_s):
+                    log.info("freeing %s session %s", "a kept" if info.kept else "an abandoned", sid[:8])
+                    self._free(sid)
             self._retire()
 
     def close(self) -> None:

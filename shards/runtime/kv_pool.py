@@ -79,6 +79,10 @@ class KvPool:
         self.slot_of[session_id] = slot
         return slot
 
+    def rename(self, session_id: str, new_id: str) -> None:
+        """The row of ``session_id`` is ``new_id``'s from now on."""
+        self.slot_of[new_id] = self.slot_of.pop(session_id)
+
     def remove(self, session_id: str) -> None:
         """Free the session's row; the buffers go when the last session does."""
         del self.slot_of[session_id]

@@ -70,6 +70,12 @@ class FragmentRunner(abc.ABC):
     def session_length(self, session_id: str) -> int:
         """Positions cached for ``session_id``."""
 
+    def adopt_session(self, cached_id: str, session_id: str, length: int) -> None:
+        """``session_id`` (not open) takes over the cache of ``cached_id`` (which is gone
+        then), cut to its first ``length`` positions: a prompt cache's reuse, or its keeping
+        under a new name. RunnerError where the runner cannot."""
+        raise RunnerError(f"{type(self).__name__} cannot hand a session's cache over")
+
     @abc.abstractmethod
     def close_session(self, session_id: str) -> None:
         """Free the session's KV cache (RunnerError if unknown)."""
@@ -252,6 +258,23 @@ class OrtFragmentRunner(FragmentRunner):
 
     def session_length(self, session_id: str) -> int:
         return self._get(session_id).length
+
+    def adopt_session(self, cached_id: str, session_id: str, length: int) -> None:
+        with self._lock:
+            s = self._get(cached_id)
+            if session_id in self._sessions:
+                raise RunnerError(f"session {session_id!r} is already open")
+            if not 0 <= length <= s.length:
+                raise RunnerError(f"session {cached_id!r} holds {s.length} positions, not {length}")
+            if self._pool is None and self.flavour != "static":  # the plain caches are as long as what they hold
+                if any(not isinstance(a, np.ndarray) for a in s.kv.values()):
+                    raise RunnerError("a cache kept on the device cannot be cut")
+                s.kv = {name: a[:, :, :length] for name, a in s.kv.items()}
+            s.length = length  # the pooled and static caches: positions past it are written over
+            del self._sessions[cached_id]
+            self._sessions[session_id] = s
+            if self._pool is not None:
+                self._pool.rename(cached_id, session_id)
 
     def close_session(self, session_id: str) -> None:
         with self._lock:
@@ -535,6 +558,16 @@ class RunnerChain(FragmentRunner):
 
     def session_length(self, session_id: str) -> int:
         return self.parts[0].session_length(session_id)
+
+    def adopt_session(self, cached_id: str, session_id: str, length: int) -> None:
+        for index, part in enumerate(self.parts):
+            try:
+                part.adopt_session(cached_id, session_id, length)
+            except BaseException:
+                for done in self.parts[:index]:  # the parts agree again: neither session is left
+                    done.close_session(session_id)
+                self._forget(cached_id)
+                raise
 
     def close_session(self, session_id: str) -> None:
         self.parts[0].session_length(session_id)  # RunnerError if unknown

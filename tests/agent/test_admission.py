@@ -31,10 +31,11 @@ class Gate:
         self._complete = self._orchestrator.complete
         self._orchestrator.complete = self._gated
 
-    async def _gated(self, deployment: Any, prompt_ids: list[int], params: Any, generated: Any = ()) -> AsyncIterator[Any]:
+    async def _gated(self, deployment: Any, prompt_ids: list[int], params: Any, generated: Any = (),
+                     **options: Any) -> AsyncIterator[Any]:
         self.started.append(f"w{prompt_ids[-1]}")  # the prompts are one word: w<id>
         await self.opened.wait()
-        async for event in self._complete(deployment, prompt_ids, params, generated):
+        async for event in self._complete(deployment, prompt_ids, params, generated, **options):
             yield event
 
     def open(self) -> None:

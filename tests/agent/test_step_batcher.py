@@ -15,7 +15,7 @@ import pytest
 
 from agent.dataplane.links import StageError
 from agent.http.app_keys import WORKER
-from agent.stage.step_batcher import StepBatcher
+from agent.stage.step_batcher import StepBatcher, run_batch
 from shards.runtime.runner import OrtFragmentRunner
 from tests.agent.inprocess import call
 from tests.agent.tiny import TINY, store_tiny_models, tiny_cluster
@@ -159,3 +159,16 @@ def test_concurrent_greedy_requests_are_batched_and_each_gets_its_own_text(tmp_p
             assert all(b["calls"] > 0 and b["steps"] >= 2 * b["calls"] for b in batched), batched
 
     asyncio.run(scenario())
+
+
+def test_a_step_reusing_a_kept_session_takes_its_cache_or_misses_by_name(model_dir, tmp_path) -> None:
+    runner = OrtFragmentRunner(model_dir, 0, 1, threads=1, cache_dir=tmp_path)
+    ids = prompts(4)[3]  # 11 tokens
+    runner.open_session("kept")
+    expected = runner.forward("kept", ids)
+    runner.open_session("late")  # a session of the reusing request that exists already goes
+    results = run_batch(runner, [("new", 6, ids[:, 6:], "kept"), ("other", 0, ids[:, :2], "gone")])
+    np.testing.assert_allclose(results[0], expected[:, -1:], atol=1e-4, rtol=0)  # a tail: its last row
+    assert isinstance(results[1], StageError) and results[1].code == "cache_miss"
+    assert sorted(runner.sessions()) == ["late", "new"] and runner.session_length("new") == 11
+    runner.close()

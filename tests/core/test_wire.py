@@ -83,3 +83,15 @@ def test_forged_tensor_description_is_rejected():
     packed = msgpack.packb(header)
     with pytest.raises(WireError, match="is not allowed"):
         decode_frame(b"NCM1" + struct.pack("<I", len(packed)) + packed + b"\0" * 4)
+
+
+def test_a_step_reusing_a_kept_session_and_a_close_that_keeps_one_read_back():
+    from agent.core.protocol import CloseFrame, StepFrame
+
+    step = StepFrame("s2", 0, 0, 40, 1, 2, False, reuse="s1").replying_to("node-0", "https://127.0.0.1:7000")
+    header, _ = decode_frame(encode_frame(step.header(), np.zeros((1, 3), np.int64)))
+    assert StepFrame.from_header(header) == step
+    header, _ = decode_frame(encode_frame(CloseFrame("s1", 0, 2, keep=True).header()))
+    assert header["keep"] is True and "keep" not in CloseFrame("s1", 0, 2).header()
+    with pytest.raises(WireError):
+        decode_frame(encode_frame({**CloseFrame("s1", 0, 2).header(), "keep": "yes"}))

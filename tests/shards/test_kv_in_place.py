@@ -157,3 +157,30 @@ def test_the_buffer_stops_at_max_context_and_overflow_is_refused(model_dir, tmp_
     with pytest.raises(RunnerError, match="context overflow"):
         runner.forward("s", np.array([[5]]))
     assert runner.session_length("s") == 40
+
+
+@pytest.mark.parametrize("flavour", ["cpu", "portable", "static"])
+def test_a_cache_handed_over_and_cut_reads_on_as_a_fresh_one(model_dir, tmp_path, flavour) -> None:
+    """A prompt cache's reuse: a new session takes over a finished one's cache, cut where the
+    new prompt leaves the old one, and the rest of the new prompt gives the logits it gives
+    from scratch (the old positions past the cut are written over or never read)."""
+    runner = OrtFragmentRunner(model_dir, 0, 2, threads=1, flavour=flavour, max_context=64,
+                               prefill_chunk=8 if flavour == "static" else None, cache_dir=tmp_path)
+    rng = np.random.default_rng(5)
+    old, new = rng.integers(3, 90, size=30), rng.integers(3, 90, size=24)
+    new[:12] = old[:12]
+    runner.open_session("fresh")
+    expected = runner.forward("fresh", new[None, :])
+    runner.open_session("finished")
+    runner.forward("finished", old[None, :])
+    runner.open_session("other")  # another row in between, untouched
+    runner.forward("other", old[None, :5])
+    runner.adopt_session("finished", "reused", 12)
+    assert "finished" not in runner.sessions() and runner.session_length("reused") == 12
+    np.testing.assert_allclose(runner.forward("reused", new[None, 12:]), expected[:, 12:], atol=1e-4, rtol=0)
+    assert runner.session_length("other") == 5
+    with pytest.raises(RunnerError):
+        runner.adopt_session("reused", "more", 40)  # longer than it holds
+    with pytest.raises(RunnerError):
+        runner.adopt_session("gone", "more", 1)
+    runner.close()
