@@ -1,4 +1,4 @@
-"""Read a GGUF file (llama incl. Mixtral / qwen2 / qwen3 / qwen3moe / smollm3 / gemma3 / granite / olmo2) as float32 tensors with ncm's canonical names.
+"""Read a GGUF file (llama incl. Mixtral / qwen2 / qwen3 / qwen3moe / smollm3 / gemma3 / granite / olmo2 / phi3) as float32 tensors with ncm's canonical names.
 
 llama.cpp's converter permutes the rows of llama's (smollm3's, granite's) ``attn_q`` / ``attn_k`` so that rotary pairs
 are interleaved (GPT-J style); we undo that permutation so stored weights are in the Hugging
@@ -25,7 +25,12 @@ from shards.errors import ModelFormatError, UnsupportedArchitectureError
 from shards.store.verify import hash_file
 
 log = logging.getLogger(__name__)
-SUPPORTED = ("llama", "qwen2", "qwen3", "smollm3", "gemma3", "granite", "olmo2", "qwen3moe")
+SUPPORTED = ("llama", "qwen2", "qwen3", "smollm3", "gemma3", "granite", "olmo2", "qwen3moe", "phi3")
+# phi3 fuses the query, key and value projections (attn_qkv) and the gate and up ones (ffn_up,
+# gate first): split into llama's at import.
+_PHI3_LAYER = {"attn_norm.weight": "input_norm", "ffn_norm.weight": "post_norm", "attn_qkv.weight": "qkv_proj",
+               "attn_output.weight": "o_proj", "ffn_up.weight": "gate_up_proj", "ffn_down.weight": "down_proj"}
+SPLITS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 # A mixture of experts: the router, and each projection of every expert in one 3-D tensor.
 _EXPERT_TENSORS = {"ffn_gate_exps.weight": "gate_proj", "ffn_up_exps.weight": "up_proj",
                    "ffn_down_exps.weight": "down_proj"}
@@ -60,6 +65,8 @@ _POST_NORMS = {"post_attention_norm.weight": "attn_out_norm", "post_ffw_norm.wei
 # needs: rotary inverse frequencies (GGUF's name for Hugging Face's ``rotary_emb.inv_freq``
 # buffer), which the rope metadata determines.
 IGNORED_LAYER_TENSORS = ("attn_rot_embd",)
+# Phi-3's long rope past the original context, which the import caps (see ``_phi3_params``).
+PHI3_LONG_FACTORS = "rope_factors_long.weight"
 
 
 def unpermute_rope_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
@@ -89,7 +96,7 @@ class GgufSource:
         self.consumed: set[str] = set()
         self._check_sizes()
         self.params = self._params()
-        self._layer_map = dict(_LAYER_NAMES)
+        self._layer_map = dict(_PHI3_LAYER if arch == "phi3" else _LAYER_NAMES)
         if self.params.get("n_experts"):  # the router and the experts' 3-D tensors instead of the MLP
             self._layer_map = {k: v for k, v in self._layer_map.items() if v not in ("gate_proj", "up_proj",
                                                                                      "down_proj")}
@@ -137,10 +144,11 @@ class GgufSource:
         if kind == "linear":
             factor = float(self._field(f"{a}.rope.scaling.factor", 1.0))
             ff = tuple(f * factor for f in (ff or (1.0,) * (head_dim // 2)))
-        elif kind not in ("none", ""):
+        elif kind not in ("none", "") and not (a == "phi3" and kind in ("longrope", "su")):  # (phi3's: below)
             raise UnsupportedArchitectureError(f"{self.path.name}: rope scaling {kind!r} is not supported")
         kv = self._field(f"{a}.attention.head_count_kv", n_heads)
         n_layers = int(self._field(f"{a}.block_count"))
+        phi3 = self._phi3_params(n_layers, head_dim) if a == "phi3" else {}
         return {
             "architecture": a,
             "n_layers": n_layers,
@@ -170,7 +178,26 @@ class GgufSource:
                 "attention_scale": float(self._field(f"{a}.attention.scale", 1.0)),
                 "logit_scale": 1.0 / float(self._field(f"{a}.logit_scale", 1.0))} if a == "granite" else {}),
             **(self._gemma3_params(n_layers, hidden, n_heads, head_dim) if a == "gemma3" else {}),
+            **phi3,
         }
+
+    def _phi3_params(self, n_layers: int, head_dim: int) -> dict[str, Any]:
+        """Phi-3's window on every layer, and its long rope as up to the original context: the
+        short factors, the attention factor (the scores scaled by its square), the context
+        capped there (past it llama.cpp, like transformers, turns to the long factors)."""
+        context = int(self._field("phi3.context_length"))
+        params: dict[str, Any] = {}
+        if "rope_factors_short.weight" in self.tensors:
+            params["rope_freq_factors"] = tuple(float(x) for x in self._tensor("rope_factors_short.weight").reshape(-1))
+            context = min(context, int(self._field("phi3.rope.scaling.original_context_length", context)))
+            params["context_length"] = context
+            attention = float(self._field("phi3.rope.scaling.attn_factor", 1.0))
+            if attention != 1.0:
+                params["attention_scale"] = attention ** 2 / math.sqrt(head_dim)
+        window = int(self._field("phi3.attention.sliding_window", 0))
+        if 0 < window < context:
+            params |= {"sliding_window": window, "sliding_layers": tuple(range(n_layers))}
+        return params
 
     def _experts(self) -> dict[str, Any]:
         """A mixture of experts (llama.cpp writes Mixtral as llama with experts): the router's
@@ -198,14 +225,16 @@ class GgufSource:
 
     def planned_names(self) -> set[str]:
         names = {"token_embd.weight", "output_norm.weight"}
-        names.update(n for n in ("output.weight", "rope_freqs.weight") if n in self.tensors)
+        names.update(n for n in ("output.weight", "rope_freqs.weight", "rope_factors_short.weight")
+                     if n in self.tensors)
         for i in range(self.params["n_layers"]):
             names.update(f"blk.{i}.{gname}" for gname in self._layer_map)
         return names
 
     def ignored_names(self) -> set[str]:
         n = self.params["n_layers"]
-        return {f"blk.{i}.{s}" for i in range(n) for s in IGNORED_LAYER_TENSORS} & set(self.tensors)
+        names = {f"blk.{i}.{s}" for i in range(n) for s in IGNORED_LAYER_TENSORS} | {PHI3_LONG_FACTORS}
+        return names & set(self.tensors)
 
     def _tensor(self, name: str) -> np.ndarray:
         import gguf
@@ -229,6 +258,9 @@ class GgufSource:
             arr = self._tensor(f"blk.{i}.{gname}")
             if gname in _EXPERT_TENSORS:  # [experts, out, in]: one matrix per expert
                 out |= {f"experts.{e}.{cname}": arr[e] for e in range(arr.shape[0])}
+            elif cname in SPLITS:  # phi3's fused rows: q, k, v / gate, up
+                rows = self._split_rows(cname)
+                out |= dict(zip(SPLITS[cname], np.split(arr, np.cumsum(rows)[:-1])))
             else:
                 out[cname] = arr
         if self.arch in ("llama", "smollm3", "granite"):
@@ -243,8 +275,15 @@ class GgufSource:
         """Layer ``i``'s linear weights the file holds in at most 4 bits per weight."""
         narrow = {gname: cname for gname, cname in self._layer_map.items()
                   if self.tensors[f"blk.{i}.{gname}"].tensor_type.name.startswith(NARROW_TYPE_PREFIXES)}
-        return frozenset(f"experts.{e}.{cname}" if gname in _EXPERT_TENSORS else cname
-                         for gname, cname in narrow.items() for e in range(self.params.get("n_experts") or 1))
+        return frozenset(f"experts.{e}.{name}" if gname in _EXPERT_TENSORS else name
+                         for gname, cname in narrow.items() for name in SPLITS.get(cname, (cname,))
+                         for e in range(self.params.get("n_experts") or 1))
+
+    def _split_rows(self, fused: str) -> tuple[int, ...]:
+        p = self.params
+        if fused == "qkv_proj":
+            return p["n_heads"] * p["head_dim"], p["n_kv_heads"] * p["head_dim"], p["n_kv_heads"] * p["head_dim"]
+        return p["intermediate_size"], p["intermediate_size"]
 
     def embed(self) -> np.ndarray:
         return self._tensor("token_embd.weight")

@@ -9,6 +9,8 @@ biases), ``mistral`` (llama's maths, when its sliding window, if any, spans the 
 sublayers' outputs and the logits), ``olmo2`` (norms of the sublayers' outputs instead of
 their inputs, query and key norms over the whole projection), ``mixtral`` and ``qwen3_moe``
 (a mixture of experts in every layer; qwen3_moe with qwen3's query and key norms) and
+``phi3`` (Phi-3, Phi-4: llama's maths with fused query/key/value and gate/up matrices, split at
+import; its sliding window on every layer; long rope up to the original context) and
 ``gemma3_text`` (Gemma 3: norms that scale by 1 + w, stored as the plain weight they amount to,
 norms around both sublayers, per-head query/key norms, GeGLU, a scaled embedding, sliding-window
 layers with a rotary base of their own). Tensors are read with numpy (see :mod:`shards.store.tensorfile`). Every tensor of the
@@ -33,7 +35,10 @@ from shards.store.verify import hash_file
 
 log = logging.getLogger(__name__)
 SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "smollm3", "gemma3_text", "granite", "olmo2", "mixtral",
-             "qwen3_moe")
+             "qwen3_moe", "phi3")
+# Phi-3 and Phi-4 fuse the query, key and value projections in one matrix, and the MLP's gate
+# and up ones in another (gate first): split into llama's at import.
+_PHI3_FUSED = {"self_attn.qkv_proj.weight": "qkv_proj", "mlp.gate_up_proj.weight": "gate_up_proj"}
 _LAYER_NAMES = {
     "input_layernorm.weight": "input_norm",
     "post_attention_layernorm.weight": "post_norm",
@@ -132,6 +137,9 @@ class HfSource:
             for e in range(self.params["n_experts"]):
                 for hname, cname in zip(names, ("gate_proj", "up_proj", "down_proj")):
                     self._layer_map[f"{moe}.experts.{e}.{hname}.weight"] = f"experts.{e}.{cname}"
+        if self.arch == "phi3":
+            self._layer_map = {k: v for k, v in _LAYER_NAMES.items()
+                               if v not in ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")} | _PHI3_FUSED
         if self.arch in (GEMMA3, "olmo2"):
             self._layer_map = {k: v for k, v in _LAYER_NAMES.items() if not k.endswith("layernorm.weight")} | (
                 _GEMMA_NORMS if self.arch == GEMMA3 else _OLMO2_NORMS)
@@ -152,22 +160,27 @@ class HfSource:
             rp = c.get("rope_parameters") or {}  # transformers >= 5 nests rope settings here
             theta = float(c.get("rope_theta", rp.get("rope_theta", 10000.0)))
             rs = c.get("rope_scaling") or rp
-            ff = None
+            ff, scores = None, {}
             if c.get("hidden_act", "silu") != "silu":
                 raise UnsupportedArchitectureError(f"{self.path.name}: only SiLU MLPs are supported")
-            window = c.get("sliding_window") if self.arch in ("mistral", "mixtral") else None  # (qwen's: off)
+            window = c.get("sliding_window") if self.arch in ("mistral", "mixtral", "phi3") else None  # (qwen's: off)
             context = int(c.get("max_position_embeddings", 4096))
-            if (c.get("use_sliding_window") or any(t != "full_attention" for t in c.get("layer_types") or ())
-                    or (window is not None and int(window) < context)):
-                raise UnsupportedArchitectureError(f"{self.path.name}: sliding-window attention is not supported")
+            if float(c.get("partial_rotary_factor", rp.get("partial_rotary_factor", 1.0))) != 1.0:
+                raise UnsupportedArchitectureError(f"{self.path.name}: a rotary over part of each head is not supported")
             if rs:
                 kind = rs.get("rope_type", rs.get("type"))
                 if kind == "llama3":
                     ff = llama3_freq_factors(head_dim, theta, rs)
                 elif kind == "linear":
                     ff = (float(rs["factor"]),) * (head_dim // 2)
+                elif kind in ("longrope", "su") and self.arch == "phi3":
+                    ff, context, scores = self._longrope(rs, head_dim, context)
                 elif kind not in (None, "default"):
                     raise UnsupportedArchitectureError(f"{self.path.name}: rope scaling {kind!r} is not supported")
+            sliding = window is not None and int(window) < context
+            if (c.get("use_sliding_window") or any(t != "full_attention" for t in c.get("layer_types") or ())
+                    or (sliding and self.arch != "phi3")):
+                raise UnsupportedArchitectureError(f"{self.path.name}: sliding-window attention is not supported")
             tied = bool(c.get("tie_word_embeddings", False)) or "lm_head.weight" not in self.index
             # as transformers builds them: qwen2 has q/k/v biases only; llama's and qwen3's
             # attention_bias gives q/k/v and o_proj biases, llama's mlp_bias gate/up/down ones
@@ -195,11 +208,34 @@ class HfSource:
                 "pre_sublayer_norms": self.arch != "olmo2",
                 "post_sublayer_norms": self.arch == "olmo2",
                 "layers_without_rope": self._layers_without_rope(),
+                # phi3's window (Phi-3's 4k models: 2047 positions) is every layer's
+                **({"sliding_window": int(window), "sliding_layers": tuple(range(int(c["num_hidden_layers"])))}
+                   if sliding else {}),
+                **scores,
                 **self._granite_multipliers(),
                 **self._experts(),
             }
         except (KeyError, TypeError, ValueError) as e:
             raise ModelFormatError(f"{self.path.name}: config.json lacks or garbles {e}") from e
+
+    def _longrope(self, rs: dict[str, Any], head_dim: int, context: int) -> tuple[tuple[float, ...], int, dict]:
+        """Phi-3's long rope, as transformers computes it up to the original context: the short
+        factors divide the rotary frequencies, and the rotation is scaled by an attention factor
+        (sqrt(1 + ln(context / original) / ln(original)) unless given), which multiplies the
+        scores by its square. The context is capped at the original one: past it transformers
+        turns to the long factors, which ncm does not hold."""
+        c = self.config
+        original = int(c.get("original_max_position_embeddings") or rs.get("original_max_position_embeddings")
+                       or context)
+        short = tuple(float(x) for x in rs["short_factor"])
+        if len(short) != head_dim // 2:
+            raise ModelFormatError(f"{self.path.name}: rope short_factor has {len(short)} values, not {head_dim // 2}")
+        factor = context / original
+        attention = rs.get("attention_factor")
+        if attention is None:
+            attention = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+        scores = {"attention_scale": float(attention) ** 2 / math.sqrt(head_dim)} if attention != 1.0 else {}
+        return short, min(context, original), scores
 
     def _gemma3_params(self) -> dict[str, Any]:
         c, name = self.config, self.path.name
@@ -307,6 +343,11 @@ class HfSource:
 
     def layer(self, i: int) -> dict[str, np.ndarray]:
         t = {cname: self._get(f"model.layers.{i}.{hname}") for hname, cname in self._layer_map.items()}
+        if self.arch == "phi3":
+            p = self.params
+            q_rows, kv_rows = p["n_heads"] * p["head_dim"], p["n_kv_heads"] * p["head_dim"]
+            t["q_proj"], t["k_proj"], t["v_proj"] = np.split(t.pop("qkv_proj"), [q_rows, q_rows + kv_rows])
+            t["gate_proj"], t["up_proj"] = np.split(t.pop("gate_up_proj"), 2)
         if self.arch == GEMMA3:  # x * (1 + w): the plain RMS norm of weight 1 + w
             t = {cname: a + np.float32(1.0) if cname.endswith("norm") else a for cname, a in t.items()}
         return t

@@ -135,13 +135,13 @@ def write_tiny_checkpoint(folder: Path, *, seed: int = 0, layers: int = 2, q4_0_
 
 
 def make_hf_checkpoint(folder: Path, arch: str, *, seed: int = 0, attention_bias: bool = False,
-                       mlp_bias: bool = False):
-    """Save a tiny random llama / mistral / qwen2 / qwen3 / smollm3 / gemma3 / granite / olmo2 checkpoint in ``folder``; returns the torch model
+                       mlp_bias: bool = False, rope: dict | None = None):
+    """Save a tiny random llama / mistral / qwen2 / qwen3 / smollm3 / gemma3 / granite / olmo2 / phi3 checkpoint in ``folder``; returns the torch model
     (eval, fp32).
 
     ``attention_bias`` (llama, qwen3) gives q/k/v/o biases and ``mlp_bias`` (llama) gate/up/down
     ones, as the config options of those names do. The qwen3 one has heads wider than
-    hidden_size / n_heads, as Qwen3's have."""
+    hidden_size / n_heads, as Qwen3's have. ``rope``: more of phi3's config (a long rope)."""
     import torch
     from transformers import (
         Gemma3ForCausalLM,
@@ -156,6 +156,8 @@ def make_hf_checkpoint(folder: Path, arch: str, *, seed: int = 0, attention_bias
         MixtralForCausalLM,
         Olmo2Config,
         Olmo2ForCausalLM,
+        Phi3Config,
+        Phi3ForCausalLM,
         Qwen2Config,
         Qwen2ForCausalLM,
         Qwen3Config,
@@ -167,6 +169,7 @@ def make_hf_checkpoint(folder: Path, arch: str, *, seed: int = 0, attention_bias
     )
 
     torch.manual_seed(seed)
+    rope = rope or {}
     common = dict(vocab_size=96, hidden_size=64, intermediate_size=160, num_hidden_layers=3,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
                   initializer_range=0.15, rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2)
@@ -191,6 +194,9 @@ def make_hf_checkpoint(folder: Path, arch: str, *, seed: int = 0, attention_bias
         cfg = Qwen3MoeConfig(**common, tie_word_embeddings=True, num_experts=6, num_experts_per_tok=2,
                              moe_intermediate_size=48, norm_topk_prob=True, rope_theta=1000000.0)
         model = Qwen3MoeForCausalLM(cfg)
+    elif arch == "phi3":  # every layer slides over 16 positions (Phi-3's 4k models: 2047)
+        cfg = Phi3Config(**common, **({"tie_word_embeddings": False, "sliding_window": 16, "pad_token_id": 0} | rope))
+        model = Phi3ForCausalLM(cfg)
     elif arch == "olmo2":
         cfg = Olmo2Config(**common, tie_word_embeddings=False, rope_theta=500000.0, pad_token_id=0)
         model = Olmo2ForCausalLM(cfg)
@@ -226,9 +232,10 @@ def make_hf_checkpoint(folder: Path, arch: str, *, seed: int = 0, attention_bias
 
 def write_gguf_from_hf(model, path: Path, arch: str, extra: dict[str, np.ndarray] | None = None,
                        types: dict[str, str] | None = None) -> Path:
-    """Write ``model`` (a tiny transformers llama / qwen2 / qwen3 / smollm3 / gemma3) as a GGUF the
-    way llama.cpp's converter does: llama Q/K rows permuted for interleaved rotary, tied lm_head
-    omitted, llama3 rope factors as ``rope_freqs.weight``, plus a small gpt2-style tokenizer.
+    """Write ``model`` (a tiny transformers llama / qwen2 / qwen3 / smollm3 / gemma3 / phi3...) as a
+    GGUF the way llama.cpp's converter does: llama Q/K rows permuted for interleaved rotary, tied
+    lm_head omitted, llama3 rope factors as ``rope_freqs.weight``, phi3's fused matrices as they
+    are and its long rope's factors, plus a small gpt2-style tokenizer.
     ``types``: the GGUF type of layer tensors by name (``{"attn_v": "Q8_0"}``; float32 otherwise).
     Every tensor of the model is written (AssertionError otherwise), then the ``extra`` ones."""
     import gguf
@@ -273,8 +280,17 @@ def write_gguf_from_hf(model, path: Path, arch: str, extra: dict[str, np.ndarray
         w.add_expert_used_count(cfg.num_experts_per_tok)
         if getattr(cfg, "moe_intermediate_size", None):
             w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
-    if arch == "gemma3":
+    if arch == "gemma3" or (arch == "phi3" and cfg.sliding_window):
         w.add_sliding_window(cfg.sliding_window)
+    if arch == "phi3":
+        w.add_rope_dimension_count(hd)
+    if rope.get("rope_type") == "longrope":  # phi3's, as llama.cpp's converter writes it
+        original = cfg.original_max_position_embeddings
+        scale = cfg.max_position_embeddings / original
+        w.add_rope_scaling_attn_factors(float(np.sqrt(1 + np.log(scale) / np.log(original))) if scale > 1 else 1.0)
+        w.add_rope_scaling_orig_ctx_len(original)
+        w.add_tensor("rope_factors_long.weight", np.array(rope["long_factor"], np.float32))
+        w.add_tensor("rope_factors_short.weight", np.array(rope["short_factor"], np.float32))
     if arch == "granite":
         w.add_embedding_scale(cfg.embedding_multiplier)
         w.add_residual_scale(cfg.residual_multiplier)
@@ -305,7 +321,8 @@ def write_gguf_from_hf(model, path: Path, arch: str, extra: dict[str, np.ndarray
              "mlp.up_proj.bias": "ffn_up.bias", "mlp.down_proj.bias": "ffn_down.bias",
              "self_attn.q_norm.weight": "attn_q_norm.weight", "self_attn.k_norm.weight": "attn_k_norm.weight",
              "mlp.gate.weight": "ffn_gate_inp.weight", "mlp.experts.gate_proj": "ffn_gate_exps.weight",
-             "mlp.experts.up_proj": "ffn_up_exps.weight", "mlp.experts.down_proj": "ffn_down_exps.weight"}
+             "mlp.experts.up_proj": "ffn_up_exps.weight", "mlp.experts.down_proj": "ffn_down_exps.weight",
+             "self_attn.qkv_proj.weight": "attn_qkv.weight", "mlp.gate_up_proj.weight": "ffn_up.weight"}
     if arch == "olmo2":  # norms of the sublayers' outputs only
         names = {k: v for k, v in names.items() if not k.endswith("layernorm.weight")}
         names |= {"post_attention_layernorm.weight": "post_attention_norm.weight",
@@ -364,7 +381,11 @@ def load_dequantised(model, model_dir: Path, manifest) -> None:
     with torch.no_grad():
         for i, layer in enumerate(model.model.layers):
             t = read_tensors(model_dir / manifest.files[f"layer.{i}"].path)
-            for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
+            fused = hasattr(layer.self_attn, "qkv_proj")  # phi3: q, k, v and gate, up in one matrix each
+            if fused:
+                layer.self_attn.qkv_proj.weight.copy_(torch.cat([deq(t, p) for p in ("q_proj", "k_proj", "v_proj")]))
+                layer.mlp.gate_up_proj.weight.copy_(torch.cat([deq(t, "gate_proj"), deq(t, "up_proj")]))
+            for proj in ("o_proj",) if fused else ("q_proj", "k_proj", "v_proj", "o_proj"):
                 getattr(layer.self_attn, proj).weight.copy_(deq(t, proj))
             if manifest.n_experts:  # transformers holds them fused: [experts, gate + up, hidden], [experts, hidden, ff]
                 for e in range(manifest.n_experts):
@@ -372,7 +393,7 @@ def load_dequantised(model, model_dir: Path, manifest) -> None:
                                                                        deq(t, f"experts.{e}.up_proj")]))
                     layer.mlp.experts.down_proj[e].copy_(deq(t, f"experts.{e}.down_proj"))
                 continue
-            for proj in ("gate_proj", "up_proj", "down_proj"):
+            for proj in ("down_proj",) if fused else ("gate_proj", "up_proj", "down_proj"):
                 getattr(layer.mlp, proj).weight.copy_(deq(t, proj))
         head = read_tensors(model_dir / manifest.files["head"].path)
         table = read_tensors(model_dir / manifest.files["embed"].path)

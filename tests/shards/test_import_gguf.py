@@ -1,4 +1,4 @@
-"""GGUF import of tiny llama / qwen2 / qwen3 / smollm3 / gemma3 / granite / olmo2 / mixtral / qwen3_moe files written like llama.cpp's converter, against transformers."""
+"""GGUF import of tiny llama / qwen2 / qwen3 / smollm3 / gemma3 / granite / olmo2 / mixtral / qwen3_moe / phi3 files written like llama.cpp's converter, against transformers."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ pytestmark = pytest.mark.slow
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "smollm3", "gemma3", "granite", "olmo2", "mixtral",
-                                  "qwen3_moe"])
+                                  "qwen3_moe", "phi3"])
 def test_gguf_logits_match_transformers(tmp_path, arch) -> None:
     import torch
 
@@ -26,10 +26,11 @@ def test_gguf_logits_match_transformers(tmp_path, arch) -> None:
     store = ModelStore(tmp_path / "home")
     m = import_model(gguf_path, store=store, progress=False)
     assert m.name == f"tiny-{arch}" and m.architecture == arch
-    assert m.tied_embeddings is (arch not in ("llama", "olmo2", "mixtral")) and m.attention_bias is (arch == "qwen2")
+    assert m.tied_embeddings is (arch not in ("llama", "olmo2", "mixtral", "phi3")) and m.attention_bias is (arch == "qwen2")
     assert m.qk_norm is (arch in ("qwen3", "gemma3", "olmo2", "qwen3_moe"))
     assert m.n_experts == {"mixtral": 4, "qwen3_moe": 6}.get(arch, 0) and m.head_dim == (32 if arch in ("qwen3", "gemma3") else 16)
-    assert m.sliding_layers == ((0, 1, 2, 3, 4) if arch == "gemma3" else ())  # llama.cpp's: every 6th global
+    # gemma3: llama.cpp's every 6th layer global; phi3: every layer slides
+    assert m.sliding_layers == {"gemma3": (0, 1, 2, 3, 4), "phi3": (0, 1, 2)}.get(arch, ())
     assert (m.rope_freq_factors is not None) is (arch == "llama")
     assert m.layers_without_rope == ((3,) if arch == "smollm3" else ())  # llama.cpp's fixed step of 4
     ids = np.random.default_rng(3).integers(3, 96, size=80).astype(np.int64)
@@ -39,6 +40,29 @@ def test_gguf_logits_match_transformers(tmp_path, arch) -> None:
     ours = np.concatenate([chain_forward(runners, "s", ids[:60]), chain_forward(runners, "s", ids[60:])], axis=1)[0]
     # gemma3: six layers scaled by 1 + w, logits past 10: float32 rounding reaches 1.2e-4
     np.testing.assert_allclose(ours, ref, atol=1e-3 if arch == "gemma3" else 1e-4, rtol=0)
+
+
+def test_phi3_long_rope_and_4_bit_fused_matrices_from_gguf(tmp_path) -> None:
+    """Phi-3.5's file: its short factors and attention factor up to the original context, and
+    its fused matrices in Q4_0 split into 4-bit blocks of their own in a mixed store."""
+    import torch
+
+    factors = [1.0, 1.2, 1.5, 1.9, 2.4, 3.0, 3.7, 4.5]
+    model = make_hf_checkpoint(tmp_path / "hf", "phi3", seed=9, rope={
+        "original_max_position_embeddings": 64, "sliding_window": None,
+        "rope_parameters": {"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": factors,
+                            "long_factor": [f * 2 for f in factors]}})
+    path = write_gguf_from_hf(model, tmp_path / "phi.gguf", "phi3", types={"attn_qkv": "Q4_0", "ffn_up": "Q4_0"})
+    store = ModelStore(tmp_path / "home")
+    m = import_model(path, name="phi", weights="mixed", store=store, progress=False)
+    assert m.context_length == 64 and m.rope_freq_factors == pytest.approx(factors) and m.sliding_layers == ()
+    assert m.weight_format == "mixed"
+    load_dequantised(model, store.model_dir("phi"), m)
+    ids = np.random.default_rng(4).integers(3, 96, size=50).astype(np.int64)
+    with torch.no_grad():
+        ref = model(torch.from_numpy(ids[None, :])).logits[0].numpy()
+    ours = chain_forward(open_chain(store.model_dir("phi"), [(0, 2)], threads=1), "s", ids)[0]
+    np.testing.assert_allclose(ours, ref, atol=1e-3, rtol=0)
 
 
 @pytest.mark.parametrize("arch", ["qwen2", "qwen3"])

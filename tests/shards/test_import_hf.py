@@ -1,4 +1,4 @@
-"""Hugging Face folder import (tiny random llama / mistral / qwen2 / qwen3 / smollm3 / gemma3 / granite / olmo2) against transformers on the same weights."""
+"""Hugging Face folder import (tiny random llama / mistral / qwen2 / qwen3 / smollm3 / gemma3 / granite / olmo2 / phi3) against transformers on the same weights."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from shards.store.tensorfile import read_tensors
 pytestmark = pytest.mark.slow
 
 
-ARCHS = ("llama", "mistral", "qwen2", "qwen3", "smollm3", "gemma3", "granite", "olmo2", "mixtral", "qwen3_moe")
+ARCHS = ("llama", "mistral", "qwen2", "qwen3", "smollm3", "gemma3", "granite", "olmo2", "mixtral", "qwen3_moe", "phi3")
 N_LAYERS = {"smollm3": 5, "gemma3": 6}  # the others: 3
 
 
@@ -44,14 +44,15 @@ def test_manifest_reflects_config(checkpoints, arch) -> None:
     n_layers = N_LAYERS.get(arch, 3)
     assert (m.architecture, m.n_layers, m.hidden_size, m.n_heads, m.n_kv_heads, m.head_dim) == (arch, n_layers, 64, 4,
                                                                                                  2, head_dim)
-    assert m.tied_embeddings is (arch not in ("llama", "mistral", "olmo2", "mixtral"))
+    assert m.tied_embeddings is (arch not in ("llama", "mistral", "olmo2", "mixtral", "phi3"))
     assert m.layers_without_rope == ((3,) if arch == "smollm3" else ())
     assert m.attention_bias is (arch == "qwen2")
     assert not m.attention_output_bias and not m.mlp_bias
     assert m.qk_norm is (arch in ("qwen3", "gemma3", "olmo2", "qwen3_moe")) and m.qk_norm_whole is (arch == "olmo2")
     assert (m.n_experts, m.experts_per_token, m.renormalize_experts) == {"mixtral": (4, 2, True),
                                                                         "qwen3_moe": (6, 2, True)}.get(arch, (0, 0, False))
-    assert (m.sliding_layers, m.sliding_window) == (((0, 1, 2, 3, 4), 16) if arch == "gemma3" else ((), 0))
+    assert (m.sliding_layers, m.sliding_window) == {"gemma3": ((0, 1, 2, 3, 4), 16), "phi3": ((0, 1, 2), 16)}.get(
+        arch, ((), 0))
     # bias-free, norm-free manifests as before
     assert not {"attention_output_bias", "mlp_bias"} & set(m.to_dict()) and ("qk_norm" in m.to_dict()) is m.qk_norm
     assert ("layers_without_rope" in m.to_dict()) is (arch == "smollm3")
@@ -87,6 +88,34 @@ def test_logits_match_transformers(checkpoints, arch, cut) -> None:
     np.testing.assert_allclose(ours, ref, atol=1e-4, rtol=0)
 
 
+def test_phi3_long_rope_up_to_the_original_context(tmp_path) -> None:
+    """Phi-3.5's long rope: the short factors and the attention factor, as transformers applies
+    them up to the original context (which caps the stored one); a rotary over part of each
+    head (Phi-4-mini) is refused in one line."""
+    import json
+
+    from shards.errors import UnsupportedArchitectureError
+
+    factors = [1.0, 1.1, 1.3, 1.6, 2.0, 2.6, 3.3, 4.0]
+    model = make_hf_checkpoint(tmp_path / "src", "phi3", seed=4, rope={
+        "original_max_position_embeddings": 64, "sliding_window": None,
+        "rope_parameters": {"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": factors,
+                            "long_factor": [f * 3 for f in factors]}})
+    store = ModelStore(tmp_path / "home")
+    m = import_model(tmp_path / "src", name="phi", store=store, progress=False)
+    assert m.context_length == 64 and m.rope_freq_factors == tuple(factors) and m.sliding_window == 0
+    assert m.attention_scale == pytest.approx((1 + np.log(4) / np.log(64)) / 4)  # 256 / 64: attention factor squared / sqrt(16)
+    ids = np.random.default_rng(5).integers(3, 96, size=60).astype(np.int64)
+    runners = open_chain(store.model_dir("phi"), [(0, 1), (2, 2)], threads=1)
+    ours = np.concatenate([chain_forward(runners, "s", ids[:40]), chain_forward(runners, "s", ids[40:])], axis=1)[0]
+    np.testing.assert_allclose(ours, torch_logits(model, ids), atol=1e-4, rtol=0)
+    config = json.loads((tmp_path / "src" / "config.json").read_text())
+    config["rope_parameters"]["partial_rotary_factor"] = 0.75
+    (tmp_path / "src" / "config.json").write_text(json.dumps(config))
+    with pytest.raises(UnsupportedArchitectureError, match=r"^src: a rotary over part of each head is not supported$"):
+        import_model(tmp_path / "src", name="phi-mini", store=store, progress=False)
+
+
 def test_bfloat16_checkpoint(tmp_path) -> None:
     import torch
 
@@ -111,7 +140,7 @@ def test_static_flavour_matches_transformers(checkpoints, arch) -> None:
     np.testing.assert_allclose(rows[0], torch_logits(model, ids)[-1], atol=1e-4, rtol=0)
 
 
-@pytest.mark.parametrize("arch", ["qwen3", "smollm3", "gemma3", "olmo2", "mixtral"])
+@pytest.mark.parametrize("arch", ["qwen3", "smollm3", "gemma3", "olmo2", "mixtral", "phi3"])
 @pytest.mark.parametrize("flavour", ["portable", "gpu"])
 def test_head_norms_and_unrotated_layers_in_the_other_flavours(checkpoints, arch, flavour) -> None:
     """Qwen3's per-head query/key norms, SmolLM3's layers without rope and Gemma 3's sliding
