@@ -8,10 +8,10 @@ The data plane (:data:`STREAM_PATH`, a WebSocket per pair of nodes) carries fram
 :class:`StepFrame` (with its tensor: token ids at the head, hidden states after) goes from the
 orchestrator to the head and from each stage to the next. A step names its ``reply`` node,
 the orchestrator: the tail sends its :class:`ResultFrame` (the sampled token) straight there,
-and a stage that fails, or whose next stage does not take the step, sends its error frame
-(:meth:`agent.dataplane.links.StageError.to_header`) there too; nothing goes back along the chain,
+and a stage that fails, or whose next stage does not take the step, sends its
+:class:`ErrorFrame` there too; nothing goes back along the chain,
 so a token crosses each link once. The orchestrator finds frozen and vanished stages itself:
-``ping`` frames, which a live node answers with ``pong`` at once. A :class:`CloseFrame`
+:class:`PingFrame` s, which a live node answers with a :class:`PongFrame` at once. A :class:`CloseFrame`
 frees a session on a stage, or keeps its cache for a later request that begins the same
 way (a step's ``reuse`` takes it over).
 Each frame is a header validated by :data:`agent.core.wire.SCHEMAS` on decode; the link adds
@@ -125,6 +125,58 @@ class ResultFrame:
 
 
 @dataclass(frozen=True)
+class ErrorFrame:
+    """Step (``sid``, ``seq``) failed: ``code`` and ``message`` say why, ``node`` is the node
+    that failed (None: the step's own fault, which never triggers a failover)."""
+
+    sid: str
+    seq: int
+    code: str
+    message: str
+    node: str | None = None
+
+    def header(self) -> dict[str, Any]:
+        return {"kind": "error", "sid": self.sid, "seq": self.seq, "code": self.code, "message": self.message,
+                "node": self.node}
+
+    @classmethod
+    def from_header(cls, header: Mapping[str, Any]) -> ErrorFrame:
+        return cls(header["sid"], header["seq"], header["code"], header["message"], header.get("node"))
+
+
+@dataclass(frozen=True)
+class PingFrame:
+    """Is the peer alive? A live one answers at once with the :class:`PongFrame` of ``cid``
+    (which pairs the two on a link)."""
+
+    cid: int
+
+    def header(self) -> dict[str, Any]:
+        return {"kind": "ping", "cid": self.cid}
+
+    @classmethod
+    def from_header(cls, header: Mapping[str, Any]) -> PingFrame:
+        return cls(header.get("cid", 0))
+
+    def pong(self) -> PongFrame:
+        return PongFrame(self.cid)
+
+
+@dataclass(frozen=True)
+class PongFrame:
+    """The answer to the :class:`PingFrame` of ``cid``."""
+
+    cid: int
+
+    def header(self) -> dict[str, Any]:
+        return {"kind": "pong", "cid": self.cid}
+
+    @classmethod
+    def from_header(cls, header: Mapping[str, Any]) -> PongFrame:
+        return cls(header.get("cid", 0))
+
+
+@dataclass(frozen=True)
 class CloseFrame:
     """Free session ``sid`` on the stage whose layers start at ``layer`` (of plan ``plan``),
     or, with ``keep``, keep its cache for a later request (the orchestrator's prompt cache)."""
@@ -139,6 +191,10 @@ class CloseFrame:
         if self.keep:
             header["keep"] = True
         return header
+
+    @classmethod
+    def from_header(cls, header: Mapping[str, Any]) -> CloseFrame:
+        return cls(header["sid"], header["layer"], header.get("plan", 0), header.get("keep", False))
 
 
 

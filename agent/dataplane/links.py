@@ -13,7 +13,7 @@ import numpy as np
 
 from agent.cluster.peer_client import PeerClient, PeerError
 from agent.core.errors import NcmError, PublicAnswer, WireError, without_addresses
-from agent.core.protocol import STREAM_PATH, ResultFrame
+from agent.core.protocol import STREAM_PATH, ErrorFrame, PingFrame, PongFrame, ResultFrame, StepFrame
 from agent.core.wire import decode_frame, encode_frame
 from agent.local.compat import timeout
 
@@ -39,15 +39,14 @@ class StageError(NcmError):
             return PublicAnswer(400, self.code, message)
         return PublicAnswer(503, self.code, f"{message} (retry in a moment)", retry_after_s=2.0)
 
-    def to_header(self, request: dict[str, Any]) -> dict[str, Any]:
-        """The error frame of the step ``request`` (a header)."""
-        return {"kind": "error", "sid": request["sid"], "seq": request["seq"],
-                "code": self.code, "message": str(self), "node": self.node}
+    def frame(self, step: StepFrame) -> ErrorFrame:
+        """The error frame of ``step``."""
+        return ErrorFrame(step.sid, step.seq, self.code, str(self), self.node)
 
     @classmethod
-    def from_header(cls, header: dict[str, Any]) -> StageError:
+    def of(cls, frame: ErrorFrame) -> StageError:
         """The error an error frame tells of."""
-        return cls(header["code"], header["message"], header.get("node"))
+        return cls(frame.code, frame.message, frame.node)
 
 
 class StageLink:
@@ -91,7 +90,7 @@ class StageLink:
                 except WireError as error:
                     log.warning("bad frame from %s: %s", self.node_id, error)
                     continue
-                pong = self._pongs.pop(header.get("cid", -1), None) if header["kind"] == "pong" else None
+                pong = self._pongs.pop(PongFrame.from_header(header).cid, None) if header["kind"] == "pong" else None
                 if pong is not None and not pong.done():
                     pong.set_result(None)
         finally:
@@ -131,7 +130,7 @@ class StageLink:
         self._pongs[key] = pong
         try:
             async with timeout(timeout_s):
-                await ws.send_bytes(encode_frame({"kind": "ping", "cid": key}))
+                await ws.send_bytes(encode_frame(PingFrame(key).header()))
                 await pong
         except asyncio.TimeoutError:
             raise StageError("stage_timeout", f"node {self.node_id} did not answer a ping within {timeout_s:g} s "
@@ -171,7 +170,7 @@ class Replies:
         if future is None or future.done():
             return
         if header["kind"] == "error":
-            future.set_exception(StageError.from_header(header))
+            future.set_exception(StageError.of(ErrorFrame.from_header(header)))
             return
         try:
             future.set_result(ResultFrame.from_header(header))

@@ -48,8 +48,10 @@ from agent.core.protocol import (
     STATE_PATH,
     STREAM_PATH,
     UNLOAD_PATH,
+    CloseFrame,
     CopyOrder,
     OrderStep,
+    PingFrame,
     RekeyOrder,
     StepFrame,
     UnloadOrder,
@@ -361,12 +363,13 @@ async def stream(request: web.Request) -> web.WebSocketResponse:
             if kind == "step":  # run, handed on; its outcome goes to its reply node
                 steps.create_task(worker.relay(StepFrame.from_header(header), tensor))
             elif kind == "close":
-                worker.close_session(header["sid"], keep=header.get("keep", False))
+                close = CloseFrame.from_header(header)
+                worker.close_session(close.sid, keep=close.keep)
             elif kind in ("result", "error"):  # a step's outcome, sent straight to this orchestrator
                 worker.replies.deliver(header)
             elif kind == "ping":
                 with contextlib.suppress(ConnectionError, RuntimeError):
-                    await ws.send_bytes(encode_frame({"kind": "pong", "cid": header.get("cid", 0)}))
+                    await ws.send_bytes(encode_frame(PingFrame.from_header(header).pong().header()))
     sockets.discard(ws)
     return ws
 

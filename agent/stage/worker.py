@@ -422,11 +422,11 @@ class Worker:
                 return
             await self.hand_on(order, next_node, step.at_layer(hop.layers.last + 1), output)
         except StageError as error:
-            await self._to_reply(step, error.to_header(step.header()))
+            await self._to_reply(step, error.frame(step).header())
         except Exception as error:  # noqa: BLE001 - reported: the request fails with it, the agent goes on
             log.exception("step failed")
             await self._to_reply(step, StageError("internal", f"{type(error).__name__}: {error}", None)
-                                 .to_header(step.header()))
+                                 .frame(step).header())
 
     async def hand_on(self, order: RoutingOrder, node_id: str, step: StepFrame, tensor: np.ndarray) -> None:
         """Give ``step`` (one naming its reply node) to the stage on ``node_id``; this node's

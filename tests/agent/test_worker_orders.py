@@ -27,7 +27,7 @@ import pytest
 from agent.cluster.peer_client import PeerClient, PeerError
 from agent.core.orders import RoutingOrder
 from agent.core.plan import LayerRange
-from agent.core.protocol import ABORT_PATH, COMMIT_PATH, ROUTING_PATH, UNLOAD_PATH
+from agent.core.protocol import ABORT_PATH, COMMIT_PATH, ROUTING_PATH, UNLOAD_PATH, CloseFrame, StepFrame
 from agent.core.routing import Hop, Route
 from agent.dataplane.links import Links, StageError
 from agent.http.app_keys import WORKER
@@ -82,11 +82,11 @@ class Member:
             async with timeout(30):
                 return (await outcome).header()
         except StageError as error:
-            return error.to_header(header)
+            return error.frame(StepFrame.from_header(header)).header()
 
     async def close_session(self, sid: str, order: RoutingOrder) -> None:
         link = await self.links.get(self.agent.node_id, self.agent.peer_url)
-        await link.send({"kind": "close", "sid": sid, "layer": 0, "plan": order.plan_version})
+        await link.send(CloseFrame(sid, 0, order.plan_version).header())
 
 
 Scenario = Callable[[LocalAgent, "Member"], Awaitable[None]]

@@ -95,3 +95,13 @@ def test_a_step_reusing_a_kept_session_and_a_close_that_keeps_one_read_back():
     assert header["keep"] is True and "keep" not in CloseFrame("s1", 0, 2).header()
     with pytest.raises(WireError):
         decode_frame(encode_frame({**CloseFrame("s1", 0, 2).header(), "keep": "yes"}))
+
+
+def test_the_other_data_plane_frames_read_back():
+    from agent.core.protocol import ErrorFrame, PingFrame, PongFrame
+
+    error = ErrorFrame("s1", 4, "stage_faulty", "layers 2-3 computed NaN", "node-2")
+    assert ErrorFrame.from_header(decode_frame(encode_frame(error.header()))[0]) == error
+    ping = PingFrame(7)
+    assert PingFrame.from_header(decode_frame(encode_frame(ping.header()))[0]).pong() == PongFrame(7)
+    assert PongFrame.from_header(decode_frame(encode_frame(PongFrame(7).header()))[0]).cid == 7
