@@ -198,6 +198,13 @@ class _Builder:
         """The float32 rows of the embedding table for ``ids``, times the model's embedding scale."""
         return self.scaled(self._embedding_rows(ids), self.m.embedding_scale, "embedding_scale", np.float32)
 
+    def softcapped(self, x: str, cap: float, label: str, dtype: type = np.float32) -> str:
+        """cap * tanh(x / cap) (``x`` of ``dtype``), or ``x`` for no cap (0)."""
+        if not cap:
+            return x
+        inside = self.g.op1("Tanh", [self.scaled(x, 1.0 / cap, f"{label}_inverse", dtype)])
+        return self.scaled(inside, cap, label, dtype)
+
     def scaled(self, x: str, factor: float, label: str, dtype: type | None = None) -> str:
         """``x`` times ``factor`` (a constant of ``dtype``, default the compute precision), or ``x`` for 1."""
         if factor == 1.0:
@@ -385,7 +392,8 @@ class _Builder:
                     out=[g.name("attn"), f"present_key.{li}", f"present_value.{li}"], domain=MS,
                     num_heads=m.n_heads, kv_num_heads=m.n_kv_heads, do_rotary=int(li not in m.layers_without_rope),
                     rotary_interleaved=0, scale=self.attention_scale(),
-                    local_window_size=m.sliding_window if li in m.sliding_layers else -1)
+                    local_window_size=m.sliding_window if li in m.sliding_layers else -1,
+                    **({"softcap": m.attention_softcap} if m.attention_softcap else {}))
         return outs[0], outs[1], outs[2]
 
     def _proj_heads(self, xn: str, t: dict[str, np.ndarray], name: str, bias: str, n_heads: int, li: int) -> str:
@@ -429,6 +437,7 @@ class _Builder:
         qg = g.op1("Reshape", [q, g.const("q_group_shape", np.array([1, kvh, -1, hd], np.int64))])
         sc = g.op1("MatMul", [qg, g.op1("Transpose", [k_all], perm=[0, 1, 3, 2])])
         sc = g.op1("Mul", [sc, g.const("attn_scale", np.array(self.attention_scale(), np.float32))])
+        sc = self.softcapped(sc, m.attention_softcap, "attn_softcap")
         p = g.op1("Softmax", [g.op1("Add", [sc, pro["mask_grouped"]])], axis=-1)
         o = g.op1("MatMul", [p, v_all])
         o = g.op1("Reshape", [o, g.const("o_heads_shape", np.array([1, m.n_heads, -1, hd], np.int64))])
@@ -576,8 +585,10 @@ class _Builder:
                 normed = g.op1("Slice", [normed, "logits_from", g.const("int64_max", np.array([2**63 - 1], np.int64)),
                                          g.const("one_ax", np.array([1], np.int64))])
             logits = self.scaled(self.linear(normed, h, ["lm_head"], "lm_head"), m.logit_scale, "logit_scale")
-            g.op("Identity" if self.elem == TensorProto.FLOAT else "Cast", [logits], out=["logits"],
-                 **({} if self.elem == TensorProto.FLOAT else {"to": TensorProto.FLOAT}))
+            if self.elem != TensorProto.FLOAT:
+                logits = g.op1("Cast", [logits], to=TensorProto.FLOAT)
+            logits = self.softcapped(logits, m.logit_softcap, "logit_softcap")  # in float32
+            g.op("Identity", [logits], out=["logits"])
             rows: int | str = "L" if fused else t_dim
             outputs.insert(0, helper.make_tensor_value_info("logits", TensorProto.FLOAT, [b_dim, rows, m.vocab_size]))
         else:

@@ -1,4 +1,4 @@
-"""Read a GGUF file (llama incl. Mixtral / qwen2 / qwen3 / qwen3moe / smollm3 / gemma3 / granite / olmo2 / phi3) as float32 tensors with ncm's canonical names.
+"""Read a GGUF file (llama incl. Mixtral / qwen2 / qwen3 / qwen3moe / smollm3 / gemma3 / gemma2 / granite / olmo2 / phi3) as float32 tensors with ncm's canonical names.
 
 llama.cpp's converter permutes the rows of llama's (smollm3's, granite's) ``attn_q`` / ``attn_k`` so that rotary pairs
 are interleaved (GPT-J style); we undo that permutation so stored weights are in the Hugging
@@ -25,7 +25,7 @@ from shards.errors import ModelFormatError, UnsupportedArchitectureError
 from shards.store.verify import hash_file
 
 log = logging.getLogger(__name__)
-SUPPORTED = ("llama", "qwen2", "qwen3", "smollm3", "gemma3", "granite", "olmo2", "qwen3moe", "phi3")
+SUPPORTED = ("llama", "qwen2", "qwen3", "smollm3", "gemma3", "granite", "olmo2", "qwen3moe", "phi3", "gemma2")
 # phi3 fuses the query, key and value projections (attn_qkv) and the gate and up ones (ffn_up,
 # gate first): split into llama's at import.
 _PHI3_LAYER = {"attn_norm.weight": "input_norm", "ffn_norm.weight": "post_norm", "attn_qkv.weight": "qkv_proj",
@@ -45,6 +45,9 @@ NARROW_TYPE_PREFIXES = ("Q1", "Q2", "Q3", "Q4", "IQ", "TQ", "MXFP4", "NVFP4")
 GEMMA3_GLOBAL_STEP = 6
 GEMMA3_SLIDING_ROPE_THETA = 10000.0
 GEMMA3_27B_LAYERS = 62
+# Gemma 2 as llama.cpp runs it: even layers sliding, one rotary base, scores scaled by
+# 1/sqrt(hidden/heads) in the 27B (46 layers), by 1/sqrt(head_dim) in the others.
+GEMMA2_27B_LAYERS = 46
 _LAYER_NAMES = {
     "attn_norm.weight": "input_norm",
     "ffn_norm.weight": "post_norm",
@@ -178,6 +181,7 @@ class GgufSource:
                 "attention_scale": float(self._field(f"{a}.attention.scale", 1.0)),
                 "logit_scale": 1.0 / float(self._field(f"{a}.logit_scale", 1.0))} if a == "granite" else {}),
             **(self._gemma3_params(n_layers, hidden, n_heads, head_dim) if a == "gemma3" else {}),
+            **(self._gemma2_params(n_layers, hidden, n_heads, head_dim) if a == "gemma2" else {}),
             **phi3,
         }
 
@@ -219,6 +223,15 @@ class GgufSource:
         return {"post_sublayer_norms": True, "embedding_scale": math.sqrt(hidden), "activation": "gelu_tanh",
                 "attention_scale": float(scale_dim) ** -0.5, "sliding_window": window, "sliding_layers": sliding,
                 "sliding_rope_theta": GEMMA3_SLIDING_ROPE_THETA if sliding else None}
+
+    def _gemma2_params(self, n_layers: int, hidden: int, n_heads: int, head_dim: int) -> dict[str, Any]:
+        window = int(self._field("gemma2.attention.sliding_window", 0))
+        scale_dim = hidden / n_heads if n_layers == GEMMA2_27B_LAYERS else head_dim
+        return {"post_sublayer_norms": True, "embedding_scale": math.sqrt(hidden), "activation": "gelu_tanh",
+                "attention_scale": float(scale_dim) ** -0.5, "sliding_window": window,
+                "sliding_layers": tuple(range(0, n_layers, 2)) if window else (),
+                "attention_softcap": float(self._field("gemma2.attn_logit_softcapping", 0.0)),
+                "logit_softcap": float(self._field("gemma2.final_logit_softcapping", 0.0))}
 
     def tensor_names(self) -> set[str]:
         return set(self.tensors)

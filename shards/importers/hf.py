@@ -35,7 +35,7 @@ from shards.store.verify import hash_file
 
 log = logging.getLogger(__name__)
 SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "smollm3", "gemma3_text", "granite", "olmo2", "mixtral",
-             "qwen3_moe", "phi3")
+             "qwen3_moe", "phi3", "gemma2")
 # Phi-3 and Phi-4 fuse the query, key and value projections in one matrix, and the MLP's gate
 # and up ones in another (gate first): split into llama's at import.
 _PHI3_FUSED = {"self_attn.qkv_proj.weight": "qkv_proj", "mlp.gate_up_proj.weight": "gate_up_proj"}
@@ -58,7 +58,8 @@ _QK_NORMS = {"self_attn.q_norm.weight": "q_norm", "self_attn.k_norm.weight": "k_
 _OLMO2_NORMS = {"post_attention_layernorm.weight": "attn_out_norm", "post_feedforward_layernorm.weight": "mlp_out_norm"}
 _GEMMA_NORMS = {"input_layernorm.weight": "input_norm", "post_attention_layernorm.weight": "attn_out_norm",
                 "pre_feedforward_layernorm.weight": "post_norm", "post_feedforward_layernorm.weight": "mlp_out_norm"}
-GEMMA3 = "gemma3_text"
+GEMMA3, GEMMA2 = "gemma3_text", "gemma2"
+GEMMAS = (GEMMA3, GEMMA2)
 GELU_TANH_NAMES = ("gelu_pytorch_tanh", "gelu_tanh")
 # Per-layer tensors (``model.layers.N.<name>``) skipped by name because they hold nothing the
 # model needs: rotary inverse frequencies, a buffer older transformers versions saved, which
@@ -140,9 +141,9 @@ class HfSource:
         if self.arch == "phi3":
             self._layer_map = {k: v for k, v in _LAYER_NAMES.items()
                                if v not in ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")} | _PHI3_FUSED
-        if self.arch in (GEMMA3, "olmo2"):
+        if self.arch in (*GEMMAS, "olmo2"):
             self._layer_map = {k: v for k, v in _LAYER_NAMES.items() if not k.endswith("layernorm.weight")} | (
-                _GEMMA_NORMS if self.arch == GEMMA3 else _OLMO2_NORMS)
+                _GEMMA_NORMS if self.arch in GEMMAS else _OLMO2_NORMS)
         for on, names in ((self.params["attention_bias"], _QKV_BIASES),
                           (self.params["attention_output_bias"], _O_BIAS), (self.params["mlp_bias"], _MLP_BIASES),
                           (self.params["qk_norm"], _QK_NORMS)):
@@ -151,8 +152,8 @@ class HfSource:
 
     def _params(self) -> dict[str, Any]:
         c = self.config
-        if self.arch == GEMMA3:
-            return self._gemma3_params()
+        if self.arch in GEMMAS:
+            return self._gemma_params()
         try:
             hidden = int(c["hidden_size"])
             n_heads = int(c["num_attention_heads"])
@@ -237,18 +238,20 @@ class HfSource:
         scores = {"attention_scale": float(attention) ** 2 / math.sqrt(head_dim)} if attention != 1.0 else {}
         return short, min(context, original), scores
 
-    def _gemma3_params(self) -> dict[str, Any]:
-        c, name = self.config, self.path.name
+    def _gemma_params(self) -> dict[str, Any]:
+        """Gemma 3 and Gemma 2: Gemma 2 has no query/key norms, a window on every other layer
+        (the first included) with the global rotary base, and soft-capped scores and logits."""
+        c, name, gemma2 = self.config, self.path.name, self.arch == GEMMA2
         try:
             hidden, n_heads, n_layers = int(c["hidden_size"]), int(c["num_attention_heads"]), int(c["num_hidden_layers"])
             head_dim = int(c.get("head_dim") or hidden // n_heads)
-            if c.get("final_logit_softcapping") or c.get("attn_logit_softcapping"):
-                raise UnsupportedArchitectureError(f"{name}: logit soft-capping is not supported")
+            if not gemma2 and (c.get("final_logit_softcapping") or c.get("attn_logit_softcapping")):
+                raise UnsupportedArchitectureError(f"{name}: logit soft-capping is not supported for gemma3")
             if c.get("use_bidirectional_attention"):
                 raise UnsupportedArchitectureError(f"{name}: bidirectional attention is not supported")
             if (c.get("hidden_activation") or c.get("hidden_act")) not in GELU_TANH_NAMES:
-                raise UnsupportedArchitectureError(f"{name}: only GELU (tanh) MLPs are supported for gemma3")
-            pattern = int(c.get("sliding_window_pattern", 6))
+                raise UnsupportedArchitectureError(f"{name}: only GELU (tanh) MLPs are supported for {self.arch}")
+            pattern = 2 if gemma2 else int(c.get("sliding_window_pattern", 6))  # gemma2: layer 0 slides, 1 not...
             kinds = c.get("layer_types") or ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention"
                                              for i in range(n_layers)]
             if len(kinds) != n_layers or set(kinds) - {"full_attention", "sliding_attention"}:
@@ -258,24 +261,27 @@ class HfSource:
                 full, local_theta = rp["full_attention"], float(rp.get("sliding_attention", {}).get("rope_theta", 1e4))
                 theta = float(full.get("rope_theta", 1e6))
             else:
-                full = c.get("rope_scaling") or {}
-                theta, local_theta = float(c.get("rope_theta", 1e6)), float(c.get("rope_local_base_freq", 1e4))
+                full = c.get("rope_scaling") or rp
+                theta = float(c.get("rope_theta", rp.get("rope_theta", 1e4 if gemma2 else 1e6)))
+                local_theta = theta if gemma2 else float(c.get("rope_local_base_freq", 1e4))
             kind = full.get("rope_type", full.get("type"))
             if kind not in (None, "default", "linear"):
                 raise UnsupportedArchitectureError(f"{name}: rope scaling {kind!r} is not supported")
             sliding = tuple(i for i, k in enumerate(kinds) if k == "sliding_attention")
             return {
-                "architecture": "gemma3", "n_layers": n_layers, "hidden_size": hidden,
+                "architecture": "gemma2" if gemma2 else "gemma3", "n_layers": n_layers, "hidden_size": hidden,
                 "intermediate_size": int(c["intermediate_size"]), "n_heads": n_heads,
                 "n_kv_heads": int(c.get("num_key_value_heads") or n_heads), "head_dim": head_dim,
                 "vocab_size": int(c["vocab_size"]), "rope_theta": theta, "rms_norm_eps": float(c.get("rms_norm_eps", 1e-6)),
                 "context_length": int(c.get("max_position_embeddings", 32768)), "tied_embeddings": True,
                 "attention_bias": False, "attention_output_bias": False, "mlp_bias": False,
                 "rope_freq_factors": (float(full["factor"]),) * (head_dim // 2) if kind == "linear" else None,
-                "qk_norm": True, "post_sublayer_norms": True, "embedding_scale": math.sqrt(hidden),
+                "qk_norm": not gemma2, "post_sublayer_norms": True, "embedding_scale": math.sqrt(hidden),
                 "activation": "gelu_tanh", "attention_scale": float(c.get("query_pre_attn_scalar", head_dim)) ** -0.5,
                 "sliding_window": int(c["sliding_window"]) if sliding else 0, "sliding_layers": sliding,
-                "sliding_rope_theta": local_theta if sliding else None,
+                "sliding_rope_theta": local_theta if sliding and local_theta != theta else None,
+                "attention_softcap": float(c.get("attn_logit_softcapping") or 0.0),
+                "logit_softcap": float(c.get("final_logit_softcapping") or 0.0),
             }
         except (KeyError, TypeError, ValueError) as e:
             raise ModelFormatError(f"{name}: config.json lacks or garbles {e}") from e
@@ -348,7 +354,7 @@ class HfSource:
             q_rows, kv_rows = p["n_heads"] * p["head_dim"], p["n_kv_heads"] * p["head_dim"]
             t["q_proj"], t["k_proj"], t["v_proj"] = np.split(t.pop("qkv_proj"), [q_rows, q_rows + kv_rows])
             t["gate_proj"], t["up_proj"] = np.split(t.pop("gate_up_proj"), 2)
-        if self.arch == GEMMA3:  # x * (1 + w): the plain RMS norm of weight 1 + w
+        if self.arch in GEMMAS:  # x * (1 + w): the plain RMS norm of weight 1 + w
             t = {cname: a + np.float32(1.0) if cname.endswith("norm") else a for cname, a in t.items()}
         return t
 
@@ -356,7 +362,7 @@ class HfSource:
         return self._get("model.embed_tokens.weight")
 
     def head(self) -> dict[str, np.ndarray]:
-        norm = self._get("model.norm.weight") + np.float32(1.0 if self.arch == GEMMA3 else 0.0)
+        norm = self._get("model.norm.weight") + np.float32(1.0 if self.arch in GEMMAS else 0.0)
         if not self.params["tied_embeddings"]:
             return {"norm": norm, "lm_head": self._get("lm_head.weight")}
         w = self._get("model.embed_tokens.weight")

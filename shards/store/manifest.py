@@ -13,7 +13,7 @@ from typing import Any
 from shards.errors import ModelFormatError
 
 ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "smollm3", "gemma3", "granite", "olmo2", "mixtral",
-                 "qwen3_moe", "phi3")
+                 "qwen3_moe", "phi3", "gemma2")
 ACTIVATIONS = ("silu", "gelu_tanh")  # of the MLP's gate: SiLU (SwiGLU), GELU's tanh approximation (GeGLU)
 WEIGHT_FORMATS = ("f32", "f16", "q4", "mixed")
 BLOCK_FORMATS = ("q4", "mixed")  # linear weights in MatMulNBits blocks (4-bit, or 4- and 8-bit)
@@ -68,7 +68,7 @@ _OPTIONAL_DEFAULTS: dict[str, Any] = {
     "post_sublayer_norms": False, "embedding_scale": 1.0, "activation": "silu", "attention_scale": None,
     "sliding_window": 0, "sliding_layers": (), "sliding_rope_theta": None, "residual_scale": 1.0,
     "logit_scale": 1.0, "pre_sublayer_norms": True, "qk_norm_whole": False, "n_experts": 0, "experts_per_token": 0,
-    "expert_intermediate_size": 0, "renormalize_experts": False,
+    "expert_intermediate_size": 0, "renormalize_experts": False, "attention_softcap": 0.0, "logit_softcap": 0.0,
 }
 
 
@@ -96,7 +96,8 @@ class Manifest:
     [n_experts, hidden] whose softmax picks ``experts_per_token`` of the experts
     (``experts.E.gate_proj`` / ``up_proj`` / ``down_proj``, ``expert_intermediate_size`` wide),
     their outputs weighted by those probabilities (renormalised to sum 1 with
-    ``renormalize_experts``)."""
+    ``renormalize_experts``); ``attention_softcap`` / ``logit_softcap`` > 0: the scaled
+    attention scores / the logits x become cap * tanh(x / cap) (Gemma 2's soft-capping)."""
 
     name: str
     architecture: str
@@ -137,6 +138,8 @@ class Manifest:
     experts_per_token: int = 0
     expert_intermediate_size: int = 0
     renormalize_experts: bool = False
+    attention_softcap: float = 0.0
+    logit_softcap: float = 0.0
 
     def __post_init__(self) -> None:
         if not valid_model_name(self.name):
@@ -177,6 +180,11 @@ class Manifest:
         for name in ("attention_scale", "sliding_rope_theta"):
             if getattr(self, name) is not None:
                 _pos_float(name, getattr(self, name))
+        for name in ("attention_softcap", "logit_softcap"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+                raise ModelFormatError(f"manifest: {name} must be 0 (none) or a positive number, got {value!r}")
+            object.__setattr__(self, name, float(value))
         for name in ("n_experts", "experts_per_token", "expert_intermediate_size"):
             if not isinstance(getattr(self, name), int) or isinstance(getattr(self, name), bool) \
                     or getattr(self, name) < 0:

@@ -62,7 +62,7 @@ GEMMA_TURNS = (
     "{% endif %}{% endfor %}"
     "{% if add_generation_prompt %}{{ '<start_of_turn>model\n' }}{% endif %}"
 )
-FALLBACK_CHAT_TEMPLATES = {"gemma3": GEMMA_TURNS}
+FALLBACK_CHAT_TEMPLATES = {"gemma3": GEMMA_TURNS, "gemma2": GEMMA_TURNS}
 
 # Control tokens that end a generation whatever the EOS id says (llama.cpp's list).
 END_OF_GENERATION_TOKENS = frozenset({

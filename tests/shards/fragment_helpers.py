@@ -144,6 +144,8 @@ def make_hf_checkpoint(folder: Path, arch: str, *, seed: int = 0, attention_bias
     hidden_size / n_heads, as Qwen3's have. ``rope``: more of phi3's config (a long rope)."""
     import torch
     from transformers import (
+        Gemma2Config,
+        Gemma2ForCausalLM,
         Gemma3ForCausalLM,
         Gemma3TextConfig,
         GraniteConfig,
@@ -186,6 +188,11 @@ def make_hf_checkpoint(folder: Path, arch: str, *, seed: int = 0, attention_bias
         cfg = Gemma3TextConfig(**(common | {"num_hidden_layers": 6}), head_dim=32, sliding_window=16,
                                query_pre_attn_scalar=32, tie_word_embeddings=True, pad_token_id=0)
         model = Gemma3ForCausalLM(cfg)
+    elif arch == "gemma2":  # layers 0 and 2 slide over 16 positions; scores and logits soft-capped hard
+        cfg = Gemma2Config(**(common | {"num_hidden_layers": 4}), head_dim=32, sliding_window=16,
+                           query_pre_attn_scalar=32, attn_logit_softcapping=2.0, final_logit_softcapping=3.0,
+                           tie_word_embeddings=True, pad_token_id=0)
+        model = Gemma2ForCausalLM(cfg)
     elif arch == "mixtral":  # 4 experts, 2 per token
         cfg = MixtralConfig(**common, tie_word_embeddings=False, num_local_experts=4, num_experts_per_tok=2,
                             rope_theta=1000000.0, sliding_window=None)
@@ -244,7 +251,7 @@ def write_gguf_from_hf(model, path: Path, arch: str, extra: dict[str, np.ndarray
 
     cfg = model.config
     sd = {k: v.detach().float().numpy() for k, v in model.state_dict().items()}
-    if arch == "gemma3":  # the converter stores each of Gemma's norms as 1 + w
+    if arch in ("gemma3", "gemma2"):  # the converter stores each of Gemma's norms as 1 + w
         sd = {k: v + 1.0 if k.endswith("norm.weight") else v for k, v in sd.items()}
     n_heads, n_kv = cfg.num_attention_heads, cfg.num_key_value_heads
     hd = getattr(cfg, "head_dim", None) or cfg.hidden_size // n_heads
@@ -280,8 +287,11 @@ def write_gguf_from_hf(model, path: Path, arch: str, extra: dict[str, np.ndarray
         w.add_expert_used_count(cfg.num_experts_per_tok)
         if getattr(cfg, "moe_intermediate_size", None):
             w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
-    if arch == "gemma3" or (arch == "phi3" and cfg.sliding_window):
+    if arch in ("gemma3", "gemma2") or (arch == "phi3" and cfg.sliding_window):
         w.add_sliding_window(cfg.sliding_window)
+    if arch == "gemma2":
+        w.add_attn_logit_softcapping(cfg.attn_logit_softcapping)
+        w.add_final_logit_softcapping(cfg.final_logit_softcapping)
     if arch == "phi3":
         w.add_rope_dimension_count(hd)
     if rope.get("rope_type") == "longrope":  # phi3's, as llama.cpp's converter writes it
@@ -327,7 +337,7 @@ def write_gguf_from_hf(model, path: Path, arch: str, extra: dict[str, np.ndarray
         names = {k: v for k, v in names.items() if not k.endswith("layernorm.weight")}
         names |= {"post_attention_layernorm.weight": "post_attention_norm.weight",
                   "post_feedforward_layernorm.weight": "post_ffw_norm.weight"}
-    if arch == "gemma3":  # Gemma's four norms
+    if arch in ("gemma3", "gemma2"):  # Gemma's four norms
         names |= {"post_attention_layernorm.weight": "post_attention_norm.weight",
                   "pre_feedforward_layernorm.weight": "ffn_norm.weight",
                   "post_feedforward_layernorm.weight": "post_ffw_norm.weight"}

@@ -17,7 +17,7 @@ pytestmark = pytest.mark.slow
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "smollm3", "gemma3", "granite", "olmo2", "mixtral",
-                                  "qwen3_moe", "phi3"])
+                                  "qwen3_moe", "phi3", "gemma2"])
 def test_gguf_logits_match_transformers(tmp_path, arch) -> None:
     import torch
 
@@ -28,9 +28,11 @@ def test_gguf_logits_match_transformers(tmp_path, arch) -> None:
     assert m.name == f"tiny-{arch}" and m.architecture == arch
     assert m.tied_embeddings is (arch not in ("llama", "olmo2", "mixtral", "phi3")) and m.attention_bias is (arch == "qwen2")
     assert m.qk_norm is (arch in ("qwen3", "gemma3", "olmo2", "qwen3_moe"))
-    assert m.n_experts == {"mixtral": 4, "qwen3_moe": 6}.get(arch, 0) and m.head_dim == (32 if arch in ("qwen3", "gemma3") else 16)
+    assert m.n_experts == {"mixtral": 4, "qwen3_moe": 6}.get(arch, 0)
+    assert m.head_dim == (32 if arch in ("qwen3", "gemma3", "gemma2") else 16)
+    assert (m.attention_softcap, m.logit_softcap) == ((2.0, 3.0) if arch == "gemma2" else (0.0, 0.0))
     # gemma3: llama.cpp's every 6th layer global; phi3: every layer slides
-    assert m.sliding_layers == {"gemma3": (0, 1, 2, 3, 4), "phi3": (0, 1, 2)}.get(arch, ())
+    assert m.sliding_layers == {"gemma3": (0, 1, 2, 3, 4), "phi3": (0, 1, 2), "gemma2": (0, 2)}.get(arch, ())
     assert (m.rope_freq_factors is not None) is (arch == "llama")
     assert m.layers_without_rope == ((3,) if arch == "smollm3" else ())  # llama.cpp's fixed step of 4
     ids = np.random.default_rng(3).integers(3, 96, size=80).astype(np.int64)
@@ -39,7 +41,7 @@ def test_gguf_logits_match_transformers(tmp_path, arch) -> None:
     runners = open_chain(store.model_dir(m.name), [(0, 1), (2, m.n_layers - 1)], threads=1)
     ours = np.concatenate([chain_forward(runners, "s", ids[:60]), chain_forward(runners, "s", ids[60:])], axis=1)[0]
     # gemma3: six layers scaled by 1 + w, logits past 10: float32 rounding reaches 1.2e-4
-    np.testing.assert_allclose(ours, ref, atol=1e-3 if arch == "gemma3" else 1e-4, rtol=0)
+    np.testing.assert_allclose(ours, ref, atol=1e-3 if arch in ("gemma3", "gemma2") else 1e-4, rtol=0)
 
 
 def test_phi3_long_rope_and_4_bit_fused_matrices_from_gguf(tmp_path) -> None:

@@ -14,8 +14,8 @@ from shards.store.tensorfile import read_tensors
 pytestmark = pytest.mark.slow
 
 
-ARCHS = ("llama", "mistral", "qwen2", "qwen3", "smollm3", "gemma3", "granite", "olmo2", "mixtral", "qwen3_moe", "phi3")
-N_LAYERS = {"smollm3": 5, "gemma3": 6}  # the others: 3
+ARCHS = ("llama", "mistral", "qwen2", "qwen3", "smollm3", "gemma3", "granite", "olmo2", "mixtral", "qwen3_moe", "phi3", "gemma2")
+N_LAYERS = {"smollm3": 5, "gemma3": 6, "gemma2": 4}  # the others: 3
 
 
 @pytest.fixture(scope="module")
@@ -40,7 +40,7 @@ def torch_logits(model, ids: np.ndarray) -> np.ndarray:
 @pytest.mark.parametrize("arch", ARCHS)
 def test_manifest_reflects_config(checkpoints, arch) -> None:
     _, m, _ = checkpoints[arch]
-    head_dim = 32 if arch in ("qwen3", "gemma3") else 16
+    head_dim = 32 if arch in ("qwen3", "gemma3", "gemma2") else 16
     n_layers = N_LAYERS.get(arch, 3)
     assert (m.architecture, m.n_layers, m.hidden_size, m.n_heads, m.n_kv_heads, m.head_dim) == (arch, n_layers, 64, 4,
                                                                                                  2, head_dim)
@@ -51,8 +51,9 @@ def test_manifest_reflects_config(checkpoints, arch) -> None:
     assert m.qk_norm is (arch in ("qwen3", "gemma3", "olmo2", "qwen3_moe")) and m.qk_norm_whole is (arch == "olmo2")
     assert (m.n_experts, m.experts_per_token, m.renormalize_experts) == {"mixtral": (4, 2, True),
                                                                         "qwen3_moe": (6, 2, True)}.get(arch, (0, 0, False))
-    assert (m.sliding_layers, m.sliding_window) == {"gemma3": ((0, 1, 2, 3, 4), 16), "phi3": ((0, 1, 2), 16)}.get(
-        arch, ((), 0))
+    assert (m.sliding_layers, m.sliding_window) == {"gemma3": ((0, 1, 2, 3, 4), 16), "phi3": ((0, 1, 2), 16),
+                                                    "gemma2": ((0, 2), 16)}.get(arch, ((), 0))
+    assert (m.attention_softcap, m.logit_softcap) == ((2.0, 3.0) if arch == "gemma2" else (0.0, 0.0))
     # bias-free, norm-free manifests as before
     assert not {"attention_output_bias", "mlp_bias"} & set(m.to_dict()) and ("qk_norm" in m.to_dict()) is m.qk_norm
     assert ("layers_without_rope" in m.to_dict()) is (arch == "smollm3")
@@ -140,7 +141,7 @@ def test_static_flavour_matches_transformers(checkpoints, arch) -> None:
     np.testing.assert_allclose(rows[0], torch_logits(model, ids)[-1], atol=1e-4, rtol=0)
 
 
-@pytest.mark.parametrize("arch", ["qwen3", "smollm3", "gemma3", "olmo2", "mixtral", "phi3"])
+@pytest.mark.parametrize("arch", ["qwen3", "smollm3", "gemma3", "olmo2", "mixtral", "phi3", "gemma2"])
 @pytest.mark.parametrize("flavour", ["portable", "gpu"])
 def test_head_norms_and_unrotated_layers_in_the_other_flavours(checkpoints, arch, flavour) -> None:
     """Qwen3's per-head query/key norms, SmolLM3's layers without rope and Gemma 3's sliding
