@@ -3,7 +3,7 @@
 Supported ``model_type``: ``llama`` (incl. ``rope_scaling`` type "llama3", ``attention_bias``:
 q/k/v/o biases, ``mlp_bias``: gate/up/down biases), ``qwen2`` (q/k/v biases, tied
 embeddings), ``qwen3`` (a per-head RMS norm of queries and keys, ``attention_bias``: q/k/v/o
-biases), ``mistral`` (llama's maths, when its sliding window, if any, spans the whole context)
+biases), ``mistral`` (llama's maths, its sliding window, if any, on every layer)
 ``smollm3`` (llama's maths, some layers without rotary positions: ``no_rope_layers``),
 ``granite`` (llama's maths with multipliers of the embedding, the attention scores, the
 sublayers' outputs and the logits), ``olmo2`` (norms of the sublayers' outputs instead of
@@ -178,9 +178,8 @@ class HfSource:
                     ff, context, scores = self._longrope(rs, head_dim, context)
                 elif kind not in (None, "default"):
                     raise UnsupportedArchitectureError(f"{self.path.name}: rope scaling {kind!r} is not supported")
-            sliding = window is not None and int(window) < context
-            if (c.get("use_sliding_window") or any(t != "full_attention" for t in c.get("layer_types") or ())
-                    or (sliding and self.arch != "phi3")):
+            sliding = window is not None and int(window) < context  # (mistral's, mixtral's, phi3's: every layer's)
+            if c.get("use_sliding_window") or any(t != "full_attention" for t in c.get("layer_types") or ()):
                 raise UnsupportedArchitectureError(f"{self.path.name}: sliding-window attention is not supported")
             tied = bool(c.get("tie_word_embeddings", False)) or "lm_head.weight" not in self.index
             # as transformers builds them: qwen2 has q/k/v biases only; llama's and qwen3's
@@ -209,7 +208,7 @@ class HfSource:
                 "pre_sublayer_norms": self.arch != "olmo2",
                 "post_sublayer_norms": self.arch == "olmo2",
                 "layers_without_rope": self._layers_without_rope(),
-                # phi3's window (Phi-3's 4k models: 2047 positions) is every layer's
+                # a window on every layer (Mistral 7B v0.1: 4096 positions; Phi-3's 4k models: 2047)
                 **({"sliding_window": int(window), "sliding_layers": tuple(range(int(c["num_hidden_layers"])))}
                    if sliding else {}),
                 **scores,

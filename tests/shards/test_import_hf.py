@@ -62,16 +62,29 @@ def test_manifest_reflects_config(checkpoints, arch) -> None:
     assert (m.rope_freq_factors is not None) is (arch == "llama")
 
 
-def test_a_mistral_window_shorter_than_the_context_is_refused_in_one_line(tmp_path) -> None:
+def test_a_mistral_window_shorter_than_the_context_slides_on_every_layer(tmp_path) -> None:
+    """Mistral 7B v0.1's window (4096 of 32k positions), here 16: each layer attends to the
+    last 16 positions, as transformers' Mistral does; Qwen's layer-by-layer windows are refused."""
     import json
+
+    from transformers import MistralForCausalLM
 
     from shards.errors import UnsupportedArchitectureError
 
     make_hf_checkpoint(tmp_path / "src", "mistral", seed=2)
     config = json.loads((tmp_path / "src" / "config.json").read_text())
-    (tmp_path / "src" / "config.json").write_text(json.dumps(config | {"sliding_window": 64}))
+    (tmp_path / "src" / "config.json").write_text(json.dumps(config | {"sliding_window": 16}))
+    store = ModelStore(tmp_path / "home")
+    m = import_model(tmp_path / "src", name="windowed", store=store, progress=False)
+    assert (m.sliding_window, m.sliding_layers) == (16, (0, 1, 2))
+    model = MistralForCausalLM.from_pretrained(tmp_path / "src").eval()
+    ids = np.random.default_rng(8).integers(3, 96, size=50).astype(np.int64)
+    runners = open_chain(store.model_dir("windowed"), [(0, 2)], threads=1)
+    ours = np.concatenate([chain_forward(runners, "s", ids[:30]), chain_forward(runners, "s", ids[30:])], axis=1)[0]
+    np.testing.assert_allclose(ours, torch_logits(model, ids), atol=1e-4, rtol=0)
+    (tmp_path / "src" / "config.json").write_text(json.dumps(config | {"use_sliding_window": True}))
     with pytest.raises(UnsupportedArchitectureError, match=r"^src: sliding-window attention is not supported$"):
-        import_model(tmp_path / "src", store=ModelStore(tmp_path / "home"), progress=False)
+        import_model(tmp_path / "src", name="qwen-like", store=store, progress=False)
 
 
 @pytest.mark.parametrize("arch", ARCHS)
