@@ -79,13 +79,15 @@ def cmd_pull(args: argparse.Namespace) -> int:
 def cmd_import(args: argparse.Namespace) -> int:
     """ncm import PATH: import a GGUF file or a Hugging Face folder."""
     from shards.importers.encoder import import_encoder, is_encoder_folder
+    from shards.importers.encoder_gguf import import_encoder_gguf, is_encoder_gguf
     from shards.importers.importer import default_name, import_model
 
     path = Path(args.path)
     if not path.exists():
         raise ShardsError(f"{path} does not exist")
-    if is_encoder_folder(path):
-        encoder = import_encoder(path, name=args.name or default_name(path), store=_store(args))
+    if is_encoder_folder(path) or is_encoder_gguf(path):
+        encoder = (import_encoder if path.is_dir() else import_encoder_gguf)(
+            path, name=args.name or default_name(path), store=_store(args))
         print(f"{encoder.name}: imported (embedding model, {encoder.hidden_size} dimensions, "
               f"{encoder.pooling} pooling{', normalised' if encoder.normalize else ''})")
         return EXIT_OK

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import shutil
 from pathlib import Path
 from typing import Any
 
@@ -102,33 +101,43 @@ def import_encoder(folder: Path | str, *, name: str, store: ModelStore) -> Encod
         digest.update(hash_file(file).digest())
         for key, value in read_tensors(file).items():
             tensors[key.removeprefix("bert.")] = value
-    n_layers = int(config["num_hidden_layers"])
-    wanted = set(_EMBEDDING_TENSORS) | {f"encoder.layer.{i}.{t}" for i in range(n_layers) for t in _LAYER_TENSORS}
+    sentence = _json(folder / "sentence_bert_config.json") or {}
+    max_positions = int(config["max_position_embeddings"])
+    pooling, normalize = _pooling(folder)
+    shape = {"n_layers": int(config["num_hidden_layers"]), "hidden_size": int(config["hidden_size"]),
+             "intermediate_size": int(config["intermediate_size"]), "n_heads": int(config["num_attention_heads"]),
+             "vocab_size": int(config["vocab_size"]), "max_positions": max_positions,
+             "max_tokens": min(int(sentence.get("max_seq_length") or max_positions), max_positions),
+             "layer_norm_eps": float(config.get("layer_norm_eps", 1e-12))}
+    tokenizer = {file: (folder / file).read_text(encoding="utf-8") for file in TOKENIZER_FILES
+                 if (folder / file).is_file()}
+    return store_encoder(name, store, shape, tensors, tokenizer, pooling, normalize, digest.hexdigest(), folder)
+
+
+def store_encoder(name: str, store: ModelStore, shape: dict[str, Any], tensors: dict[str, np.ndarray],
+                   tokenizer: dict[str, str], pooling: str, normalize: bool, digest: str,
+                   source: Path) -> EncoderManifest:
+    """Write an encoder: ``shape``, the fields of its manifest that describe it (n_layers...),
+    its tensors by their Hugging Face names, its tokenizer files' texts."""
+    wanted = set(_EMBEDDING_TENSORS) | {f"encoder.layer.{i}.{t}" for i in range(shape["n_layers"])
+                                        for t in _LAYER_TENSORS}
     missing = sorted(wanted - set(tensors))
     if missing:
         raise ModelFormatError(f"the encoder lacks {len(missing)} tensors, e.g. {missing[:3]}")
     unused = sorted(k for k in set(tensors) - wanted if not k.startswith(_UNUSED_PREFIXES))
     if unused:
         raise UnmappedTensorError(f"the checkpoint holds tensors an encoder does not use: {unused[:5]}", unused)
-    sentence = _json(folder / "sentence_bert_config.json") or {}
-    max_positions = int(config["max_position_embeddings"])
-    pooling, normalize = _pooling(folder)
     with store.staging(name) as staging:
         path = staging / WEIGHTS_FILE
         write_tensors(path, {k: np.asarray(tensors[k], dtype=np.float32) for k in sorted(wanted)})
-        for file in TOKENIZER_FILES:
-            if (folder / file).is_file():
-                shutil.copyfile(folder / file, staging / file)
+        for file, text in tokenizer.items():
+            (staging / file).write_text(text, encoding="utf-8")
         manifest = EncoderManifest(
-            name=name, architecture="bert", n_layers=n_layers, hidden_size=int(config["hidden_size"]),
-            intermediate_size=int(config["intermediate_size"]), n_heads=int(config["num_attention_heads"]),
-            vocab_size=int(config["vocab_size"]), max_positions=max_positions,
-            max_tokens=min(int(sentence.get("max_seq_length") or max_positions), max_positions),
-            layer_norm_eps=float(config.get("layer_norm_eps", 1e-12)), pooling=pooling, normalize=normalize,
+            name=name, architecture="bert", **shape, pooling=pooling, normalize=normalize,
             files={WEIGHTS_KEY: WeightFile(WEIGHTS_FILE, path.stat().st_size, hash_file(path).hexdigest())},
-            source_digest=digest.hexdigest(), source=str(folder))
+            source_digest=digest, source=str(source))
         (staging / ENCODER_FILE).write_text(manifest.to_json())
     return manifest
 
 
-__all__ = ["WEIGHTS_FILE", "import_encoder", "is_encoder_folder"]
+__all__ = ["WEIGHTS_FILE", "import_encoder", "is_encoder_folder", "store_encoder"]
