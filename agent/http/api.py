@@ -548,15 +548,13 @@ def _prompt(parsed: ChatRequest, deployment: Deployment) -> tuple[list[int], str
     fmt = tool_format(template)
     if not tools:
         grammar = _schema_grammar(parsed.json_schema)
-    elif parsed.json_schema is not None:
-        raise InvalidRequestError("'response_format' cannot be combined with 'tools' yet: send one of them",
-                                  "response_format")
-    else:
+    else:  # with a response_format, an answer that calls no tool follows its schema
         try:
             grammar = call_grammar(fmt, tools, parsed.tool_choice, parallel=parsed.parallel_tool_calls,
-                                   special=tokenizer.special_token_texts)
+                                   special=tokenizer.special_token_texts, answer_schema=parsed.json_schema)
         except ShardsError as error:
-            raise InvalidRequestError(f"the tools cannot be turned into a grammar: {error}", "tools") from None
+            raise InvalidRequestError(f"the tools cannot be turned into a grammar: {error}",
+                                      "tools" if parsed.json_schema is None else "response_format") from None
     support = reasoning_support(template)
     think, variables = _thinking(parsed, support, deployment.name, constrained=grammar is not None)
     messages, extra = prompt_messages(fmt, parsed.messages, tools, parallel=parsed.parallel_tool_calls)

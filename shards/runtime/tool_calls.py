@@ -113,36 +113,41 @@ def _marker(text: str, special: frozenset[str]) -> str:
 
 
 def call_grammar(fmt: str, tools: Sequence[Mapping[str, Any]], choice: str, *, parallel: bool,
-                 special: frozenset[str] = frozenset()) -> str | None:
-    """The grammar the answer follows: None when it is free (``auto`` in a template format);
-    ``choice`` is auto, required or the name of the one tool to call; ``special``: the texts
-    of the tokenizer's special tokens."""
+                 special: frozenset[str] = frozenset(), answer_schema: dict[str, Any] | None = None) -> str | None:
+    """The grammar the answer follows: None when it is free (``auto`` in a template format,
+    without ``answer_schema``); ``choice`` is auto, required or the name of the one tool to
+    call; ``special``: the texts of the tokenizer's special tokens; ``answer_schema``: the JSON
+    schema of an answer that calls no tool (``response_format`` with tools, ``auto``)."""
     if choice not in ("auto", "required"):
         tools = [tool for tool in tools if tool["name"] == choice]
+    free = choice == "auto"
     if fmt == GENERIC:
         calls = {"type": "array", "items": _one_of(tools), "minItems": 1}
         if not parallel:
             calls["maxItems"] = 1
         answer = {"type": "object", "properties": {"tool_calls": calls}, "required": ["tool_calls"],
                   "additionalProperties": False}
-        if choice == "auto":
-            reply = {"type": "object", "properties": {"response": {"type": "string"}}, "required": ["response"],
-                     "additionalProperties": False}
+        if free:
+            reply = {"type": "object", "properties": {"response": answer_schema or {"type": "string"}},
+                     "required": ["response"], "additionalProperties": False}
             answer = {"anyOf": [answer, reply]}
         return json_schema_grammar(answer)
-    if choice == "auto":
+    if free and answer_schema is None:
         return None
     if fmt == HERMES:
         call = (f'{_marker("<tool_call>", special)} "\\n" {lark_json(_one_of(tools))} "\\n" '
                 f'{_marker("</tool_call>", special)}')
-        repeat = f"({call} \"\\n\")*" if parallel else ""
-        return lark_grammar(f"start: {call} {repeat}\n")
-    if fmt == LLAMA3:
-        return lark_grammar(f"start: {lark_json(_one_of(tools, 'parameters'))}\n")
-    calls = {"type": "array", "items": _one_of(tools), "minItems": 1}
-    if not parallel:
-        calls["maxItems"] = 1
-    return lark_grammar(f'start: {_marker("[TOOL_CALLS]", special)} {lark_json(calls)}\n')
+        calls = f"{call} (\"\\n\" {call})*" if parallel else call
+    elif fmt == LLAMA3:
+        calls = lark_json(_one_of(tools, "parameters"))
+    else:
+        listed = {"type": "array", "items": _one_of(tools), "minItems": 1}
+        if not parallel:
+            listed["maxItems"] = 1
+        calls = f'{_marker("[TOOL_CALLS]", special)} {lark_json(listed)}'
+    if free:  # a call, or the answer in its schema
+        return lark_grammar(f"start: calls | answer\ncalls: {calls}\nanswer: {lark_json(answer_schema)}\n")
+    return lark_grammar(f"start: {calls}\n")
 
 
 def _as_call(value: Any, index: int, arguments_key: str = "arguments") -> ToolCall | None:
@@ -170,8 +175,9 @@ def parse_calls(fmt: str, text: str) -> tuple[str, list[ToolCall]]:
     """The answer's text without its calls, and the calls (none when they do not parse)."""
     if fmt == GENERIC:
         answer = _json(text)
-        if isinstance(answer, dict) and isinstance(answer.get("response"), str):
-            return answer["response"], []
+        if isinstance(answer, dict) and "response" in answer and "tool_calls" not in answer:
+            reply = answer["response"]  # a string, or the JSON of a response_format
+            return (reply if isinstance(reply, str) else json.dumps(reply, ensure_ascii=False)), []
         raw = answer.get("tool_calls") if isinstance(answer, dict) else None
         calls = [_as_call(call, i) for i, call in enumerate(raw)] if isinstance(raw, list) else []
         return (("", calls) if calls and all(calls) else (text, []))  # type: ignore[return-value]

@@ -91,6 +91,22 @@ def test_structured_output_validates(client):
     assert isinstance(json.loads(answer.choices[0].message.content), dict)
 
 
+def test_tools_and_a_response_format_give_a_call_or_json_of_the_schema(client):
+    """An agent with tools and a typed output (the OpenAI Agents SDK sends both)."""
+    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20},
+                                               "summary": {"type": "string", "maxLength": 40}},
+              "required": ["city", "summary"], "additionalProperties": False}
+    for messages in (ASK, [{"role": "user", "content": "Summarise Paris in a few words."}]):
+        answer = client.chat.completions.create(
+            model=MODEL, messages=messages, tools=[WEATHER], temperature=0, max_tokens=120, parallel_tool_calls=False,
+            response_format={"type": "json_schema", "json_schema": {"name": "answer", "schema": schema}})
+        message = answer.choices[0].message
+        if message.tool_calls:
+            jsonschema.validate(json.loads(message.tool_calls[0].function.arguments), WEATHER["function"]["parameters"])
+        else:
+            jsonschema.validate(json.loads(message.content), schema)
+
+
 def test_fields_ncm_does_not_implement_are_refused_by_name(client):
     for field, value in (("n", 2), ("reasoning_effort", "low"), ("modalities", ["audio"]), ("colour", "red")):
         with pytest.raises(openai.BadRequestError) as caught:

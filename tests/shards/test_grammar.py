@@ -118,6 +118,28 @@ def test_an_auto_generic_answer_is_a_call_or_a_reply(llg, smollm2_tokenizer):
         assert calls or content == json.loads(text)["response"]
 
 
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_with_a_response_format_an_auto_answer_is_a_call_or_json_of_its_schema(llg, smollm2_tokenizer, fmt):
+    """Tools and response_format together (agents with a typed output): whatever the logits,
+    the answer is a well-formed call, or JSON the schema validates (the reply's content)."""
+    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 10},
+                                               "celsius": {"type": "integer", "minimum": -40, "maximum": 50}},
+              "required": ["city", "celsius"], "additionalProperties": False}
+    grammar = call_grammar(fmt, TOOLS, "auto", parallel=False, answer_schema=schema)
+    kinds = set()
+    for seed in range(8):
+        text = smollm2_tokenizer.decode(constrained(llg, smollm2_tokenizer, grammar, seed))
+        content, calls = parse_calls(fmt, text)
+        if calls:
+            tool = next(t for t in TOOLS if t["name"] == calls[0].name)
+            jsonschema.validate(calls[0].arguments, tool["parameters"])
+            kinds.add("call")
+        else:
+            jsonschema.validate(json.loads(content), schema)
+            kinds.add("answer")
+    assert kinds, "nothing sampled"
+
+
 def test_a_bad_schema_is_a_typed_error():
     with pytest.raises(GrammarError):
         json_schema_grammar({"type": "object", "properties": {"a": {"type": "no-such-type"}}})
