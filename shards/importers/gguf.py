@@ -25,7 +25,8 @@ from shards.errors import ModelFormatError, UnsupportedArchitectureError
 from shards.store.verify import hash_file
 
 log = logging.getLogger(__name__)
-SUPPORTED = ("llama", "qwen2", "qwen3", "smollm3", "gemma3", "granite", "olmo2", "qwen3moe", "phi3", "gemma2")
+SUPPORTED = ("llama", "qwen2", "qwen3", "smollm3", "gemma3", "granite", "olmo2", "qwen3moe", "phi3", "gemma2",
+             "olmoe")
 # phi3 fuses the query, key and value projections (attn_qkv) and the gate and up ones (ffn_up,
 # gate first): split into llama's at import.
 _PHI3_LAYER = {"attn_norm.weight": "input_norm", "ffn_norm.weight": "post_norm", "attn_qkv.weight": "qkv_proj",
@@ -169,8 +170,8 @@ class GgufSource:
             "attention_output_bias": "blk.0.attn_output.bias" in self.tensors,
             "mlp_bias": "blk.0.ffn_gate.bias" in self.tensors,
             "rope_freq_factors": ff,
-            "qk_norm": a in ("qwen3", "gemma3", "olmo2", "qwen3moe"),
-            "qk_norm_whole": a == "olmo2",
+            "qk_norm": a in ("qwen3", "gemma3", "olmo2", "qwen3moe", "olmoe"),
+            "qk_norm_whole": a in ("olmo2", "olmoe"),
             "pre_sublayer_norms": a != "olmo2",
             "layers_without_rope": tuple(i for i in range(n_layers)
                                          if a == "smollm3" and (i + 1) % SMOLLM3_NO_ROPE_STEP == 0),
@@ -205,16 +206,17 @@ class GgufSource:
 
     def _experts(self) -> dict[str, Any]:
         """A mixture of experts (llama.cpp writes Mixtral as llama with experts): the router's
-        top-k probabilities renormalised, as llama.cpp runs both kinds."""
+        top-k probabilities renormalised as llama.cpp runs Mixtral and Qwen3-MoE, as they are
+        for OLMoE."""
         a = self.arch
         n = int(self._field(f"{a}.expert_count", 0))
         if not n:
             return {}
-        return {"architecture": "mixtral" if a == "llama" else "qwen3_moe", "n_experts": n,
+        return {"architecture": {"llama": "mixtral", "qwen3moe": "qwen3_moe"}.get(a, a), "n_experts": n,
                 "experts_per_token": int(self._field(f"{a}.expert_used_count")),
                 "expert_intermediate_size": int(self._field(f"{a}.expert_feed_forward_length", 0))
                 or int(self._field(f"{a}.feed_forward_length")),
-                "renormalize_experts": True}
+                "renormalize_experts": a != "olmoe"}
 
     def _gemma3_params(self, n_layers: int, hidden: int, n_heads: int, head_dim: int) -> dict[str, Any]:
         window = int(self._field("gemma3.attention.sliding_window"))

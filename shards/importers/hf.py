@@ -7,8 +7,9 @@ biases), ``mistral`` (llama's maths, its sliding window, if any, on every layer)
 ``smollm3`` (llama's maths, some layers without rotary positions: ``no_rope_layers``),
 ``granite`` (llama's maths with multipliers of the embedding, the attention scores, the
 sublayers' outputs and the logits), ``olmo2`` (norms of the sublayers' outputs instead of
-their inputs, query and key norms over the whole projection), ``mixtral`` and ``qwen3_moe``
-(a mixture of experts in every layer; qwen3_moe with qwen3's query and key norms) and
+their inputs, query and key norms over the whole projection), ``mixtral``, ``qwen3_moe`` and
+``olmoe`` (a mixture of experts in every layer; qwen3_moe with qwen3's query and key norms,
+olmoe with query and key norms over the whole projection) and
 ``phi3`` (Phi-3, Phi-4: llama's maths with fused query/key/value and gate/up matrices, split at
 import; its sliding window on every layer; long rope up to the original context) and
 ``gemma3_text`` (Gemma 3: norms that scale by 1 + w, stored as the plain weight they amount to,
@@ -35,7 +36,7 @@ from shards.store.verify import hash_file
 
 log = logging.getLogger(__name__)
 SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "smollm3", "gemma3_text", "granite", "olmo2", "mixtral",
-             "qwen3_moe", "phi3", "gemma2")
+             "qwen3_moe", "phi3", "gemma2", "olmoe")
 # Phi-3 and Phi-4 fuse the query, key and value projections in one matrix, and the MLP's gate
 # and up ones in another (gate first): split into llama's at import.
 _PHI3_FUSED = {"self_attn.qkv_proj.weight": "qkv_proj", "mlp.gate_up_proj.weight": "gate_up_proj"}
@@ -203,8 +204,8 @@ class HfSource:
                 "attention_output_bias": self.arch != "qwen2" and attention_bias,
                 "mlp_bias": llama and bool(c.get("mlp_bias", False)),
                 "rope_freq_factors": ff,
-                "qk_norm": self.arch in ("qwen3", "olmo2", "qwen3_moe"),
-                "qk_norm_whole": self.arch == "olmo2",
+                "qk_norm": self.arch in ("qwen3", "olmo2", "qwen3_moe", "olmoe"),
+                "qk_norm_whole": self.arch in ("olmo2", "olmoe"),
                 "pre_sublayer_norms": self.arch != "olmo2",
                 "post_sublayer_norms": self.arch == "olmo2",
                 "layers_without_rope": self._layers_without_rope(),
@@ -290,6 +291,13 @@ class HfSource:
         if self.arch == "mixtral":  # softmax, top k, renormalised
             return {"n_experts": int(c["num_local_experts"]), "experts_per_token": int(c["num_experts_per_tok"]),
                     "expert_intermediate_size": int(c["intermediate_size"]), "renormalize_experts": True}
+        if self.arch == "olmoe":  # softmax, top k, renormalised where norm_topk_prob says so
+            if c.get("clip_qkv"):
+                raise UnsupportedArchitectureError(f"{self.path.name}: clipped query/key/value (clip_qkv) is not "
+                                                   "supported")
+            return {"n_experts": int(c["num_experts"]), "experts_per_token": int(c["num_experts_per_tok"]),
+                    "expert_intermediate_size": int(c["intermediate_size"]),
+                    "renormalize_experts": bool(c.get("norm_topk_prob", False))}
         if self.arch == "qwen3_moe":
             if int(c.get("decoder_sparse_step", 1)) != 1 or c.get("mlp_only_layers"):
                 raise UnsupportedArchitectureError(f"{self.path.name}: layers without experts (decoder_sparse_step, "

@@ -13,7 +13,7 @@ from typing import Any
 from shards.errors import ModelFormatError
 
 ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "smollm3", "gemma3", "granite", "olmo2", "mixtral",
-                 "qwen3_moe", "phi3", "gemma2")
+                 "qwen3_moe", "phi3", "gemma2", "olmoe")
 ACTIVATIONS = ("silu", "gelu_tanh")  # of the MLP's gate: SiLU (SwiGLU), GELU's tanh approximation (GeGLU)
 WEIGHT_FORMATS = ("f32", "f16", "q4", "mixed")
 BLOCK_FORMATS = ("q4", "mixed")  # linear weights in MatMulNBits blocks (4-bit, or 4- and 8-bit)

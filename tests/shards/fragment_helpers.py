@@ -158,6 +158,8 @@ def make_hf_checkpoint(folder: Path, arch: str, *, seed: int = 0, attention_bias
         MixtralForCausalLM,
         Olmo2Config,
         Olmo2ForCausalLM,
+        OlmoeConfig,
+        OlmoeForCausalLM,
         Phi3Config,
         Phi3ForCausalLM,
         Qwen2Config,
@@ -204,6 +206,10 @@ def make_hf_checkpoint(folder: Path, arch: str, *, seed: int = 0, attention_bias
     elif arch == "phi3":  # every layer slides over 16 positions (Phi-3's 4k models: 2047)
         cfg = Phi3Config(**common, **({"tie_word_embeddings": False, "sliding_window": 16, "pad_token_id": 0} | rope))
         model = Phi3ForCausalLM(cfg)
+    elif arch == "olmoe":  # 6 experts, 2 per token, not renormalised (as OLMoE's are)
+        cfg = OlmoeConfig(**(common | {"intermediate_size": 48}), tie_word_embeddings=False, num_experts=6,
+                          num_experts_per_tok=2, norm_topk_prob=False, pad_token_id=0)
+        model = OlmoeForCausalLM(cfg)
     elif arch == "olmo2":
         cfg = Olmo2Config(**common, tie_word_embeddings=False, rope_theta=500000.0, pad_token_id=0)
         model = Olmo2ForCausalLM(cfg)
@@ -266,7 +272,7 @@ def write_gguf_from_hf(model, path: Path, arch: str, extra: dict[str, np.ndarray
             half = gate_up.shape[1] // 2
             sd[key.replace("gate_up_proj", "gate_proj")], sd[key.replace("gate_up_proj", "up_proj")] = \
                 gate_up[:, :half], gate_up[:, half:]
-    gguf_arch = {"mixtral": "llama", "qwen3_moe": "qwen3moe"}.get(arch, arch)
+    gguf_arch = {"mixtral": "llama", "qwen3_moe": "qwen3moe"}.get(arch, arch)  # (olmoe: as it is)
     w = gguf.GGUFWriter(str(path), gguf_arch)
     w.add_block_count(cfg.num_hidden_layers)
     w.add_context_length(cfg.max_position_embeddings)

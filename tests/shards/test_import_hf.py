@@ -14,7 +14,8 @@ from shards.store.tensorfile import read_tensors
 pytestmark = pytest.mark.slow
 
 
-ARCHS = ("llama", "mistral", "qwen2", "qwen3", "smollm3", "gemma3", "granite", "olmo2", "mixtral", "qwen3_moe", "phi3", "gemma2")
+ARCHS = ("llama", "mistral", "qwen2", "qwen3", "smollm3", "gemma3", "granite", "olmo2", "mixtral", "qwen3_moe", "phi3", "gemma2",
+         "olmoe")
 N_LAYERS = {"smollm3": 5, "gemma3": 6, "gemma2": 4}  # the others: 3
 
 
@@ -44,13 +45,14 @@ def test_manifest_reflects_config(checkpoints, arch) -> None:
     n_layers = N_LAYERS.get(arch, 3)
     assert (m.architecture, m.n_layers, m.hidden_size, m.n_heads, m.n_kv_heads, m.head_dim) == (arch, n_layers, 64, 4,
                                                                                                  2, head_dim)
-    assert m.tied_embeddings is (arch not in ("llama", "mistral", "olmo2", "mixtral", "phi3"))
+    assert m.tied_embeddings is (arch not in ("llama", "mistral", "olmo2", "mixtral", "phi3", "olmoe"))
     assert m.layers_without_rope == ((3,) if arch == "smollm3" else ())
     assert m.attention_bias is (arch == "qwen2")
     assert not m.attention_output_bias and not m.mlp_bias
-    assert m.qk_norm is (arch in ("qwen3", "gemma3", "olmo2", "qwen3_moe")) and m.qk_norm_whole is (arch == "olmo2")
-    assert (m.n_experts, m.experts_per_token, m.renormalize_experts) == {"mixtral": (4, 2, True),
-                                                                        "qwen3_moe": (6, 2, True)}.get(arch, (0, 0, False))
+    assert m.qk_norm is (arch in ("qwen3", "gemma3", "olmo2", "qwen3_moe", "olmoe"))
+    assert m.qk_norm_whole is (arch in ("olmo2", "olmoe"))
+    assert (m.n_experts, m.experts_per_token, m.renormalize_experts) == {
+        "mixtral": (4, 2, True), "qwen3_moe": (6, 2, True), "olmoe": (6, 2, False)}.get(arch, (0, 0, False))
     assert (m.sliding_layers, m.sliding_window) == {"gemma3": ((0, 1, 2, 3, 4), 16), "phi3": ((0, 1, 2), 16),
                                                     "gemma2": ((0, 2), 16)}.get(arch, ((), 0))
     assert (m.attention_softcap, m.logit_softcap) == ((2.0, 3.0) if arch == "gemma2" else (0.0, 0.0))
@@ -154,7 +156,7 @@ def test_static_flavour_matches_transformers(checkpoints, arch) -> None:
     np.testing.assert_allclose(rows[0], torch_logits(model, ids)[-1], atol=1e-4, rtol=0)
 
 
-@pytest.mark.parametrize("arch", ["qwen3", "smollm3", "gemma3", "olmo2", "mixtral", "phi3", "gemma2"])
+@pytest.mark.parametrize("arch", ["qwen3", "smollm3", "gemma3", "olmo2", "mixtral", "phi3", "gemma2", "olmoe"])
 @pytest.mark.parametrize("flavour", ["portable", "gpu"])
 def test_head_norms_and_unrotated_layers_in_the_other_flavours(checkpoints, arch, flavour) -> None:
     """Qwen3's per-head query/key norms, SmolLM3's layers without rope and Gemma 3's sliding
