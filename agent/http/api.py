@@ -539,8 +539,8 @@ def _prompt(parsed: ChatRequest, deployment: Deployment) -> tuple[list[int], str
     if parsed.messages is None:
         assert parsed.prompt is not None
         if parsed.think or parsed.template_variables:
-            raise InvalidRequestError(f"'{parsed.think_field if parsed.think else 'chat_template_kwargs'}' needs the "
-                                      "chat template: send messages, without raw", parsed.think_field)
+            field = parsed.think_field if parsed.think else "chat_template_kwargs"
+            raise InvalidRequestError(f"'{field}' needs the chat template: send messages, without raw", field)
         return tokenizer.encode(parsed.prompt), _schema_grammar(parsed.json_schema), AnswerReader()
     tools = [{"name": t.name, "description": t.description, "parameters": t.parameters}
              for t in parsed.tools] if parsed.calls_tools else []

@@ -455,11 +455,13 @@ class _Builder:
         return self.g.op1("Add", [y, self.g.const(label + ".bias", b)])
 
     def mlp(self, xn: str, t: dict[str, np.ndarray], li: int, prefix: str = "") -> str:
-        """The gated MLP; ``prefix`` names an expert's (``experts.E.``), ``expert_intermediate_size`` wide."""
+        """The gated MLP; ``prefix`` names an expert's (``experts.E.``, ``expert_intermediate_size``
+        wide) or the shared expert's (``shared_expert.``)."""
         if self.m.n_experts and not prefix:
             return self.experts(xn, t, li)
-        g = self.g
-        f = self.m.expert_intermediate_size if prefix else self.m.intermediate_size
+        g, m = self.g, self.m
+        f = (m.shared_expert_intermediate_size if prefix == "shared_expert." else m.expert_intermediate_size) \
+            if prefix else m.intermediate_size
         gu = self.linear(xn, t, [prefix + "gate_proj", prefix + "up_proj"], f"l{li}.{prefix}gate_up")
         if self.m.mlp_bias:
             gu = self.add_bias(gu, t, ["gate_bias", "up_bias"], f"l{li}.gate_up")
@@ -494,7 +496,13 @@ class _Builder:
             y = g.op1("Squeeze", [self.mlp(chosen, t, li, f"experts.{e}."), ax("zero_ax", [0])])
             y = g.op1("Mul", [y, g.op1("Unsqueeze", [g.op1("GatherND", [weight, index]), ax("one_ax", [1])])])
             out = g.op1("ScatterND", [out, index, self.residual_precision(y)], reduction="add")  # (in float32)
-        return self.compute_precision(g.op1("Reshape", [out, g.op1("Shape", [xn])]))
+        out = self.compute_precision(g.op1("Reshape", [out, g.op1("Shape", [xn])]))
+        if not m.shared_expert_intermediate_size:
+            return out
+        # Qwen2-MoE's shared expert: every row, weighted by the sigmoid of its own gate
+        gate = np.ascontiguousarray(t["shared_expert_gate"].astype(self.dtype).T)
+        weight = g.op1("Sigmoid", [g.op1("MatMul", [xn, g.const(f"l{li}.shared_expert_gate", gate)])])
+        return g.op1("Add", [out, g.op1("Mul", [self.mlp(xn, t, li, "shared_expert."), weight])])
 
     def activation(self, x: str) -> str:
         """The gate's activation: SiLU, or GELU's tanh approximation

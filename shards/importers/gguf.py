@@ -1,4 +1,4 @@
-"""Read a GGUF file (llama incl. Mixtral / qwen2 / qwen3 / qwen3moe / smollm3 / gemma3 / gemma2 / granite / olmo2 / phi3) as float32 tensors with ncm's canonical names.
+"""Read a GGUF file (llama incl. Mixtral / qwen2 / qwen2moe / qwen3 / qwen3moe / olmoe / smollm3 / gemma3 / gemma2 / granite / olmo2 / phi3) as float32 tensors with ncm's canonical names.
 
 llama.cpp's converter permutes the rows of llama's (smollm3's, granite's) ``attn_q`` / ``attn_k`` so that rotary pairs
 are interleaved (GPT-J style); we undo that permutation so stored weights are in the Hugging
@@ -26,7 +26,10 @@ from shards.store.verify import hash_file
 
 log = logging.getLogger(__name__)
 SUPPORTED = ("llama", "qwen2", "qwen3", "smollm3", "gemma3", "granite", "olmo2", "qwen3moe", "phi3", "gemma2",
-             "olmoe")
+             "olmoe", "qwen2moe")
+# Qwen2-MoE's shared expert, and its gate (a vector in the file: one row of the gate's matrix)
+_SHARED_EXPERT = {"ffn_gate_shexp.weight": "shared_expert.gate_proj", "ffn_up_shexp.weight": "shared_expert.up_proj",
+                  "ffn_down_shexp.weight": "shared_expert.down_proj", "ffn_gate_inp_shexp.weight": "shared_expert_gate"}
 # phi3 fuses the query, key and value projections (attn_qkv) and the gate and up ones (ffn_up,
 # gate first): split into llama's at import.
 _PHI3_LAYER = {"attn_norm.weight": "input_norm", "ffn_norm.weight": "post_norm", "attn_qkv.weight": "qkv_proj",
@@ -105,6 +108,8 @@ class GgufSource:
             self._layer_map = {k: v for k, v in self._layer_map.items() if v not in ("gate_proj", "up_proj",
                                                                                      "down_proj")}
             self._layer_map |= {"ffn_gate_inp.weight": "router"} | _EXPERT_TENSORS
+            if self.params.get("shared_expert_intermediate_size"):
+                self._layer_map |= _SHARED_EXPERT
         if not self.params["pre_sublayer_norms"]:  # olmo2: no norms before the sublayers
             self._layer_map = {k: v for k, v in self._layer_map.items() if v not in ("input_norm", "post_norm")}
         for on, names in ((self.params["attention_bias"], _QKV_BIASES),
@@ -207,16 +212,18 @@ class GgufSource:
     def _experts(self) -> dict[str, Any]:
         """A mixture of experts (llama.cpp writes Mixtral as llama with experts): the router's
         top-k probabilities renormalised as llama.cpp runs Mixtral and Qwen3-MoE, as they are
-        for OLMoE."""
+        for OLMoE and Qwen2-MoE (whose shared expert every row runs)."""
         a = self.arch
         n = int(self._field(f"{a}.expert_count", 0))
         if not n:
             return {}
-        return {"architecture": {"llama": "mixtral", "qwen3moe": "qwen3_moe"}.get(a, a), "n_experts": n,
+        shared = int(self._field(f"{a}.expert_shared_feed_forward_length", 0))
+        return {"architecture": {"llama": "mixtral", "qwen3moe": "qwen3_moe", "qwen2moe": "qwen2_moe"}.get(a, a),
+                "n_experts": n, **({"shared_expert_intermediate_size": shared} if shared else {}),
                 "experts_per_token": int(self._field(f"{a}.expert_used_count")),
                 "expert_intermediate_size": int(self._field(f"{a}.expert_feed_forward_length", 0))
                 or int(self._field(f"{a}.feed_forward_length")),
-                "renormalize_experts": a != "olmoe"}
+                "renormalize_experts": a not in ("olmoe", "qwen2moe")}
 
     def _gemma3_params(self, n_layers: int, hidden: int, n_heads: int, head_dim: int) -> dict[str, Any]:
         window = int(self._field("gemma3.attention.sliding_window"))
@@ -273,6 +280,8 @@ class GgufSource:
             arr = self._tensor(f"blk.{i}.{gname}")
             if gname in _EXPERT_TENSORS:  # [experts, out, in]: one matrix per expert
                 out |= {f"experts.{e}.{cname}": arr[e] for e in range(arr.shape[0])}
+            elif cname == "shared_expert_gate":  # [hidden] in the file: the gate's one row
+                out[cname] = arr.reshape(1, -1)
             elif cname in SPLITS:  # phi3's fused rows: q, k, v / gate, up
                 rows = self._split_rows(cname)
                 out |= dict(zip(SPLITS[cname], np.split(arr, np.cumsum(rows)[:-1])))

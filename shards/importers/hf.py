@@ -7,9 +7,10 @@ biases), ``mistral`` (llama's maths, its sliding window, if any, on every layer)
 ``smollm3`` (llama's maths, some layers without rotary positions: ``no_rope_layers``),
 ``granite`` (llama's maths with multipliers of the embedding, the attention scores, the
 sublayers' outputs and the logits), ``olmo2`` (norms of the sublayers' outputs instead of
-their inputs, query and key norms over the whole projection), ``mixtral``, ``qwen3_moe`` and
-``olmoe`` (a mixture of experts in every layer; qwen3_moe with qwen3's query and key norms,
-olmoe with query and key norms over the whole projection) and
+their inputs, query and key norms over the whole projection), ``mixtral``, ``qwen3_moe``,
+``qwen2_moe`` and ``olmoe`` (a mixture of experts in every layer; qwen3_moe with qwen3's query
+and key norms, qwen2_moe with qwen2's biases and a shared expert, olmoe with query and key norms
+over the whole projection) and
 ``phi3`` (Phi-3, Phi-4: llama's maths with fused query/key/value and gate/up matrices, split at
 import; its sliding window on every layer; long rope up to the original context) and
 ``gemma3_text`` (Gemma 3: norms that scale by 1 + w, stored as the plain weight they amount to,
@@ -36,7 +37,7 @@ from shards.store.verify import hash_file
 
 log = logging.getLogger(__name__)
 SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "smollm3", "gemma3_text", "granite", "olmo2", "mixtral",
-             "qwen3_moe", "phi3", "gemma2", "olmoe")
+             "qwen3_moe", "phi3", "gemma2", "olmoe", "qwen2_moe")
 # Phi-3 and Phi-4 fuse the query, key and value projections in one matrix, and the MLP's gate
 # and up ones in another (gate first): split into llama's at import.
 _PHI3_FUSED = {"self_attn.qkv_proj.weight": "qkv_proj", "mlp.gate_up_proj.weight": "gate_up_proj"}
@@ -139,6 +140,10 @@ class HfSource:
             for e in range(self.params["n_experts"]):
                 for hname, cname in zip(names, ("gate_proj", "up_proj", "down_proj")):
                     self._layer_map[f"{moe}.experts.{e}.{hname}.weight"] = f"experts.{e}.{cname}"
+            if self.params.get("shared_expert_intermediate_size"):
+                self._layer_map |= {f"mlp.shared_expert.{n}.weight": f"shared_expert.{n}"
+                                    for n in ("gate_proj", "up_proj", "down_proj")}
+                self._layer_map["mlp.shared_expert_gate.weight"] = "shared_expert_gate"
         if self.arch == "phi3":
             self._layer_map = {k: v for k, v in _LAYER_NAMES.items()
                                if v not in ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")} | _PHI3_FUSED
@@ -186,7 +191,8 @@ class HfSource:
             # as transformers builds them: qwen2 has q/k/v biases only; llama's and qwen3's
             # attention_bias gives q/k/v and o_proj biases, llama's mlp_bias gate/up/down ones
             llama = self.arch in ("llama", "granite")  # (granite: llama's biases)
-            attention_bias = bool(c.get("attention_bias", False)) if self.arch != "qwen2" else True
+            qwen2 = self.arch in ("qwen2", "qwen2_moe")  # q/k/v biases (qwen2_moe: unless qkv_bias is false)
+            attention_bias = bool(c.get("qkv_bias", True)) if qwen2 else bool(c.get("attention_bias", False))
             return {
                 "architecture": self.arch,
                 "n_layers": int(c["num_hidden_layers"]),
@@ -201,7 +207,7 @@ class HfSource:
                 "context_length": context,
                 "tied_embeddings": tied,
                 "attention_bias": attention_bias,
-                "attention_output_bias": self.arch != "qwen2" and attention_bias,
+                "attention_output_bias": not qwen2 and attention_bias,
                 "mlp_bias": llama and bool(c.get("mlp_bias", False)),
                 "rope_freq_factors": ff,
                 "qk_norm": self.arch in ("qwen3", "olmo2", "qwen3_moe", "olmoe"),
@@ -298,7 +304,7 @@ class HfSource:
             return {"n_experts": int(c["num_experts"]), "experts_per_token": int(c["num_experts_per_tok"]),
                     "expert_intermediate_size": int(c["intermediate_size"]),
                     "renormalize_experts": bool(c.get("norm_topk_prob", False))}
-        if self.arch == "qwen3_moe":
+        if self.arch in ("qwen3_moe", "qwen2_moe"):
             if int(c.get("decoder_sparse_step", 1)) != 1 or c.get("mlp_only_layers"):
                 raise UnsupportedArchitectureError(f"{self.path.name}: layers without experts (decoder_sparse_step, "
                                                    "mlp_only_layers) are not supported")
@@ -306,7 +312,10 @@ class HfSource:
             return {"n_experts": int(c.get("num_experts") or c["num_local_experts"]),
                     "experts_per_token": int(c["num_experts_per_tok"]),
                     "expert_intermediate_size": int(c["moe_intermediate_size"]),
-                    "renormalize_experts": bool(c.get("norm_topk_prob", False))}
+                    "renormalize_experts": bool(c.get("norm_topk_prob", False)),
+                    # qwen2_moe: a shared expert every row runs, gated by a sigmoid
+                    **({"shared_expert_intermediate_size": int(c["shared_expert_intermediate_size"])}
+                       if self.arch == "qwen2_moe" else {})}
         return {}
 
     def _granite_multipliers(self) -> dict[str, Any]:

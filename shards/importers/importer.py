@@ -42,11 +42,12 @@ from shards.store.verify import hash_file
 
 log = logging.getLogger(__name__)
 LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-_EXPERT = re.compile(r"experts\.\d+\.(gate_proj|up_proj|down_proj)")
+_EXPERT = re.compile(r"(?:experts\.\d+|shared_expert)\.(gate_proj|up_proj|down_proj)")
 
 
 def is_linear(name: str) -> bool:
-    """A layer tensor that is a linear weight (quantised in block formats): a projection or an expert's."""
+    """A layer tensor that is a linear weight (quantised in block formats): a projection, an
+    expert's or the shared expert's."""
     return name in LINEAR or _EXPERT.fullmatch(name) is not None
 WEIGHTS_DIR = "weights"
 
@@ -148,12 +149,13 @@ def _check_layer(src_params: dict[str, Any], i: int, t: dict[str, np.ndarray]) -
             "q_norm": (q if src_params.get("qk_norm_whole") else src_params["head_dim"],),
             "k_norm": (kv if src_params.get("qk_norm_whole") else src_params["head_dim"],),
             "attn_out_norm": (h,), "mlp_out_norm": (h,)}
-    fe = src_params.get("expert_intermediate_size", 0)
-    want |= {"router": (src_params.get("n_experts", 0), h)}
+    fe, fs = src_params.get("expert_intermediate_size", 0), src_params.get("shared_expert_intermediate_size", 0)
+    want |= {"router": (src_params.get("n_experts", 0), h), "shared_expert_gate": (1, h)}
     for name, arr in t.items():
         expert = _EXPERT.fullmatch(name)
         if expert:
-            want[name] = (h, fe) if expert.group(1) == "down_proj" else (fe, h)
+            width = fs if name.startswith("shared_expert.") else fe
+            want[name] = (h, width) if expert.group(1) == "down_proj" else (width, h)
         if tuple(arr.shape) != want[name]:
             raise ModelFormatError(f"layer {i}: {name} has shape {arr.shape}, expected {want[name]}")
         if not np.isfinite(arr).all():

@@ -13,7 +13,7 @@ from typing import Any
 from shards.errors import ModelFormatError
 
 ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "smollm3", "gemma3", "granite", "olmo2", "mixtral",
-                 "qwen3_moe", "phi3", "gemma2", "olmoe")
+                 "qwen3_moe", "phi3", "gemma2", "olmoe", "qwen2_moe")
 ACTIVATIONS = ("silu", "gelu_tanh")  # of the MLP's gate: SiLU (SwiGLU), GELU's tanh approximation (GeGLU)
 WEIGHT_FORMATS = ("f32", "f16", "q4", "mixed")
 BLOCK_FORMATS = ("q4", "mixed")  # linear weights in MatMulNBits blocks (4-bit, or 4- and 8-bit)
@@ -69,6 +69,7 @@ _OPTIONAL_DEFAULTS: dict[str, Any] = {
     "sliding_window": 0, "sliding_layers": (), "sliding_rope_theta": None, "residual_scale": 1.0,
     "logit_scale": 1.0, "pre_sublayer_norms": True, "qk_norm_whole": False, "n_experts": 0, "experts_per_token": 0,
     "expert_intermediate_size": 0, "renormalize_experts": False, "attention_softcap": 0.0, "logit_softcap": 0.0,
+    "shared_expert_intermediate_size": 0,
 }
 
 
@@ -96,7 +97,9 @@ class Manifest:
     [n_experts, hidden] whose softmax picks ``experts_per_token`` of the experts
     (``experts.E.gate_proj`` / ``up_proj`` / ``down_proj``, ``expert_intermediate_size`` wide),
     their outputs weighted by those probabilities (renormalised to sum 1 with
-    ``renormalize_experts``); ``attention_softcap`` / ``logit_softcap`` > 0: the scaled
+    ``renormalize_experts``), plus, with ``shared_expert_intermediate_size``, a shared expert
+    (``shared_expert.gate_proj``...) every row runs, weighted by the sigmoid of
+    ``shared_expert_gate`` [1, hidden] (Qwen2-MoE); ``attention_softcap`` / ``logit_softcap`` > 0: the scaled
     attention scores / the logits x become cap * tanh(x / cap) (Gemma 2's soft-capping)."""
 
     name: str
@@ -140,6 +143,7 @@ class Manifest:
     renormalize_experts: bool = False
     attention_softcap: float = 0.0
     logit_softcap: float = 0.0
+    shared_expert_intermediate_size: int = 0
 
     def __post_init__(self) -> None:
         if not valid_model_name(self.name):
@@ -185,13 +189,15 @@ class Manifest:
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
                 raise ModelFormatError(f"manifest: {name} must be 0 (none) or a positive number, got {value!r}")
             object.__setattr__(self, name, float(value))
-        for name in ("n_experts", "experts_per_token", "expert_intermediate_size"):
+        for name in ("n_experts", "experts_per_token", "expert_intermediate_size", "shared_expert_intermediate_size"):
             if not isinstance(getattr(self, name), int) or isinstance(getattr(self, name), bool) \
                     or getattr(self, name) < 0:
                 raise ModelFormatError(f"manifest: {name} must be a non-negative integer")
         if self.n_experts and not (0 < self.experts_per_token <= self.n_experts and self.expert_intermediate_size):
             raise ModelFormatError("manifest: a mixture of experts needs 0 < experts_per_token <= n_experts "
                                    "and an expert_intermediate_size")
+        if self.shared_expert_intermediate_size and not self.n_experts:
+            raise ModelFormatError("manifest: a shared expert needs a mixture of experts")
         flags = ("tied_embeddings", "attention_bias", "attention_output_bias", "mlp_bias", "qk_norm",
                  "post_sublayer_norms", "pre_sublayer_norms", "qk_norm_whole", "renormalize_experts")
         if not all(isinstance(getattr(self, f), bool) for f in flags):

@@ -164,6 +164,8 @@ def make_hf_checkpoint(folder: Path, arch: str, *, seed: int = 0, attention_bias
         Phi3ForCausalLM,
         Qwen2Config,
         Qwen2ForCausalLM,
+        Qwen2MoeConfig,
+        Qwen2MoeForCausalLM,
         Qwen3Config,
         Qwen3ForCausalLM,
         Qwen3MoeConfig,
@@ -206,6 +208,11 @@ def make_hf_checkpoint(folder: Path, arch: str, *, seed: int = 0, attention_bias
     elif arch == "phi3":  # every layer slides over 16 positions (Phi-3's 4k models: 2047)
         cfg = Phi3Config(**common, **({"tie_word_embeddings": False, "sliding_window": 16, "pad_token_id": 0} | rope))
         model = Phi3ForCausalLM(cfg)
+    elif arch == "qwen2_moe":  # 4 experts, 2 per token, not renormalised, and a shared expert
+        cfg = Qwen2MoeConfig(**common, tie_word_embeddings=False, num_experts=4, num_experts_per_tok=2,
+                             moe_intermediate_size=48, shared_expert_intermediate_size=96, norm_topk_prob=False,
+                             rope_theta=1000000.0, pad_token_id=0)
+        model = Qwen2MoeForCausalLM(cfg)
     elif arch == "olmoe":  # 6 experts, 2 per token, not renormalised (as OLMoE's are)
         cfg = OlmoeConfig(**(common | {"intermediate_size": 48}), tie_word_embeddings=False, num_experts=6,
                           num_experts_per_tok=2, norm_topk_prob=False, pad_token_id=0)
@@ -272,7 +279,7 @@ def write_gguf_from_hf(model, path: Path, arch: str, extra: dict[str, np.ndarray
             half = gate_up.shape[1] // 2
             sd[key.replace("gate_up_proj", "gate_proj")], sd[key.replace("gate_up_proj", "up_proj")] = \
                 gate_up[:, :half], gate_up[:, half:]
-    gguf_arch = {"mixtral": "llama", "qwen3_moe": "qwen3moe"}.get(arch, arch)  # (olmoe: as it is)
+    gguf_arch = {"mixtral": "llama", "qwen3_moe": "qwen3moe", "qwen2_moe": "qwen2moe"}.get(arch, arch)
     w = gguf.GGUFWriter(str(path), gguf_arch)
     w.add_block_count(cfg.num_hidden_layers)
     w.add_context_length(cfg.max_position_embeddings)
@@ -293,6 +300,10 @@ def write_gguf_from_hf(model, path: Path, arch: str, extra: dict[str, np.ndarray
         w.add_expert_used_count(cfg.num_experts_per_tok)
         if getattr(cfg, "moe_intermediate_size", None):
             w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
+        if getattr(cfg, "shared_expert_intermediate_size", None):
+            w.add_expert_shared_feed_forward_length(cfg.shared_expert_intermediate_size)
+            for key in [k for k in sd if k.endswith("mlp.shared_expert_gate.weight")]:
+                sd[key] = sd[key].reshape(-1)  # llama.cpp writes the gate's one row as a vector
     if arch in ("gemma3", "gemma2") or (arch == "phi3" and cfg.sliding_window):
         w.add_sliding_window(cfg.sliding_window)
     if arch == "gemma2":
@@ -338,7 +349,11 @@ def write_gguf_from_hf(model, path: Path, arch: str, extra: dict[str, np.ndarray
              "self_attn.q_norm.weight": "attn_q_norm.weight", "self_attn.k_norm.weight": "attn_k_norm.weight",
              "mlp.gate.weight": "ffn_gate_inp.weight", "mlp.experts.gate_proj": "ffn_gate_exps.weight",
              "mlp.experts.up_proj": "ffn_up_exps.weight", "mlp.experts.down_proj": "ffn_down_exps.weight",
-             "self_attn.qkv_proj.weight": "attn_qkv.weight", "mlp.gate_up_proj.weight": "ffn_up.weight"}
+             "self_attn.qkv_proj.weight": "attn_qkv.weight", "mlp.gate_up_proj.weight": "ffn_up.weight",
+             "mlp.shared_expert.gate_proj.weight": "ffn_gate_shexp.weight",
+             "mlp.shared_expert.up_proj.weight": "ffn_up_shexp.weight",
+             "mlp.shared_expert.down_proj.weight": "ffn_down_shexp.weight",
+             "mlp.shared_expert_gate.weight": "ffn_gate_inp_shexp.weight"}
     if arch == "olmo2":  # norms of the sublayers' outputs only
         names = {k: v for k, v in names.items() if not k.endswith("layernorm.weight")}
         names |= {"post_attention_layernorm.weight": "post_attention_norm.weight",

@@ -17,7 +17,7 @@ pytestmark = pytest.mark.slow
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "smollm3", "gemma3", "granite", "olmo2", "mixtral",
-                                  "qwen3_moe", "phi3", "gemma2", "olmoe"])
+                                  "qwen3_moe", "phi3", "gemma2", "olmoe", "qwen2_moe"])
 def test_gguf_logits_match_transformers(tmp_path, arch) -> None:
     import torch
 
@@ -26,11 +26,12 @@ def test_gguf_logits_match_transformers(tmp_path, arch) -> None:
     store = ModelStore(tmp_path / "home")
     m = import_model(gguf_path, store=store, progress=False)
     assert m.name == f"tiny-{arch}" and m.architecture == arch
-    assert m.tied_embeddings is (arch not in ("llama", "olmo2", "mixtral", "phi3", "olmoe"))
-    assert m.attention_bias is (arch == "qwen2")
+    assert m.tied_embeddings is (arch not in ("llama", "olmo2", "mixtral", "phi3", "olmoe", "qwen2_moe"))
+    assert m.attention_bias is (arch in ("qwen2", "qwen2_moe"))
+    assert m.shared_expert_intermediate_size == (96 if arch == "qwen2_moe" else 0)
     assert m.qk_norm is (arch in ("qwen3", "gemma3", "olmo2", "qwen3_moe", "olmoe"))
     assert (m.n_experts, m.renormalize_experts) == {"mixtral": (4, True), "qwen3_moe": (6, True),
-                                                    "olmoe": (6, False)}.get(arch, (0, False))
+                                                    "olmoe": (6, False), "qwen2_moe": (4, False)}.get(arch, (0, False))
     assert m.head_dim == (32 if arch in ("qwen3", "gemma3", "gemma2") else 16)
     assert (m.attention_softcap, m.logit_softcap) == ((2.0, 3.0) if arch == "gemma2" else (0.0, 0.0))
     # gemma3: llama.cpp's every 6th layer global; phi3: every layer slides

@@ -15,7 +15,7 @@ pytestmark = pytest.mark.slow
 
 
 ARCHS = ("llama", "mistral", "qwen2", "qwen3", "smollm3", "gemma3", "granite", "olmo2", "mixtral", "qwen3_moe", "phi3", "gemma2",
-         "olmoe")
+         "olmoe", "qwen2_moe")
 N_LAYERS = {"smollm3": 5, "gemma3": 6, "gemma2": 4}  # the others: 3
 
 
@@ -45,14 +45,16 @@ def test_manifest_reflects_config(checkpoints, arch) -> None:
     n_layers = N_LAYERS.get(arch, 3)
     assert (m.architecture, m.n_layers, m.hidden_size, m.n_heads, m.n_kv_heads, m.head_dim) == (arch, n_layers, 64, 4,
                                                                                                  2, head_dim)
-    assert m.tied_embeddings is (arch not in ("llama", "mistral", "olmo2", "mixtral", "phi3", "olmoe"))
+    assert m.tied_embeddings is (arch not in ("llama", "mistral", "olmo2", "mixtral", "phi3", "olmoe", "qwen2_moe"))
     assert m.layers_without_rope == ((3,) if arch == "smollm3" else ())
-    assert m.attention_bias is (arch == "qwen2")
+    assert m.attention_bias is (arch in ("qwen2", "qwen2_moe"))
+    assert m.shared_expert_intermediate_size == (96 if arch == "qwen2_moe" else 0)
     assert not m.attention_output_bias and not m.mlp_bias
     assert m.qk_norm is (arch in ("qwen3", "gemma3", "olmo2", "qwen3_moe", "olmoe"))
     assert m.qk_norm_whole is (arch in ("olmo2", "olmoe"))
     assert (m.n_experts, m.experts_per_token, m.renormalize_experts) == {
-        "mixtral": (4, 2, True), "qwen3_moe": (6, 2, True), "olmoe": (6, 2, False)}.get(arch, (0, 0, False))
+        "mixtral": (4, 2, True), "qwen3_moe": (6, 2, True), "olmoe": (6, 2, False),
+        "qwen2_moe": (4, 2, False)}.get(arch, (0, 0, False))
     assert (m.sliding_layers, m.sliding_window) == {"gemma3": ((0, 1, 2, 3, 4), 16), "phi3": ((0, 1, 2), 16),
                                                     "gemma2": ((0, 2), 16)}.get(arch, ((), 0))
     assert (m.attention_softcap, m.logit_softcap) == ((2.0, 3.0) if arch == "gemma2" else (0.0, 0.0))
