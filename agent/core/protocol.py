@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, ClassVar
 
 from agent.core.errors import WireError
 
@@ -145,35 +145,35 @@ class ErrorFrame:
 
 
 @dataclass(frozen=True)
-class PingFrame:
-    """Is the peer alive? A live one answers at once with the :class:`PongFrame` of ``cid``
-    (which pairs the two on a link)."""
+class _LivenessFrame:
+    """A ping or a pong: ``cid`` pairs the two on a link."""
 
     cid: int
+    kind: ClassVar[str]
 
     def header(self) -> dict[str, Any]:
-        return {"kind": "ping", "cid": self.cid}
+        return {"kind": self.kind, "cid": self.cid}
 
     @classmethod
-    def from_header(cls, header: Mapping[str, Any]) -> PingFrame:
+    def from_header(cls, header: Mapping[str, Any]) -> _LivenessFrame:
         return cls(header.get("cid", 0))
+
+
+@dataclass(frozen=True)
+class PingFrame(_LivenessFrame):
+    """Is the peer alive? A live one answers at once with the :class:`PongFrame` of ``cid``."""
+
+    kind: ClassVar[str] = "ping"
 
     def pong(self) -> PongFrame:
         return PongFrame(self.cid)
 
 
 @dataclass(frozen=True)
-class PongFrame:
+class PongFrame(_LivenessFrame):
     """The answer to the :class:`PingFrame` of ``cid``."""
 
-    cid: int
-
-    def header(self) -> dict[str, Any]:
-        return {"kind": "pong", "cid": self.cid}
-
-    @classmethod
-    def from_header(cls, header: Mapping[str, Any]) -> PongFrame:
-        return cls(header.get("cid", 0))
+    kind: ClassVar[str] = "pong"
 
 
 @dataclass(frozen=True)

@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 
 from shards.errors import ModelFormatError, UnsupportedArchitectureError
+from shards.importers.fused import SPLITS, split_fused
 from shards.store.verify import hash_file
 
 log = logging.getLogger(__name__)
@@ -34,7 +35,6 @@ _SHARED_EXPERT = {"ffn_gate_shexp.weight": "shared_expert.gate_proj", "ffn_up_sh
 # gate first): split into llama's at import.
 _PHI3_LAYER = {"attn_norm.weight": "input_norm", "ffn_norm.weight": "post_norm", "attn_qkv.weight": "qkv_proj",
                "attn_output.weight": "o_proj", "ffn_up.weight": "gate_up_proj", "ffn_down.weight": "down_proj"}
-SPLITS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 # A mixture of experts: the router, and each projection of every expert in one 3-D tensor.
 _EXPERT_TENSORS = {"ffn_gate_exps.weight": "gate_proj", "ffn_up_exps.weight": "up_proj",
                    "ffn_down_exps.weight": "down_proj"}
@@ -283,8 +283,7 @@ class GgufSource:
             elif cname == "shared_expert_gate":  # [hidden] in the file: the gate's one row
                 out[cname] = arr.reshape(1, -1)
             elif cname in SPLITS:  # phi3's fused rows: q, k, v / gate, up
-                rows = self._split_rows(cname)
-                out |= dict(zip(SPLITS[cname], np.split(arr, np.cumsum(rows)[:-1])))
+                out |= split_fused(self.params, cname, arr)
             else:
                 out[cname] = arr
         if self.arch in ("llama", "smollm3", "granite"):
@@ -302,12 +301,6 @@ class GgufSource:
         return frozenset(f"experts.{e}.{name}" if gname in _EXPERT_TENSORS else name
                          for gname, cname in narrow.items() for name in SPLITS.get(cname, (cname,))
                          for e in range(self.params.get("n_experts") or 1))
-
-    def _split_rows(self, fused: str) -> tuple[int, ...]:
-        p = self.params
-        if fused == "qkv_proj":
-            return p["n_heads"] * p["head_dim"], p["n_kv_heads"] * p["head_dim"], p["n_kv_heads"] * p["head_dim"]
-        return p["intermediate_size"], p["intermediate_size"]
 
     def embed(self) -> np.ndarray:
         return self._tensor("token_embd.weight")

@@ -32,6 +32,7 @@ from typing import Any
 import numpy as np
 
 from shards.errors import ModelFormatError, TokenizerError, UnmappedTensorError, UnsupportedArchitectureError
+from shards.importers.fused import SPLITS, split_fused
 from shards.store.tensorfile import read_header, read_tensors
 from shards.store.verify import hash_file
 
@@ -146,7 +147,7 @@ class HfSource:
                 self._layer_map["mlp.shared_expert_gate.weight"] = "shared_expert_gate"
         if self.arch == "phi3":
             self._layer_map = {k: v for k, v in _LAYER_NAMES.items()
-                               if v not in ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")} | _PHI3_FUSED
+                               if v not in {n for names in SPLITS.values() for n in names}} | _PHI3_FUSED
         if self.arch in (*GEMMAS, "olmo2"):
             self._layer_map = {k: v for k, v in _LAYER_NAMES.items() if not k.endswith("layernorm.weight")} | (
                 _GEMMA_NORMS if self.arch in GEMMAS else _OLMO2_NORMS)
@@ -365,11 +366,8 @@ class HfSource:
 
     def layer(self, i: int) -> dict[str, np.ndarray]:
         t = {cname: self._get(f"model.layers.{i}.{hname}") for hname, cname in self._layer_map.items()}
-        if self.arch == "phi3":
-            p = self.params
-            q_rows, kv_rows = p["n_heads"] * p["head_dim"], p["n_kv_heads"] * p["head_dim"]
-            t["q_proj"], t["k_proj"], t["v_proj"] = np.split(t.pop("qkv_proj"), [q_rows, q_rows + kv_rows])
-            t["gate_proj"], t["up_proj"] = np.split(t.pop("gate_up_proj"), 2)
+        for fused in [name for name in t if name in SPLITS]:  # phi3's
+            t |= split_fused(self.params, fused, t.pop(fused))
         if self.arch in GEMMAS:  # x * (1 + w): the plain RMS norm of weight 1 + w
             t = {cname: a + np.float32(1.0) if cname.endswith("norm") else a for cname, a in t.items()}
         return t
