@@ -67,7 +67,7 @@ from agent.orchestration.orchestrator import Completion, Deployment
 from agent.orchestration.public_errors import public_reason
 from shards.errors import ShardsError
 from shards.runtime.answer_reader import AnswerPiece, AnswerReader
-from shards.runtime.grammar import json_schema_grammar
+from shards.runtime.grammar import ThinkFirst, json_schema_grammar
 from shards.runtime.reasoning import ReasoningSplitter, ReasoningSupport, prompt_opens_thinking, reasoning_support
 from shards.runtime.sampling import SamplingParams, TokenLogprobs
 from shards.runtime.tool_calls import ToolCall, call_grammar, prompt_messages, tool_format
@@ -546,25 +546,29 @@ def _prompt(parsed: ChatRequest, deployment: Deployment) -> tuple[list[int], str
              for t in parsed.tools] if parsed.calls_tools else []
     template = tokenizer.spec.chat_template
     fmt = tool_format(template)
-    if not tools:
-        grammar = _schema_grammar(parsed.json_schema)
-    else:  # with a response_format, an answer that calls no tool follows its schema
-        try:
-            grammar = call_grammar(fmt, tools, parsed.tool_choice, parallel=parsed.parallel_tool_calls,
-                                   special=tokenizer.special_token_texts, answer_schema=parsed.json_schema)
-        except ShardsError as error:
-            raise InvalidRequestError(f"the tools cannot be turned into a grammar: {error}",
-                                      "tools" if parsed.json_schema is None else "response_format") from None
     support = reasoning_support(template)
-    think, variables = _thinking(parsed, support, deployment.name, constrained=grammar is not None)
+    think, variables = _thinking(parsed, support, deployment.name)
     messages, extra = prompt_messages(fmt, parsed.messages, tools, parallel=parsed.parallel_tool_calls)
     try:
         prompt_ids = tokenizer.encode_chat(messages, **variables, **extra)
     except ShardsError as error:
         raise InvalidRequestError(f"cannot apply the chat template: {error}", "messages") from None
-    splitter = None
-    if support is not None and grammar is None:  # a constrained answer has no reasoning: it is what the grammar says
-        splitter = ReasoningSplitter(inside=prompt_opens_thinking(tokenizer.decode(prompt_ids[-PROMPT_TAIL_TOKENS:])))
+    splitter = think_first = None
+    if support is not None:
+        inside = prompt_opens_thinking(tokenizer.decode(prompt_ids[-PROMPT_TAIL_TOKENS:]))
+        splitter = ReasoningSplitter(inside=inside)
+        if think is not False or not support.switch:  # a constrained answer comes after the thinking
+            think_first = ThinkFirst(opened=inside, tokens=tokenizer.added_token_texts)
+    if not tools:
+        grammar = _schema_grammar(parsed.json_schema, think_first)
+    else:  # with a response_format, an answer that calls no tool follows its schema
+        try:
+            grammar = call_grammar(fmt, tools, parsed.tool_choice, parallel=parsed.parallel_tool_calls,
+                                   tokens=tokenizer.added_token_texts, answer_schema=parsed.json_schema,
+                                   think=think_first)
+        except ShardsError as error:
+            raise InvalidRequestError(f"the tools cannot be turned into a grammar: {error}",
+                                      "tools" if parsed.json_schema is None else "response_format") from None
     return prompt_ids, grammar, AnswerReader(tool_format=fmt if tools else None, reasoning=splitter,
                                              show_reasoning=think is not False)
 
@@ -572,10 +576,9 @@ def _prompt(parsed: ChatRequest, deployment: Deployment) -> tuple[list[int], str
 PROMPT_TAIL_TOKENS = 8  # enough of a prompt's end to see whether its template opened a think block
 
 
-def _thinking(parsed: ChatRequest, support: ReasoningSupport | None, model: str, *,
-              constrained: bool) -> tuple[bool | None, dict[str, Any]]:
+def _thinking(parsed: ChatRequest, support: ReasoningSupport | None, model: str) -> tuple[bool | None, dict[str, Any]]:
     """Whether the answer thinks (None: as the template decides) and the template's variables
-    that say so; a model that cannot think refuses to, and a constrained answer does not."""
+    that say so; a model that cannot think refuses to."""
     variables = dict(parsed.template_variables)
     think = parsed.think
     if support is None:
@@ -583,11 +586,6 @@ def _thinking(parsed: ChatRequest, support: ReasoningSupport | None, model: str,
             raise InvalidRequestError(f"\"{model}\" does not support thinking ('{parsed.think_field}' asks for it)",
                                       parsed.think_field)
         return think, variables
-    if constrained:
-        if think:
-            raise InvalidRequestError("thinking cannot be combined with a constrained answer (a JSON format or a "
-                                      "forced tool call) yet: turn it off or send one of them", parsed.think_field)
-        think = False
     if support.switch and think is not None:
         variables["enable_thinking"] = think
     if support.effort and parsed.reasoning_effort:
@@ -595,9 +593,9 @@ def _thinking(parsed: ChatRequest, support: ReasoningSupport | None, model: str,
     return think, variables
 
 
-def _schema_grammar(schema: dict[str, Any] | None) -> str | None:
+def _schema_grammar(schema: dict[str, Any] | None, think: ThinkFirst | None = None) -> str | None:
     try:
-        return None if schema is None else json_schema_grammar(schema)
+        return None if schema is None else json_schema_grammar(schema, think)
     except ShardsError as error:
         raise InvalidRequestError(f"the JSON schema cannot be used: {error}", "response_format") from None
 

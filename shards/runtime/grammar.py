@@ -7,18 +7,27 @@ turning each row of logits into one where the tokens the grammar forbids are ``-
 
 llguidance (Microsoft's Low-level Guidance, the engine behind llama.cpp's ``%llguidance``
 grammars and vLLM's guided decoding) computes a mask for a 49k vocabulary in ~0.02 ms.
+
+A reasoning model thinks before a constrained answer, as Ollama lets it: :class:`ThinkFirst`
+puts a free think block before the grammar of the answer.
+
+llguidance sees every token a tokenizer adds to its vocabulary (special or not: Qwen's
+``<tool_call>`` and ``<think>`` are not) as a special token, which text in a grammar cannot
+spell: such a marker is the token itself in a grammar (:func:`marker`).
 """
 
 from __future__ import annotations
 
 import json
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import llguidance
 import numpy as np
 
 from shards.errors import GrammarError
+from shards.runtime.reasoning import THINK_CLOSE, THINK_OPEN
 from shards.text.tokenizer import Tokenizer
 
 # Compact JSON with one space after ':' and ',' (what models write); no free whitespace, so
@@ -27,8 +36,43 @@ JSON_OPTIONS = {"whitespace_flexible": False, "key_separator": ": ", "item_separ
 MAX_GRAMMAR_CHARS = 1 << 20
 
 
-def json_schema_grammar(schema: Any) -> str:
-    """The grammar of JSON text valid under ``schema`` (a JSON schema object)."""
+@dataclass(frozen=True)
+class ThinkFirst:
+    """A think block before a constrained answer: free reasoning up to its close, then the
+    answer the grammar constrains. ``opened``: the prompt opened the block, so the answer
+    begins inside it; else the block is optional (the model may answer at once).
+    ``tokens``: the texts the tokenizer holds as one added token."""
+
+    opened: bool
+    tokens: frozenset[str] = frozenset()
+
+    def rules(self) -> str:
+        """Lark rules: ``think``, the block and the whitespace after it."""
+        if THINK_CLOSE in self.tokens:  # free text cannot hold a special token: it ends at the close
+            thought = f"/(?s:.*)/ {THINK_CLOSE}"
+            extra = ""
+        else:
+            thought = "thought"
+            extra = f"thought[suffix={json.dumps(THINK_CLOSE)}]: /(?s:.*)/\n"
+        opening = "" if self.opened else marker(THINK_OPEN, self.tokens) + " "
+        return f"think: {opening}{thought} /[ \\n]*/\n{extra}"
+
+
+def marker(text: str, tokens: frozenset[str]) -> str:
+    """A marker in a Lark grammar: the token itself where the tokenizer holds its text as one
+    added token (the model writes it as that token), else its text."""
+    return text if text in tokens else json.dumps(text)
+
+
+def answer_grammar(rules: str, think: ThinkFirst | None) -> str:
+    """The grammar of Lark ``rules`` whose rule ``answer`` is the answer, after ``think``."""
+    if think is None:
+        return lark_grammar(f"start: answer\n{rules}")
+    first = "think" if think.opened else "think?"
+    return lark_grammar(f"start: {first} answer\n{rules}{think.rules()}")
+
+
+def _schema(schema: Any) -> dict[str, Any]:
     if isinstance(schema, bool):
         schema = {} if schema else {"not": {}}
     if not isinstance(schema, dict):
@@ -39,7 +83,15 @@ def json_schema_grammar(schema: Any) -> str:
         raise GrammarError(f"the JSON schema cannot be serialised: {error}") from None
     if len(text) > MAX_GRAMMAR_CHARS:
         raise GrammarError(f"the JSON schema is longer than {MAX_GRAMMAR_CHARS} characters")
-    return _checked(llguidance.LLMatcher.grammar_from_json_schema(text, overrides=JSON_OPTIONS))
+    return schema
+
+
+def json_schema_grammar(schema: Any, think: ThinkFirst | None = None) -> str:
+    """The grammar of JSON text valid under ``schema`` (a JSON schema object), after ``think``."""
+    schema = _schema(schema)
+    if think is not None:
+        return answer_grammar(f"answer: {lark_json(schema)}\n", think)
+    return _checked(llguidance.LLMatcher.grammar_from_json_schema(json.dumps(schema), overrides=JSON_OPTIONS))
 
 
 def lark_json(schema: dict[str, Any]) -> str:
@@ -117,4 +169,5 @@ class TokenMask:
             raise GrammarError(f"the grammar failed: {self._matcher.get_error()}")
 
 
-__all__ = ["JSON_OPTIONS", "TokenMask", "grammar_tokenizer", "json_schema_grammar", "lark_grammar", "lark_json"]
+__all__ = ["JSON_OPTIONS", "ThinkFirst", "TokenMask", "answer_grammar", "grammar_tokenizer", "json_schema_grammar",
+           "lark_grammar", "lark_json", "marker"]

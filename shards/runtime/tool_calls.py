@@ -7,7 +7,7 @@ The formats follow llama.cpp's ``common/chat.cpp``, chosen from the chat templat
 - ``llama3`` (Llama 3.1+): a JSON object ``{"name", "parameters"}``, after ``<|python_tag|>`` or alone.
 - ``mistral`` (Mistral, Ministral): ``[TOOL_CALLS][{"name", "arguments"}, ...]``.
 
-A marker the tokenizer holds as a special token is one token in the grammar, and stays in the
+A marker the tokenizer holds as an added token is one token in the grammar, and stays in the
 decoded text (:data:`shards.text.tokenizer.KEPT_MARKERS`); calls are read without it too.
 - ``generic`` (a template that knows no tools, such as SmolLM2's): the tools are described in
   the system turn and the whole answer is JSON, ``{"tool_calls": [...]}`` or
@@ -27,7 +27,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from shards.runtime.grammar import json_schema_grammar, lark_grammar, lark_json
+from shards.runtime.grammar import ThinkFirst, answer_grammar, json_schema_grammar, lark_json, marker
 
 HERMES, LLAMA3, MISTRAL, GENERIC = "hermes", "llama3", "mistral", "generic"
 FORMATS = (HERMES, LLAMA3, MISTRAL, GENERIC)
@@ -106,18 +106,14 @@ def prompt_messages(fmt: str, messages: Sequence[Mapping[str, Any]], tools: Sequ
     return rendered, {}
 
 
-def _marker(text: str, special: frozenset[str]) -> str:
-    """A call's marker in a grammar: the token itself where the tokenizer holds it as a special
-    token (the model writes it as that one token), else its text."""
-    return text if text in special else json.dumps(text)
-
-
 def call_grammar(fmt: str, tools: Sequence[Mapping[str, Any]], choice: str, *, parallel: bool,
-                 special: frozenset[str] = frozenset(), answer_schema: dict[str, Any] | None = None) -> str | None:
+                 tokens: frozenset[str] = frozenset(), answer_schema: dict[str, Any] | None = None,
+                 think: ThinkFirst | None = None) -> str | None:
     """The grammar the answer follows: None when it is free (``auto`` in a template format,
     without ``answer_schema``); ``choice`` is auto, required or the name of the one tool to
-    call; ``special``: the texts of the tokenizer's special tokens; ``answer_schema``: the JSON
-    schema of an answer that calls no tool (``response_format`` with tools, ``auto``)."""
+    call; ``tokens``: the texts of the tokenizer's added tokens; ``answer_schema``: the JSON
+    schema of an answer that calls no tool (``response_format`` with tools, ``auto``);
+    ``think``: the think block a reasoning model writes first."""
     if choice not in ("auto", "required"):
         tools = [tool for tool in tools if tool["name"] == choice]
     free = choice == "auto"
@@ -131,12 +127,12 @@ def call_grammar(fmt: str, tools: Sequence[Mapping[str, Any]], choice: str, *, p
             reply = {"type": "object", "properties": {"response": answer_schema or {"type": "string"}},
                      "required": ["response"], "additionalProperties": False}
             answer = {"anyOf": [answer, reply]}
-        return json_schema_grammar(answer)
+        return json_schema_grammar(answer, think)
     if free and answer_schema is None:
         return None
     if fmt == HERMES:
-        call = (f'{_marker("<tool_call>", special)} "\\n" {lark_json(_one_of(tools))} "\\n" '
-                f'{_marker("</tool_call>", special)}')
+        opening, closing = marker("<tool_call>", tokens), marker("</tool_call>", tokens)
+        call = f'{opening} "\\n" {lark_json(_one_of(tools))} "\\n" {closing}'
         calls = f"{call} (\"\\n\" {call})*" if parallel else call
     elif fmt == LLAMA3:
         calls = lark_json(_one_of(tools, "parameters"))
@@ -144,10 +140,10 @@ def call_grammar(fmt: str, tools: Sequence[Mapping[str, Any]], choice: str, *, p
         listed = {"type": "array", "items": _one_of(tools), "minItems": 1}
         if not parallel:
             listed["maxItems"] = 1
-        calls = f'{_marker("[TOOL_CALLS]", special)} {lark_json(listed)}'
+        calls = f'{marker("[TOOL_CALLS]", tokens)} {lark_json(listed)}'
     if free:  # a call, or the answer in its schema
-        return lark_grammar(f"start: calls | answer\ncalls: {calls}\nanswer: {lark_json(answer_schema)}\n")
-    return lark_grammar(f"start: {calls}\n")
+        return answer_grammar(f"answer: calls | reply\ncalls: {calls}\nreply: {lark_json(answer_schema)}\n", think)
+    return answer_grammar(f"answer: {calls}\n", think)
 
 
 def _as_call(value: Any, index: int, arguments_key: str = "arguments") -> ToolCall | None:

@@ -110,8 +110,10 @@ class Tokenizer:
         return self._special_ids
 
     @cached_property
-    def special_token_texts(self) -> frozenset[str]:
-        return frozenset(self._added_text[i] for i in self._special_ids)
+    def added_token_texts(self) -> frozenset[str]:
+        """The texts of every token added to the vocabulary, special or not (Qwen's ``<think>``
+        and ``<tool_call>`` are added but not special): each is one token in a grammar."""
+        return frozenset(self._added_text.values())
 
     def token_to_id(self, token: str) -> int | None:
         return self._backend.token_to_id(token)

@@ -3,7 +3,7 @@ a tiny model with Qwen3's own chat template (its generation prompt opening the t
 Qwen3's thinking releases do): the reasoning comes apart (``reasoning_content``, Ollama's
 ``thinking``), streamed and not; ``think`` / ``reasoning_effort`` / ``chat_template_kwargs``
 turn thinking off through the template's own switch; a model that cannot think refuses to;
-a forced tool call in Qwen's format is read back with thinking off."""
+a forced tool call in Qwen's format and a JSON answer come after the thinking."""
 
 from __future__ import annotations
 
@@ -134,14 +134,24 @@ def test_reasoning_apart_on_both_apis_and_thinking_turned_off(plain_stored):
                 "model": TINY, "messages": [{"role": "user", "content": "x", "thinking": "y"}]})
             assert status == 400 and "messages[0].thinking" in refused["error"], refused
 
-            # A forced call in Qwen's own format: thinking off (the grammar owns the answer), the call read back.
-            forced = await sdk(messages=ASK, tools=[WEATHER], tool_choice="required", max_tokens=120)
+            # A forced call in Qwen's own format, after the thinking: the grammar lets the think
+            # block the prompt opened run free up to its close, then holds the answer to a call.
+            close_first = {str(TOKEN["</think>"]): 100}  # past the close, the grammar forbids it
+            forced = await sdk(messages=ASK, tools=[WEATHER], tool_choice="required", max_tokens=120,
+                               logit_bias=close_first)
             call_made = forced.choices[0].message.tool_calls[0]
             assert forced.choices[0].finish_reason == "tool_calls" and call_made.function.name == "get_weather"
             assert set(json.loads(call_made.function.arguments)) == {"city"}
-            status, refused = await call("POST", url + "/api/chat", {
-                "model": TINY, "messages": ASK, "think": True, "format": "json", "stream": False})
-            assert status == 400 and "constrained" in refused["error"], refused
+            # JSON after thinking (Ollama's format with think): the reasoning apart, the reply parses
+            thought = await sdk(messages=ASK, response_format={"type": "json_object"}, max_tokens=8, logit_bias=banned)
+            assert reasoning_of(thought.choices[0].message) and not thought.choices[0].message.content
+            city = {"type": "json_schema", "json_schema": {"name": "city", "schema": WEATHER["function"]["parameters"]}}
+            formatted = await sdk(messages=ASK, response_format=city, max_tokens=60, logit_bias=close_first)
+            assert set(json.loads(formatted.choices[0].message.content)) == {"city"}, formatted
+            status, answered = await call("POST", url + "/api/chat", {
+                "model": TINY, "messages": ASK, "think": True, "format": "json", "stream": False,
+                "options": {"num_predict": 8}})
+            assert status == 200 and answered["message"]["thinking"] and not answered["message"]["content"], answered
 
             # A model that cannot think refuses to, by the field's name; off is no change.
             for body, param in (({"think": True}, "think"), ({"reasoning_effort": "low"}, "reasoning_effort")):

@@ -145,3 +145,86 @@ def test_a_bad_schema_is_a_typed_error():
         json_schema_grammar({"type": "object", "properties": {"a": {"type": "no-such-type"}}})
     with pytest.raises(GrammarError):
         json_schema_grammar(["not", "a", "schema"])
+
+
+def qwen_like_tokenizer(folder):
+    """A byte-level tokenizer whose reasoning and call marks are added tokens that are not
+    special, as Qwen3's are: llguidance still sees each as one special token."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+
+    from shards.text.tokenizer import Tokenizer as NcmTokenizer
+    from shards.text.tokenizer_spec import tokenizer_spec_from_hf
+
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    tok = Tokenizer(models.BPE({char: i for i, char in enumerate(alphabet)}, []))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens([AddedToken("<|im_end|>", special=True, normalized=False)])
+    tok.add_tokens([AddedToken(text, special=False, normalized=False)
+                    for text in ("<think>", "</think>", "<tool_call>", "</tool_call>")])
+    tok.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|im_end|>", "bos_token": None}))
+    return NcmTokenizer(tokenizer_spec_from_hf(folder))
+
+
+def split_reasoning(text: str, *, opened: bool) -> tuple[str, str]:
+    from shards.runtime.reasoning import ReasoningSplitter
+
+    splitter = ReasoningSplitter(inside=opened)
+    pieces = [splitter.push(text), splitter.finish()]
+    return "".join(p[0] for p in pieces), "".join(p[1] for p in pieces)
+
+
+WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 8},
+                                            "celsius": {"type": "integer", "minimum": -40, "maximum": 50}},
+           "required": ["city", "celsius"], "additionalProperties": False}
+
+
+@pytest.mark.parametrize("opened", [False, True])
+def test_a_thinking_model_thinks_freely_before_a_constrained_answer(llg, smollm2_tokenizer, tmp_path, opened):
+    """Reasoning first, then JSON its schema validates, whether the close of the think block is
+    text (SmolLM2 holds no such token) or one added token (Qwen's kind, not special): the
+    think block ends at its first close, and what follows is held to the format."""
+    from shards.runtime.grammar import ThinkFirst
+
+    qwen = qwen_like_tokenizer(tmp_path)
+    for tokenizer, engine in ((smollm2_tokenizer, llg), (qwen, grammar_tokenizer(qwen))):
+        think = ThinkFirst(opened=opened, tokens=tokenizer.added_token_texts)
+        grammar = json_schema_grammar(WEATHER, think)
+        for seed, thought in enumerate(("", "It is { cold </think there.", "Paris?\n\nNo: Oslo.")):
+            written = ("" if opened else "<think>") + f"\n{thought}\n</think>\n\n"
+            mask = TokenMask(engine, grammar)
+            for token in tokenizer.encode(written, add_special_tokens=False):  # the grammar lets it all through
+                assert np.isfinite(mask.mask(np.zeros(tokenizer.vocab_size, np.float32))[token]), written
+                mask.accept(token)
+            sampler = Sampler(SamplingParams(temperature=1.0, seed=seed), mask)
+            rng = np.random.default_rng(seed)
+            ids = []
+            while (token := sampler.sample(rng.normal(size=tokenizer.vocab_size).astype(np.float32) * 3)) \
+                    not in tokenizer.eos_token_ids:
+                ids.append(token)
+                assert len(ids) < MAX_STEPS
+            reasoning, reply = split_reasoning(written + tokenizer.decode(ids), opened=opened)
+            assert reasoning == thought.strip()
+            jsonschema.validate(json.loads(reply), WEATHER)
+        # the close of the block, the way the tokenizer writes it, ends the reasoning
+        mask = TokenMask(engine, grammar)
+        mask.accept_all(([] if opened else tokenizer.encode("<think>", add_special_tokens=False))
+                        + tokenizer.encode("hmm { </think>", add_special_tokens=False))
+        with pytest.raises(GrammarError):
+            mask.accept_all(tokenizer.encode("</think>", add_special_tokens=False))
+
+
+def test_a_forced_call_writes_an_added_marker_as_its_one_token(tmp_path):
+    """Qwen's <tool_call> is an added token that is not special: the grammar takes that one
+    token (the model's own way to write it), not the text spelled out."""
+    qwen = qwen_like_tokenizer(tmp_path)
+    engine = grammar_tokenizer(qwen)
+    grammar = call_grammar("hermes", TOOLS, "GetLiveContext", parallel=False, tokens=qwen.added_token_texts)
+    mask = TokenMask(engine, grammar)
+    opening = qwen.token_to_id("<tool_call>")
+    row = mask.mask(np.zeros(qwen.vocab_size, np.float32))
+    assert np.isfinite(row[opening]) and np.isinf(row[qwen.encode("<", add_special_tokens=False)[0]])
+    text = qwen.decode(constrained(engine, qwen, grammar, 0))
+    content, calls = parse_calls("hermes", text)
+    assert content == "" and [call.name for call in calls] == ["GetLiveContext"]

@@ -453,4 +453,4 @@ def test_skipping_special_tokens_keeps_the_marks_of_reasoning_and_tool_calls(tmp
     tok = Tokenizer(tokenizer_spec_from_hf(tmp_path))
     ids = tok.encode("<|im_start|>assistant\n<think>a</think><tool_call>b</tool_call><|im_end|>", add_special_tokens=False)
     assert tok.decode(ids, skip_special_tokens=True) == "assistant\n<think>a</think><tool_call>b</tool_call>"
-    assert "<tool_call>" in tok.special_token_texts and "<|im_end|>" in tok.special_token_texts
+    assert "<tool_call>" in tok.added_token_texts and "<|im_end|>" in tok.added_token_texts
