@@ -67,6 +67,7 @@ from agent.orchestration.orchestrator import Completion, Deployment
 from agent.orchestration.public_errors import public_reason
 from shards.errors import ShardsError
 from shards.runtime.answer_reader import AnswerPiece, AnswerReader
+from shards.runtime.call_stream import CallDelta
 from shards.runtime.grammar import ThinkFirst, json_schema_grammar
 from shards.runtime.reasoning import ReasoningSplitter, ReasoningSupport, prompt_opens_thinking, reasoning_support
 from shards.runtime.sampling import SamplingParams, TokenLogprobs
@@ -570,7 +571,7 @@ def _prompt(parsed: ChatRequest, deployment: Deployment) -> tuple[list[int], str
             raise InvalidRequestError(f"the tools cannot be turned into a grammar: {error}",
                                       "tools" if parsed.json_schema is None else "response_format") from None
     return prompt_ids, grammar, AnswerReader(tool_format=fmt if tools else None, reasoning=splitter,
-                                             show_reasoning=think is not False)
+                                             show_reasoning=think is not False, stream_calls=grammar is not None)
 
 
 PROMPT_TAIL_TOKENS = 8  # enough of a prompt's end to see whether its template opened a think block
@@ -618,15 +619,32 @@ def start_generation(request: web.Request, parsed: ChatRequest, deployment: Depl
     return Generation(events, reader)
 
 
+def _call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
 def tool_call_entries(calls: list[ToolCall], *, arguments_as_text: bool) -> list[dict[str, Any]]:
     """Calls as the APIs answer them: OpenAI's (ids, arguments as JSON text) or Ollama's."""
     entries = []
-    for index, call in enumerate(calls):
+    for call in calls:
         arguments: Any = json.dumps(call.arguments, ensure_ascii=False) if arguments_as_text else call.arguments
         entry: dict[str, Any] = {"function": {"name": call.name, "arguments": arguments}}
         if arguments_as_text:
-            entry = {"index": index, "id": f"call_{uuid.uuid4().hex[:24]}", "type": "function", **entry}
+            entry = {"id": _call_id(), "type": "function", **entry}
         entries.append(entry)
+    return entries
+
+
+def call_delta_entries(deltas: tuple[CallDelta, ...]) -> list[dict[str, Any]]:
+    """Pieces of calls as OpenAI streams them: a call's first piece has its id, type and
+    name; the next ones, more of its arguments' text."""
+    entries: list[dict[str, Any]] = []
+    for delta in deltas:
+        if delta.name is None:
+            entries.append({"index": delta.index, "function": {"arguments": delta.arguments}})
+        else:
+            entries.append({"index": delta.index, "id": _call_id(), "type": "function",
+                            "function": {"name": delta.name, "arguments": delta.arguments}})
     return entries
 
 
@@ -684,8 +702,7 @@ async def _generate(request: web.Request, parsed: ChatRequest, deployment: Deplo
             if answer.reasoning:
                 choice["message"]["reasoning_content"] = answer.reasoning
             if calls:
-                choice["message"]["tool_calls"] = [{k: v for k, v in entry.items() if k != "index"}
-                                                   for entry in tool_call_entries(calls, arguments_as_text=True)]
+                choice["message"]["tool_calls"] = tool_call_entries(calls, arguments_as_text=True)
         else:
             choice["text"] = text_out
         return web.json_response({"id": ident, "object": "chat.completion" if chat else "text_completion",
@@ -710,8 +727,8 @@ async def _generate(request: web.Request, parsed: ChatRequest, deployment: Deplo
                 delta["reasoning_content"] = piece.reasoning
             if text:
                 delta["content"] = text
-            if piece.calls:
-                delta["tool_calls"] = tool_call_entries(list(piece.calls), arguments_as_text=True)
+            if piece.deltas:
+                delta["tool_calls"] = call_delta_entries(piece.deltas)
             choice = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}
             if logprobs:
                 choice["logprobs"] = chat_logprobs(tokenizer, logprobs)
@@ -736,10 +753,8 @@ async def _generate(request: web.Request, parsed: ChatRequest, deployment: Deplo
                 await send(event.model, piece, None, tokens=event.tokens, logprobs=event.logprobs)
                 continue
             piece = AnswerPiece.joined([piece, reader.finish()])
-            if piece.calls:
-                await send(event.model, AnswerPiece(piece.reasoning, piece.content), None, tokens=event.tokens,
-                           logprobs=event.logprobs)
-                await send(event.model, AnswerPiece(calls=piece.calls), None)
+            if piece.calls:  # its last pieces, then the finish on its own, as OpenAI ends a call
+                await send(event.model, piece, None, tokens=event.tokens, logprobs=event.logprobs)
                 await send(event.model, AnswerPiece(), "tool_calls")
             else:
                 await send(event.model, piece, event.finish_reason, tokens=event.tokens, logprobs=event.logprobs)

@@ -59,6 +59,14 @@ def test_a_forced_tool_call_streamed_and_not(client):
         streamed = final.choices[0].message.tool_calls[0]
         assert (streamed.function.name, json.loads(streamed.function.arguments)) == \
             (call.function.name, json.loads(call.function.arguments))
+        # in pieces as it is written: the id, type and name first, then the arguments' text
+        chunks = list(client.chat.completions.create(model=MODEL, messages=ASK, tools=[WEATHER, TIME],
+                                                     tool_choice=choice, temperature=0, max_tokens=60, stream=True))
+        pieces = [piece for chunk in chunks for c in chunk.choices for piece in c.delta.tool_calls or []]
+        assert pieces[0].id.startswith("call_") and pieces[0].function.name == call.function.name
+        assert len(pieces) > 2 and all(p.id is None and p.function.name is None for p in pieces[1:])
+        assert json.loads("".join(p.function.arguments for p in pieces)) == json.loads(call.function.arguments)
+        assert chunks[-1].choices[0].finish_reason == "tool_calls"
 
 
 def test_a_tool_loop_goes_on_after_the_tool_answers(client):
