@@ -282,10 +282,15 @@ async def tags(request: web.Request) -> web.StreamResponse:
     return web.json_response({"models": models})
 
 
+def _encoder_family(manifest: EncoderManifest) -> str:
+    """The encoder's architecture as Ollama names it (llama.cpp's: ``nomic-bert``)."""
+    return manifest.architecture.replace("_", "-")
+
+
 def _encoder_details(manifest: EncoderManifest) -> dict[str, Any]:
     parameters = manifest.weight_bytes // 4  # stored as float32
-    return {"parent_model": "", "format": "onnx", "family": manifest.architecture,
-            "families": [manifest.architecture], "parameter_size": _human_count(parameters),
+    return {"parent_model": "", "format": "onnx", "family": _encoder_family(manifest),
+            "families": [_encoder_family(manifest)], "parameter_size": _human_count(parameters),
             "quantization_level": "F32"}
 
 
@@ -354,12 +359,14 @@ async def show(request: web.Request) -> web.StreamResponse:
 
 
 def _show_encoder(manifest: EncoderManifest) -> web.Response:
-    arch = manifest.architecture
+    arch = _encoder_family(manifest)
     info = {"general.architecture": arch, "general.parameter_count": manifest.weight_bytes // 4,
             f"{arch}.block_count": manifest.n_layers, f"{arch}.embedding_length": manifest.hidden_size,
             f"{arch}.context_length": manifest.max_tokens, f"{arch}.attention.head_count": manifest.n_heads,
             f"{arch}.feed_forward_length": manifest.intermediate_size,
             f"{arch}.pooling_type": manifest.pooling, f"{arch}.normalize": manifest.normalize}
+    if manifest.rope_theta is not None:
+        info[f"{arch}.rope.freq_base"] = manifest.rope_theta
     return web.json_response({"modelfile": f"# served by ncm\nFROM {manifest.name}\n", "parameters": "",
                               "template": "", "details": _encoder_details(manifest), "model_info": info,
                               "capabilities": ["embedding"], "modified_at": _iso(0)})

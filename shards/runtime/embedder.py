@@ -33,9 +33,7 @@ class Embedder:
 
         self.manifest = manifest
         weights = read_tensors(Path(model_dir) / manifest.files["weights"].path)
-        shape = EncoderShape(manifest.n_layers, manifest.hidden_size, manifest.n_heads, manifest.layer_norm_eps,
-                             manifest.pooling, manifest.normalize)
-        graph = encoder_graph(weights, shape).SerializeToString()
+        graph = encoder_graph(weights, EncoderShape.of(manifest)).SerializeToString()
         del weights
         options = ort.SessionOptions()
         if threads:

@@ -1,5 +1,6 @@
-"""Description of one stored embedding model (a BERT-family encoder): ``encoder.json`` in its
-model directory, next to its weights and tokenizer.
+"""Description of one stored embedding model (a BERT-family encoder: BERT's own layers, or
+nomic-bert's rotary, bias-free, SwiGLU ones): ``encoder.json`` in its model directory, next to
+its weights and tokenizer.
 
 An embedding model is small and runs whole on one node: it has no layer files and no plan,
 so it has a manifest of its own kind, which the decoder models' listing never sees.
@@ -19,7 +20,8 @@ from shards.store.manifest import WeightFile, valid_model_name
 ENCODER_FILE = "encoder.json"
 POOLINGS = ("mean", "cls")
 _SHA256 = re.compile(r"^[0-9a-f]{64}$")
-ENCODER_ARCHITECTURES = ("bert",)
+ENCODER_ARCHITECTURES = ("bert", "nomic_bert")
+ROTARY_ARCHITECTURES = ("nomic_bert",)  # positions by rotation (``rope_theta``), not a table
 WEIGHTS_KEY = "weights"
 
 
@@ -43,6 +45,7 @@ class EncoderManifest:
     files: Mapping[str, WeightFile]
     source_digest: str
     source: str = ""
+    rope_theta: float | None = None
 
     def __post_init__(self) -> None:
         if not valid_model_name(self.name):
@@ -60,6 +63,11 @@ class EncoderManifest:
             raise ModelFormatError(f"encoder manifest: pooling must be one of {POOLINGS}, normalize a boolean")
         if not isinstance(self.layer_norm_eps, (int, float)) or not 0 < self.layer_norm_eps < 1:
             raise ModelFormatError("encoder manifest: layer_norm_eps must be in (0, 1)")
+        rotary = self.architecture in ROTARY_ARCHITECTURES
+        if rotary != (self.rope_theta is not None) or rotary and not (
+                isinstance(self.rope_theta, (int, float)) and self.rope_theta > 0):
+            raise ModelFormatError(f"encoder manifest: rope_theta must be a positive number for "
+                                   f"{', '.join(ROTARY_ARCHITECTURES)} and absent otherwise")
         if set(self.files) != {WEIGHTS_KEY} or not isinstance(self.files[WEIGHTS_KEY], WeightFile):
             raise ModelFormatError(f"encoder manifest: files must be {{{WEIGHTS_KEY!r}: a weight file}}")
         if not isinstance(self.source_digest, str) or not _SHA256.match(self.source_digest):
@@ -84,4 +92,5 @@ class EncoderManifest:
             raise ModelFormatError(f"encoder manifest: unreadable ({error})") from None
 
 
-__all__ = ["ENCODER_FILE", "EncoderManifest", "POOLINGS", "WEIGHTS_KEY"]
+__all__ = ["ENCODER_ARCHITECTURES", "ENCODER_FILE", "EncoderManifest", "POOLINGS", "ROTARY_ARCHITECTURES",
+           "WEIGHTS_KEY"]
