@@ -587,6 +587,8 @@ class _Builder:
                                                              [b_dim, m.n_kv_heads, new_len, m.head_dim]))
         if tail:
             h = self._load("head")
+            if m.shared_table:  # the output layer is the embed file's table, in its 8-bit blocks
+                h |= {name.replace("embed.", "lm_head.", 1): value for name, value in self._load("embed").items()}
             normed, _ = self.add_rms(pending, residual, h["norm"], "final_norm")
             if fused:  # logits for positions logits_from.. only: a prompt's sampling needs its last row
                 inputs.append(helper.make_tensor_value_info("logits_from", TensorProto.INT64, [1]))

@@ -105,10 +105,17 @@ def default_name(path: Path) -> str:
     return clean.lower()[:100]
 
 
+def shares_table(params: dict[str, Any], weights: str, lm_head_bits: int = 8) -> bool:
+    """Whether a store keeps its tied table once, in 8-bit blocks the embedding and the output
+    layer both read (a block format with an 8-bit output layer)."""
+    return bool(params["tied_embeddings"]) and weights in BLOCK_FORMATS and lm_head_bits == 8
+
+
 def convert_tensors(tensors: dict[str, np.ndarray], weights: str, lm_head_bits: int = 8,
-                    narrow: frozenset[str] = frozenset()) -> dict[str, np.ndarray]:
+                    narrow: frozenset[str] = frozenset(), shared_table: bool = False) -> dict[str, np.ndarray]:
     """Canonical float32 tensors -> the stored form for ``weights`` (pure); ``narrow``: the linear
-    weights the source holds in at most 4 bits (the 4-bit ones of a ``mixed`` store)."""
+    weights the source holds in at most 4 bits (the 4-bit ones of a ``mixed`` store);
+    ``shared_table``: the embedding is the output layer's too (:func:`shares_table`), in its 8 bits."""
     out: dict[str, np.ndarray] = {}
     for name, arr in tensors.items():
         if is_linear(name) or name == "lm_head":
@@ -121,7 +128,7 @@ def convert_tensors(tensors: dict[str, np.ndarray], weights: str, lm_head_bits: 
                 out[name] = arr.astype(np.float16)
             else:
                 out[name] = arr.astype(np.float32, copy=False)
-        elif name == "embed" and weights in BLOCK_FORMATS and exact_q8(arr):
+        elif name == "embed" and weights in BLOCK_FORMATS and (shared_table or exact_q8(arr)):
             # (a GGUF Q8_0 table: its own grid, where float16 would round its values)
             for part, val in quantize_q8(arr).items():
                 out[f"{name}.{part}"] = val
@@ -172,10 +179,11 @@ def refuse_unused(source: str, unused: Iterable[str], shown: int = 5) -> None:
                                   f"drop them): {', '.join(names[:shown])}{more}", names)
 
 
-def _estimated_bytes(embed_bytes: int, layer_bytes: int, n_layers: int) -> int:
+def _estimated_bytes(embed_bytes: int, layer_bytes: int, n_layers: int, shared_table: bool) -> int:
     """Expected size of an import's weight files, for the progress bar: every layer like the
-    first, and the head (lm_head has the embedding's shape) like the embedding."""
-    return 2 * embed_bytes + n_layers * layer_bytes
+    first, and the head (lm_head has the embedding's shape) like the embedding, unless it
+    shares the embedding's table."""
+    return (1 if shared_table else 2) * embed_bytes + n_layers * layer_bytes
 
 
 def import_model(path: Path | str, *, name: str | None = None, weights: str = "f32",
@@ -212,7 +220,9 @@ def import_model(path: Path | str, *, name: str | None = None, weights: str = "f
             if emb.shape != (params["vocab_size"], params["hidden_size"]):
                 raise ModelFormatError(f"embedding has shape {emb.shape}, expected "
                                        f"({params['vocab_size']}, {params['hidden_size']})")
-            files["embed"] = _write(tmp, f"{WEIGHTS_DIR}/embed.safetensors", convert_tensors({"embed": emb}, weights))
+            shared = shares_table(params, weights, lm_head_bits)
+            files["embed"] = _write(tmp, f"{WEIGHTS_DIR}/embed.safetensors",
+                                    convert_tensors({"embed": emb}, weights, shared_table=shared))
             del emb
             bar.update(files["embed"].bytes)
             for i in range(n):
@@ -221,11 +231,13 @@ def import_model(path: Path | str, *, name: str | None = None, weights: str = "f
                 files[layer_key(i)] = _write(tmp, f"{WEIGHTS_DIR}/layer_{i:03d}.safetensors",
                                              convert_tensors(t, weights, narrow=src.narrow_tensors(i)))
                 if i == 0:
-                    bar.total = _estimated_bytes(files["embed"].bytes, files[layer_key(0)].bytes, n)
+                    bar.total = _estimated_bytes(files["embed"].bytes, files[layer_key(0)].bytes, n, shared)
                 bar.update(files[layer_key(i)].bytes)
             head = src.head()
             if head["lm_head"].shape != (params["vocab_size"], params["hidden_size"]):
                 raise ModelFormatError(f"lm_head has shape {head['lm_head'].shape}")
+            if shared:  # the embed file's table is the output layer's
+                del head["lm_head"]
             files["head"] = _write(tmp, f"{WEIGHTS_DIR}/head.safetensors", convert_tensors(head, weights, lm_head_bits))
             bar.update(files["head"].bytes)
             bar.total = bar.n
@@ -234,7 +246,7 @@ def import_model(path: Path | str, *, name: str | None = None, weights: str = "f
             bar.close()
         save_tokenizer_spec(spec, tmp)
         manifest = Manifest(name=name, weight_format=weights, files=files, source_digest=src.digest(),
-                            source=path.name, **params)
+                            source=path.name, shared_table=shared, **params)
         store.write_manifest(tmp, manifest)
     log.info("imported %s (%s, %d layers, %s)", name, params["architecture"], n, weights)
     return manifest

@@ -69,7 +69,7 @@ _OPTIONAL_DEFAULTS: dict[str, Any] = {
     "sliding_window": 0, "sliding_layers": (), "sliding_rope_theta": None, "residual_scale": 1.0,
     "logit_scale": 1.0, "pre_sublayer_norms": True, "qk_norm_whole": False, "n_experts": 0, "experts_per_token": 0,
     "expert_intermediate_size": 0, "renormalize_experts": False, "attention_softcap": 0.0, "logit_softcap": 0.0,
-    "shared_expert_intermediate_size": 0,
+    "shared_expert_intermediate_size": 0, "shared_table": False,
 }
 
 
@@ -144,6 +144,7 @@ class Manifest:
     attention_softcap: float = 0.0
     logit_softcap: float = 0.0
     shared_expert_intermediate_size: int = 0
+    shared_table: bool = False
 
     def __post_init__(self) -> None:
         if not valid_model_name(self.name):
@@ -199,9 +200,11 @@ class Manifest:
         if self.shared_expert_intermediate_size and not self.n_experts:
             raise ModelFormatError("manifest: a shared expert needs a mixture of experts")
         flags = ("tied_embeddings", "attention_bias", "attention_output_bias", "mlp_bias", "qk_norm",
-                 "post_sublayer_norms", "pre_sublayer_norms", "qk_norm_whole", "renormalize_experts")
+                 "post_sublayer_norms", "pre_sublayer_norms", "qk_norm_whole", "renormalize_experts", "shared_table")
         if not all(isinstance(getattr(self, f), bool) for f in flags):
             raise ModelFormatError(f"manifest: {' / '.join(flags)} must be booleans")
+        if self.shared_table and not self.tied_embeddings:
+            raise ModelFormatError("manifest: only a tied table can be shared by the embedding and the output layer")
         if not isinstance(self.source_digest, str) or not _SHA_RE.match(self.source_digest):
             raise ModelFormatError("manifest: source_digest must be a sha256 hex digest")
         if self.rope_freq_factors is not None:
@@ -252,9 +255,10 @@ class Manifest:
         if not 0 <= first_layer <= last_layer < self.n_layers:
             raise ModelFormatError(f"bad layer range {first_layer}..{last_layer}")
         keys = [layer_key(i) for i in range(first_layer, last_layer + 1)]
-        if first_layer == 0:
+        tail = last_layer == self.n_layers - 1
+        if first_layer == 0 or tail and self.shared_table:
             keys.insert(0, "embed")
-        if last_layer == self.n_layers - 1:
+        if tail:
             keys.append("head")
         return keys
 

@@ -428,8 +428,8 @@ def load_dequantised(model, model_dir: Path, manifest) -> None:
                 getattr(layer.mlp, proj).weight.copy_(deq(t, proj))
         head = read_tensors(model_dir / manifest.files["head"].path)
         table = read_tensors(model_dir / manifest.files["embed"].path)
-        emb = table["embed"] if "embed" in table else deq(table, "embed").numpy()  # float16, or exact 8-bit
+        emb = table["embed"] if "embed" in table else deq(table, "embed").numpy()  # float16, or 8-bit
         hidden, vocab = model.config.hidden_size, model.config.vocab_size
         model.lm_head = torch.nn.Linear(hidden, vocab, bias=False)  # untie: the q4 head is 8-bit, the table f16
-        model.lm_head.weight.copy_(deq(head, "lm_head"))
+        model.lm_head.weight.copy_(deq(table, "embed") if manifest.shared_table else deq(head, "lm_head"))
         model.model.embed_tokens.weight.copy_(torch.from_numpy(emb.astype(np.float32)))

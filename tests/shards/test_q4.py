@@ -203,9 +203,9 @@ def test_a_4_bit_lm_head_reads_half_the_bytes_and_picks_the_same_tokens(tmp_path
     import_model(source, name="lm8", weights="q4", store=store, progress=False)
     import_model(source, name="lm4", weights="q4", store=store, progress=False, lm_head_bits=4)
     import_model(source, name="f32", weights="f32", store=store, progress=False)
-    heads = {n: read_tensors(store.model_dir(n) / "weights" / "head.safetensors") for n in ("lm8", "lm4")}
-    assert heads["lm4"]["lm_head.qweight"].shape[-1] == 16 and heads["lm8"]["lm_head.qweight"].shape[-1] == 32
-    assert heads["lm4"]["lm_head.qweight"].nbytes * 2 == heads["lm8"]["lm_head.qweight"].nbytes
+    lm4 = read_tensors(store.model_dir("lm4") / "weights" / "head.safetensors")["lm_head.qweight"]
+    lm8 = read_tensors(store.model_dir("lm8") / "weights" / "embed.safetensors")["embed.qweight"]  # shared
+    assert lm4.shape[-1] == 16 and lm8.shape[-1] == 32 and lm4.nbytes * 2 == lm8.nbytes
     ids = np.array([1, 7, 8, 9, 10], np.int64)
     logits = {n: chain_forward(chain(store.model_dir(n), [(0, 1)], threads=1), "s", ids) for n in ("lm4", "f32")}
     # the lm_head lies on Q4_0 grids, which 4-bit blocks hold exactly: int8 activations are the only error
@@ -214,3 +214,31 @@ def test_a_4_bit_lm_head_reads_half_the_bytes_and_picks_the_same_tokens(tmp_path
     for weights, bits in (("f32", 4), ("q4", 6)):
         with pytest.raises(ModelFormatError, match="lm_head_bits must be 8, or 4 with q4 weights"):
             import_model(source, name="bad", weights=weights, store=store, progress=False, lm_head_bits=bits)
+
+
+def test_a_tied_table_is_stored_once_and_read_by_the_embedding_and_the_output_layer(tmp_path) -> None:
+    """A q4 store of a tied model keeps its table once, in 8-bit blocks in the embed file: the
+    head file holds the final norm alone; a tail fragment on its own reads the embed file too,
+    and the model answers as one fragment does and as the float store does."""
+    from shards.store.tensorfile import read_tensors
+    from tests.shards.fragment_helpers import write_tiny_checkpoint
+
+    source = write_tiny_checkpoint(tmp_path / "checkpoint", layers=3, q4_0_grid=True)
+    store = ModelStore(tmp_path / "home")
+    shared = import_model(source, name="shared", weights="q4", store=store, progress=False)
+    apart = import_model(source, name="apart", weights="q4", store=store, progress=False, lm_head_bits=4)
+    import_model(source, name="f32", weights="f32", store=store, progress=False)
+    assert shared.shared_table and not apart.shared_table
+    assert set(read_tensors(store.model_dir("shared") / "weights" / "head.safetensors")) == {"norm"}
+    assert shared.fragment_files(2, 2) == ["embed", "layer.2", "head"]
+    assert shared.fragment_files(1, 1) == ["layer.1"] and apart.fragment_files(2, 2) == ["layer.2", "head"]
+    table_bytes = shared.vocab_size * shared.hidden_size  # one byte a weight in 8 bits
+    assert shared.embed_bytes >= table_bytes > 2 * shared.head_bytes
+    ids = np.array([1, 7, 8, 9, 10], np.int64)
+    whole = chain_forward(chain(store.model_dir("shared"), [(0, 2)], threads=1), "s", ids)
+    split = chain_forward(chain(store.model_dir("shared"), [(0, 0), (1, 1), (2, 2)], threads=1), "s", ids)
+    float_ = chain_forward(chain(store.model_dir("f32"), [(0, 2)], threads=1), "s", ids)
+    np.testing.assert_allclose(split, whole, atol=1e-4)
+    # weights on Q4_0 grids: the 4-bit layers are exact, the table's 8-bit blocks all but exact
+    assert np.abs(whole - float_).max() <= 0.02 * np.abs(float_).max()
+    assert (whole[0].argmax(-1) == float_[0].argmax(-1)).all()
