@@ -39,16 +39,18 @@ def write_fragment(model_dir: Path, m: Manifest, spec: FragmentSpec, out_dir: Pa
 
 
 def rope_tables(m: Manifest, n_positions: int, sliding: bool = False) -> tuple[np.ndarray, np.ndarray]:
-    """cos, sin tables float32 [n_positions, head_dim/2] (with llama3 frequency factors); those
-    of the sliding-window layers when they have a rotary base of their own (no factors)."""
-    hd = m.head_dim
+    """cos, sin tables float32 [n_positions, rotary_width/2] (with llama3 frequency factors, times
+    the rotary scale); those of the sliding-window layers when they have a rotary base of their
+    own (no factors, no scale)."""
+    hd = m.rotary_width
     own_base = sliding and m.sliding_rope_theta is not None
     theta = m.sliding_rope_theta if own_base else m.rope_theta
     inv = 1.0 / (theta ** (np.arange(0, hd, 2, dtype=np.float64) / hd))
     if m.rope_freq_factors is not None and not own_base:
         inv = inv / np.asarray(m.rope_freq_factors, dtype=np.float64)
     ang = np.arange(n_positions, dtype=np.float64)[:, None] * inv[None, :]
-    return np.cos(ang).astype(np.float32), np.sin(ang).astype(np.float32)
+    scale = 1.0 if own_base else m.rotary_scale
+    return (scale * np.cos(ang)).astype(np.float32), (scale * np.sin(ang)).astype(np.float32)
 
 
 class _Graph:
@@ -409,10 +411,17 @@ class _Builder:
         return g.op1("Transpose", [y], perm=[0, 2, 1, 3])
 
     def _rotate(self, x: str, pro: dict[str, str]) -> str:
-        g, half = self.g, self.m.head_dim // 2
+        """``x`` [.., head_dim] with its first rotary_width dims turned, the rest as they are."""
+        g, width, hd = self.g, self.m.rotary_width, self.m.head_dim
+        passed = None
+        if width < hd:
+            x, passed = g.op("Split", [x, g.const("split_rotary", np.array([width, hd - width], np.int64))],
+                             n_out=2, axis=-1)
+        half = width // 2
         x1, x2 = g.op("Split", [x, g.const("split_half", np.array([half, half], np.int64))], n_out=2, axis=-1)
         rot = g.op1("Concat", [g.op1("Neg", [x2]), x1], axis=-1)
-        return g.op1("Add", [g.op1("Mul", [x, pro["cos"]]), g.op1("Mul", [rot, pro["sin"]])])
+        turned = g.op1("Add", [g.op1("Mul", [x, pro["cos"]]), g.op1("Mul", [rot, pro["sin"]])])
+        return turned if passed is None else g.op1("Concat", [turned, passed], axis=-1)
 
     def attention_plain(self, xn: str, t: dict[str, np.ndarray], li: int, pro: dict[str, str]) -> tuple[str, str, str]:
         """Attention from plain ops; returns (output, key out, value out) per the flavour's KV contract."""

@@ -23,6 +23,7 @@ import numpy as np
 
 from shards.errors import ModelFormatError, UnsupportedArchitectureError
 from shards.importers.fused import SPLITS, split_fused
+from shards.importers.rotary import rotary_params
 from shards.store.verify import hash_file
 
 log = logging.getLogger(__name__)
@@ -143,21 +144,19 @@ class GgufSource:
         vocab = int(self._field(f"{a}.vocab_size", 0)) or int(emb.shape[-1])
         head_dim = int(self._field(f"{a}.attention.key_length", 0)) or hidden // n_heads
         rope_dim = int(self._field(f"{a}.rope.dimension_count", head_dim))
-        if rope_dim != head_dim:
-            raise UnsupportedArchitectureError(
-                f"{self.path.name}: partial rotary ({rope_dim} of {head_dim}) is not supported")
+        rotary = rotary_params(self.path.name, a, rope_dim, head_dim)
         ff = None
         if "rope_freqs.weight" in self.tensors:  # llama3-style per-frequency divisors
             ff = tuple(float(x) for x in self._tensor("rope_freqs.weight").reshape(-1))
         kind = self._field(f"{a}.rope.scaling.type", "none")
         if kind == "linear":
             factor = float(self._field(f"{a}.rope.scaling.factor", 1.0))
-            ff = tuple(f * factor for f in (ff or (1.0,) * (head_dim // 2)))
+            ff = tuple(f * factor for f in (ff or (1.0,) * (rope_dim // 2)))
         elif kind not in ("none", "") and not (a == "phi3" and kind in ("longrope", "su")):  # (phi3's: below)
             raise UnsupportedArchitectureError(f"{self.path.name}: rope scaling {kind!r} is not supported")
         kv = self._field(f"{a}.attention.head_count_kv", n_heads)
         n_layers = int(self._field(f"{a}.block_count"))
-        phi3 = self._phi3_params(n_layers, head_dim) if a == "phi3" else {}
+        phi3 = self._phi3_params(n_layers) if a == "phi3" else {}
         return {
             "architecture": a,
             "n_layers": n_layers,
@@ -189,11 +188,12 @@ class GgufSource:
             **(self._gemma3_params(n_layers, hidden, n_heads, head_dim) if a == "gemma3" else {}),
             **(self._gemma2_params(n_layers, hidden, n_heads, head_dim) if a == "gemma2" else {}),
             **phi3,
+            **rotary,
         }
 
-    def _phi3_params(self, n_layers: int, head_dim: int) -> dict[str, Any]:
+    def _phi3_params(self, n_layers: int) -> dict[str, Any]:
         """Phi-3's window on every layer, and its long rope as up to the original context: the
-        short factors, the attention factor (the scores scaled by its square), the context
+        short factors, the attention factor (the rotary's cos and sin scaled by it), the context
         capped there (past it llama.cpp, like transformers, turns to the long factors)."""
         context = int(self._field("phi3.context_length"))
         params: dict[str, Any] = {}
@@ -203,7 +203,7 @@ class GgufSource:
             params["context_length"] = context
             attention = float(self._field("phi3.rope.scaling.attn_factor", 1.0))
             if attention != 1.0:
-                params["attention_scale"] = attention ** 2 / math.sqrt(head_dim)
+                params["rotary_scale"] = attention
         window = int(self._field("phi3.attention.sliding_window", 0))
         if 0 < window < context:
             params |= {"sliding_window": window, "sliding_layers": tuple(range(n_layers))}

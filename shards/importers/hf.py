@@ -33,6 +33,7 @@ import numpy as np
 
 from shards.errors import ModelFormatError, TokenizerError, UnmappedTensorError, UnsupportedArchitectureError
 from shards.importers.fused import SPLITS, split_fused
+from shards.importers.rotary import rotary_params
 from shards.store.tensorfile import read_header, read_tensors
 from shards.store.verify import hash_file
 
@@ -168,21 +169,22 @@ class HfSource:
             rp = c.get("rope_parameters") or {}  # transformers >= 5 nests rope settings here
             theta = float(c.get("rope_theta", rp.get("rope_theta", 10000.0)))
             rs = c.get("rope_scaling") or rp
-            ff, scores = None, {}
+            ff, scaled = None, {}
             if c.get("hidden_act", "silu") != "silu":
                 raise UnsupportedArchitectureError(f"{self.path.name}: only SiLU MLPs are supported")
             window = c.get("sliding_window") if self.arch in ("mistral", "mixtral", "phi3") else None  # (qwen's: off)
             context = int(c.get("max_position_embeddings", 4096))
-            if float(c.get("partial_rotary_factor", rp.get("partial_rotary_factor", 1.0))) != 1.0:
-                raise UnsupportedArchitectureError(f"{self.path.name}: a rotary over part of each head is not supported")
+            partial = float(c.get("partial_rotary_factor", rp.get("partial_rotary_factor", 1.0)))
+            rotary = rotary_params(self.path.name, self.arch, int(head_dim * partial), head_dim)
+            width = rotary.get("rotary_dim", head_dim)
             if rs:
                 kind = rs.get("rope_type", rs.get("type"))
                 if kind == "llama3":
                     ff = llama3_freq_factors(head_dim, theta, rs)
                 elif kind == "linear":
-                    ff = (float(rs["factor"]),) * (head_dim // 2)
+                    ff = (float(rs["factor"]),) * (width // 2)
                 elif kind in ("longrope", "su") and self.arch == "phi3":
-                    ff, context, scores = self._longrope(rs, head_dim, context)
+                    ff, context, scaled = self._longrope(rs, width, context)
                 elif kind not in (None, "default"):
                     raise UnsupportedArchitectureError(f"{self.path.name}: rope scaling {kind!r} is not supported")
             sliding = window is not None and int(window) < context  # (mistral's, mixtral's, phi3's: every layer's)
@@ -219,31 +221,32 @@ class HfSource:
                 # a window on every layer (Mistral 7B v0.1: 4096 positions; Phi-3's 4k models: 2047)
                 **({"sliding_window": int(window), "sliding_layers": tuple(range(int(c["num_hidden_layers"])))}
                    if sliding else {}),
-                **scores,
+                **scaled,
+                **rotary,
                 **self._granite_multipliers(),
                 **self._experts(),
             }
         except (KeyError, TypeError, ValueError) as e:
             raise ModelFormatError(f"{self.path.name}: config.json lacks or garbles {e}") from e
 
-    def _longrope(self, rs: dict[str, Any], head_dim: int, context: int) -> tuple[tuple[float, ...], int, dict]:
+    def _longrope(self, rs: dict[str, Any], width: int, context: int) -> tuple[tuple[float, ...], int, dict]:
         """Phi-3's long rope, as transformers computes it up to the original context: the short
         factors divide the rotary frequencies, and the rotation is scaled by an attention factor
-        (sqrt(1 + ln(context / original) / ln(original)) unless given), which multiplies the
-        scores by its square. The context is capped at the original one: past it transformers
-        turns to the long factors, which ncm does not hold."""
+        (sqrt(1 + ln(context / original) / ln(original)) unless given) that multiplies its cos and
+        sin (so the turned dims' share of the scores by its square). The context is capped at the
+        original one: past it transformers turns to the long factors, which ncm does not hold."""
         c = self.config
         original = int(c.get("original_max_position_embeddings") or rs.get("original_max_position_embeddings")
                        or context)
         short = tuple(float(x) for x in rs["short_factor"])
-        if len(short) != head_dim // 2:
-            raise ModelFormatError(f"{self.path.name}: rope short_factor has {len(short)} values, not {head_dim // 2}")
+        if len(short) != width // 2:  # one per frequency of the rotated dims
+            raise ModelFormatError(f"{self.path.name}: rope short_factor has {len(short)} values, not {width // 2}")
         factor = context / original
         attention = rs.get("attention_factor")
         if attention is None:
             attention = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
-        scores = {"attention_scale": float(attention) ** 2 / math.sqrt(head_dim)} if attention != 1.0 else {}
-        return short, min(context, original), scores
+        scale = {"rotary_scale": float(attention)} if attention != 1.0 else {}
+        return short, min(context, original), scale
 
     def _gemma_params(self) -> dict[str, Any]:
         """Gemma 3 and Gemma 2: Gemma 2 has no query/key norms, a window on every other layer

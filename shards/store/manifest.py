@@ -69,7 +69,7 @@ _OPTIONAL_DEFAULTS: dict[str, Any] = {
     "sliding_window": 0, "sliding_layers": (), "sliding_rope_theta": None, "residual_scale": 1.0,
     "logit_scale": 1.0, "pre_sublayer_norms": True, "qk_norm_whole": False, "n_experts": 0, "experts_per_token": 0,
     "expert_intermediate_size": 0, "renormalize_experts": False, "attention_softcap": 0.0, "logit_softcap": 0.0,
-    "shared_expert_intermediate_size": 0, "shared_table": False,
+    "shared_expert_intermediate_size": 0, "shared_table": False, "rotary_dim": 0, "rotary_scale": 1.0,
 }
 
 
@@ -100,7 +100,11 @@ class Manifest:
     ``renormalize_experts``), plus, with ``shared_expert_intermediate_size``, a shared expert
     (``shared_expert.gate_proj``...) every row runs, weighted by the sigmoid of
     ``shared_expert_gate`` [1, hidden] (Qwen2-MoE); ``attention_softcap`` / ``logit_softcap`` > 0: the scaled
-    attention scores / the logits x become cap * tanh(x / cap) (Gemma 2's soft-capping)."""
+    attention scores / the logits x become cap * tanh(x / cap) (Gemma 2's soft-capping);
+    ``rotary_dim`` > 0: the rotary turns the first ``rotary_dim`` dims of each query and key head
+    and passes the rest (Phi-4-mini's partial rotary; ``rope_freq_factors`` then cover those);
+    ``rotary_scale``: the rotary's cos and sin are multiplied by it (Phi-3's long-rope attention
+    factor, which scales only the turned dims)."""
 
     name: str
     architecture: str
@@ -145,6 +149,8 @@ class Manifest:
     logit_softcap: float = 0.0
     shared_expert_intermediate_size: int = 0
     shared_table: bool = False
+    rotary_dim: int = 0
+    rotary_scale: float = 1.0
 
     def __post_init__(self) -> None:
         if not valid_model_name(self.name):
@@ -180,7 +186,8 @@ class Manifest:
                                    "names layers")
         if self.activation not in ACTIVATIONS:
             raise ModelFormatError(f"manifest: unknown activation {self.activation!r}")
-        for name in ("embedding_scale", "residual_scale", "logit_scale"):
+        scales = ("embedding_scale", "residual_scale", "logit_scale", "rotary_scale")
+        for name in scales:
             _pos_float(name, getattr(self, name))
         for name in ("attention_scale", "sliding_rope_theta"):
             if getattr(self, name) is not None:
@@ -207,10 +214,12 @@ class Manifest:
             raise ModelFormatError("manifest: only a tied table can be shared by the embedding and the output layer")
         if not isinstance(self.source_digest, str) or not _SHA_RE.match(self.source_digest):
             raise ModelFormatError("manifest: source_digest must be a sha256 hex digest")
+        if not isinstance(self.rotary_dim, int) or self.rotary_dim % 2 or not 0 <= self.rotary_dim < self.head_dim:
+            raise ModelFormatError("manifest: rotary_dim must be 0 (the whole head) or an even width below head_dim")
         if self.rope_freq_factors is not None:
             ff = tuple(float(x) for x in self.rope_freq_factors)
-            if len(ff) != self.head_dim // 2 or not all(math.isfinite(x) and x > 0 for x in ff):
-                raise ModelFormatError("manifest: rope_freq_factors must be head_dim/2 positive numbers")
+            if len(ff) != self.rotary_width // 2 or not all(math.isfinite(x) and x > 0 for x in ff):
+                raise ModelFormatError("manifest: rope_freq_factors must be rotary_width/2 positive numbers")
             object.__setattr__(self, "rope_freq_factors", ff)
         files = dict(self.files)
         expected = {"embed", "head"} | {layer_key(i) for i in range(self.n_layers)}
@@ -223,6 +232,11 @@ class Manifest:
         object.__setattr__(self, "files", MappingProxyType(files))
 
     # --- sizes -------------------------------------------------------------------------
+    @property
+    def rotary_width(self) -> int:
+        """How many dims of each query and key head the rotary turns."""
+        return self.rotary_dim or self.head_dim
+
     @property
     def group_size(self) -> int:
         """Query heads per KV head."""

@@ -141,7 +141,8 @@ def make_hf_checkpoint(folder: Path, arch: str, *, seed: int = 0, attention_bias
 
     ``attention_bias`` (llama, qwen3) gives q/k/v/o biases and ``mlp_bias`` (llama) gate/up/down
     ones, as the config options of those names do. The qwen3 one has heads wider than
-    hidden_size / n_heads, as Qwen3's have. ``rope``: more of phi3's config (a long rope)."""
+    hidden_size / n_heads, as Qwen3's have. ``rope``: more of phi3's config (a long rope, a
+    partial rotary, its own shape)."""
     import torch
     from transformers import (
         Gemma2Config,
@@ -206,7 +207,7 @@ def make_hf_checkpoint(folder: Path, arch: str, *, seed: int = 0, attention_bias
                              moe_intermediate_size=48, norm_topk_prob=True, rope_theta=1000000.0)
         model = Qwen3MoeForCausalLM(cfg)
     elif arch == "phi3":  # every layer slides over 16 positions (Phi-3's 4k models: 2047)
-        cfg = Phi3Config(**common, **({"tie_word_embeddings": False, "sliding_window": 16, "pad_token_id": 0} | rope))
+        cfg = Phi3Config(**(common | {"tie_word_embeddings": False, "sliding_window": 16, "pad_token_id": 0} | rope))
         model = Phi3ForCausalLM(cfg)
     elif arch == "qwen2_moe":  # 4 experts, 2 per token, not renormalised, and a shared expert
         cfg = Qwen2MoeConfig(**common, tie_word_embeddings=False, num_experts=4, num_experts_per_tok=2,
@@ -309,8 +310,8 @@ def write_gguf_from_hf(model, path: Path, arch: str, extra: dict[str, np.ndarray
     if arch == "gemma2":
         w.add_attn_logit_softcapping(cfg.attn_logit_softcapping)
         w.add_final_logit_softcapping(cfg.final_logit_softcapping)
-    if arch == "phi3":
-        w.add_rope_dimension_count(hd)
+    if arch == "phi3":  # (Phi-4-mini's partial rotary: fewer dims than the head's)
+        w.add_rope_dimension_count(int(hd * cfg.rope_parameters.get("partial_rotary_factor", 1.0)))
     if rope.get("rope_type") == "longrope":  # phi3's, as llama.cpp's converter writes it
         original = cfg.original_max_position_embeddings
         scale = cfg.max_position_embeddings / original

@@ -47,21 +47,29 @@ def test_gguf_logits_match_transformers(tmp_path, arch) -> None:
     np.testing.assert_allclose(ours, ref, atol=1e-3 if arch in ("gemma3", "gemma2") else 1e-4, rtol=0)
 
 
-def test_phi3_long_rope_and_4_bit_fused_matrices_from_gguf(tmp_path) -> None:
-    """Phi-3.5's file: its short factors and attention factor up to the original context, and
-    its fused matrices in Q4_0 split into 4-bit blocks of their own in a mixed store."""
+PHI4_MINI = {"hidden_size": 128, "num_attention_heads": 2, "num_key_value_heads": 1, "partial_rotary_factor": 0.75}
+
+
+@pytest.mark.parametrize("shape", [{}, PHI4_MINI], ids=["phi-3.5", "phi-4-mini"])
+def test_phi3_long_rope_and_4_bit_fused_matrices_from_gguf(tmp_path, shape) -> None:
+    """Phi-3.5's file (and Phi-4-mini's, whose rotary turns 3/4 of each head: its
+    ``rope.dimension_count``): short factors and attention factor up to the original context,
+    and its fused matrices in Q4_0 split into 4-bit blocks of their own in a mixed store."""
     import torch
 
-    factors = [1.0, 1.2, 1.5, 1.9, 2.4, 3.0, 3.7, 4.5]
+    partial = shape.get("partial_rotary_factor", 1.0)
+    head_dim = shape.get("hidden_size", 64) // shape.get("num_attention_heads", 4)
+    factors = [1.0 + i / 4 for i in range(int(head_dim * partial) // 2)]
     model = make_hf_checkpoint(tmp_path / "hf", "phi3", seed=9, rope={
+        **{k: v for k, v in shape.items() if k != "partial_rotary_factor"},
         "original_max_position_embeddings": 64, "sliding_window": None,
         "rope_parameters": {"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": factors,
-                            "long_factor": [f * 2 for f in factors]}})
+                            "long_factor": [f * 2 for f in factors], "partial_rotary_factor": partial}})
     path = write_gguf_from_hf(model, tmp_path / "phi.gguf", "phi3", types={"attn_qkv": "Q4_0", "ffn_up": "Q4_0"})
     store = ModelStore(tmp_path / "home")
     m = import_model(path, name="phi", weights="mixed", store=store, progress=False)
     assert m.context_length == 64 and m.rope_freq_factors == pytest.approx(factors) and m.sliding_layers == ()
-    assert m.weight_format == "mixed"
+    assert m.weight_format == "mixed" and m.rotary_width == int(head_dim * partial)
     load_dequantised(model, store.model_dir("phi"), m)
     ids = np.random.default_rng(4).integers(3, 96, size=50).astype(np.int64)
     with torch.no_grad():

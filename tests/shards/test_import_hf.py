@@ -108,12 +108,7 @@ def test_logits_match_transformers(checkpoints, arch, cut) -> None:
 
 def test_phi3_long_rope_up_to_the_original_context(tmp_path) -> None:
     """Phi-3.5's long rope: the short factors and the attention factor, as transformers applies
-    them up to the original context (which caps the stored one); a rotary over part of each
-    head (Phi-4-mini) is refused in one line."""
-    import json
-
-    from shards.errors import UnsupportedArchitectureError
-
+    them up to the original context (which caps the stored one)."""
     factors = [1.0, 1.1, 1.3, 1.6, 2.0, 2.6, 3.3, 4.0]
     model = make_hf_checkpoint(tmp_path / "src", "phi3", seed=4, rope={
         "original_max_position_embeddings": 64, "sliding_window": None,
@@ -122,16 +117,50 @@ def test_phi3_long_rope_up_to_the_original_context(tmp_path) -> None:
     store = ModelStore(tmp_path / "home")
     m = import_model(tmp_path / "src", name="phi", store=store, progress=False)
     assert m.context_length == 64 and m.rope_freq_factors == tuple(factors) and m.sliding_window == 0
-    assert m.attention_scale == pytest.approx((1 + np.log(4) / np.log(64)) / 4)  # 256 / 64: attention factor squared / sqrt(16)
+    assert m.rotary_scale == pytest.approx(np.sqrt(1 + np.log(4) / np.log(64)))  # context 256 / original 64
     ids = np.random.default_rng(5).integers(3, 96, size=60).astype(np.int64)
     runners = open_chain(store.model_dir("phi"), [(0, 1), (2, 2)], threads=1)
     ours = np.concatenate([chain_forward(runners, "s", ids[:40]), chain_forward(runners, "s", ids[40:])], axis=1)[0]
     np.testing.assert_allclose(ours, torch_logits(model, ids), atol=1e-4, rtol=0)
+
+
+PHI4_MINI_SHAPE = {"hidden_size": 128, "num_attention_heads": 2, "num_key_value_heads": 1}  # heads 64 wide
+
+
+@pytest.mark.parametrize("flavour", ["cpu", "portable", "static"])
+def test_phi4_mini_partial_rotary_with_its_long_rope(tmp_path, flavour) -> None:
+    """Phi-4-mini's rotary turns 3/4 of each head (48 of 64 dims here, 96 of 128 in the model),
+    the rest passing as it is, with a long rope's short factors over the turned dims: every
+    flavour matches transformers across a split; a rotary ncm cannot turn is refused in one line."""
+    import json
+
+    from shards.errors import UnsupportedArchitectureError
+
+    factors = [1.0 + i / 8 for i in range(24)]  # one per frequency of the 48 turned dims
+    model = make_hf_checkpoint(tmp_path / "src", "phi3", seed=6, rope={
+        **PHI4_MINI_SHAPE, "original_max_position_embeddings": 64, "sliding_window": None, "tie_word_embeddings": True,
+        "rope_parameters": {"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.75,
+                            "short_factor": factors, "long_factor": [f * 3 for f in factors]}})
+    store = ModelStore(tmp_path / "home")
+    m = import_model(tmp_path / "src", name="phi4", store=store, progress=False)
+    assert (m.head_dim, m.rotary_dim, m.rope_freq_factors) == (64, 48, tuple(factors))
+    ids = np.random.default_rng(7).integers(3, 96, size=37).astype(np.int64)
+    kw = {"flavour": "static", "max_context": 64, "prefill_chunk": 8} if flavour == "static" else {"flavour": flavour}
+    runners = open_chain(store.model_dir("phi4"), [(0, 1), (2, 2)], threads=1, **kw)
+    if flavour == "static":
+        rows, _ = greedy(runners, "s", ids, 0)
+        np.testing.assert_allclose(rows[0], torch_logits(model, ids)[-1], atol=1e-4, rtol=0)
+    else:
+        np.testing.assert_allclose(chain_forward(runners, "s", ids)[0], torch_logits(model, ids), atol=1e-4, rtol=0)
     config = json.loads((tmp_path / "src" / "config.json").read_text())
-    config["rope_parameters"]["partial_rotary_factor"] = 0.75
+    config["rope_parameters"]["partial_rotary_factor"] = 0.5  # 32 of 64 dims: a multiple of 16, so fine...
+    config["rope_parameters"]["short_factor"] = config["rope_parameters"]["long_factor"] = [1.0] * 16
     (tmp_path / "src" / "config.json").write_text(json.dumps(config))
-    with pytest.raises(UnsupportedArchitectureError, match=r"^src: a rotary over part of each head is not supported$"):
-        import_model(tmp_path / "src", name="phi-mini", store=store, progress=False)
+    assert import_model(tmp_path / "src", name="phi4-half", store=store, progress=False).rotary_dim == 32
+    config["rope_parameters"]["partial_rotary_factor"] = 0.375  # ...24 is not
+    (tmp_path / "src" / "config.json").write_text(json.dumps(config))
+    with pytest.raises(UnsupportedArchitectureError, match=r"^src: a rotary over 24 of 64 dims is not supported"):
+        import_model(tmp_path / "src", name="phi4-odd", store=store, progress=False)
 
 
 def test_bfloat16_checkpoint(tmp_path) -> None:
