@@ -164,7 +164,8 @@ OPENAI_EMBEDDINGS = _table(
 _OLLAMA_EMBED_COMMON = (
     Field("model", HONOURED, "an embedding model (name or name:latest)"),
     Field("options", REFUSED, "no option changes an embedding", ({},)),
-    Field("keep_alive", NO_EFFECT, "an embedding model stays open on the orchestrator"),
+    Field("keep_alive", HONOURED, "how long the model stays open idle after the request (negative: until asked); "
+                                  "0 closes it now from the admin token, else the idle rule (sleep_idle_s) applies"),
 )
 OLLAMA_EMBED = _table(
     *_OLLAMA_EMBED_COMMON,

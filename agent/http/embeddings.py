@@ -1,7 +1,8 @@
 """Embeddings on both APIs: OpenAI's `/v1/embeddings`, Ollama's `/api/embed` (a batch) and
 its older `/api/embeddings` (one text). They run on the orchestrator, with the embedding
-models of its store (:class:`~agent.models.embeddings.EmbeddingModels`); a chat model makes no
-embeddings here (the answer says which models do).
+models of its store (:class:`~agent.models.embeddings.EmbeddingModels`), open as long as
+Ollama's `keep_alive` or the idle rule says; a chat model makes no embeddings here (the answer
+says which models do).
 """
 
 from __future__ import annotations
@@ -13,9 +14,10 @@ from aiohttp import web
 
 from agent.core.errors import InvalidRequestError
 from agent.core.request_fields import OLLAMA_EMBED, OLLAMA_EMBEDDINGS, OPENAI_EMBEDDINGS, check_fields
-from agent.http.api import on_orchestrator, read_json
+from agent.http.api import holds_admin_token, on_orchestrator, read_json
 from agent.http.app_keys import EMBEDDINGS, ROUTER
 from agent.http.metrics_endpoint import REQUEST_MODEL
+from agent.http.ollama import parse_duration_s
 from agent.models.embeddings import Embeddings
 
 MAX_INPUTS = 2048  # texts per request, as OpenAI bounds them
@@ -75,8 +77,11 @@ async def _embed(request: web.Request, body: Any, table: Any, field: str, *, tru
     check_fields(body, table)
     name = _model(request, body)
     texts = _texts(body.get(field), field)
+    keep_alive_s = parse_duration_s(body["keep_alive"]) if body.get("keep_alive") is not None else None
     models = request.app[EMBEDDINGS]
     result = await models.embed(name, texts, truncate=truncate)
+    if keep_alive_s is not None:  # Ollama's: how long the model stays open after this request
+        models.keep_alive(name, keep_alive_s, close=holds_admin_token(request))
     _dimensions(body, result.vectors.shape[1])
     return name, result
 

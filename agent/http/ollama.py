@@ -315,6 +315,13 @@ async def running(request: web.Request) -> web.StreamResponse:
         last_used = time.time() - (time.monotonic() - info["last_used_s"])
         expires = _iso(last_used + idle_s) if idle_s > 0 else NEVER_EXPIRES
         models.append({**_entry(request, info), "size": held, "size_vram": 0, "expires_at": expires})
+    embedders, store = request.app[EMBEDDINGS], request.app[STORE]
+    for name, held in sorted(embedders.memory_bytes().items()):  # open on this node, whole
+        idle_s = embedders.closes_after_s(name)
+        last_used = time.time() - (time.monotonic() - embedders.last_used_s(name))
+        expires = _iso(last_used + idle_s) if idle_s > 0 else NEVER_EXPIRES
+        models.append({**_encoder_entry(store.encoder_manifest(name)), "size": held, "size_vram": 0,
+                       "expires_at": expires})
     return web.json_response({"models": models})
 
 

@@ -150,16 +150,19 @@ def find_accelerators(providers: tuple[str, ...] = (), stop: threading.Event | N
     return Accelerators(tuple(usable), tuple(unusable_reasons))
 
 
-def device_memory(*, vram_gib: float | None, ram_gib: float | None, held_bytes: int) -> dict[str, int]:
+def device_memory(*, vram_gib: float | None, ram_gib: float | None, held_bytes: int,
+                  beside_bytes: int = 0) -> dict[str, int]:
     """The memory fragments live in, for the router's ledger: ``total_bytes`` and
-    ``external_bytes`` (what other programs use). A configured ``vram_gib`` / ``ram_gib`` is a
-    budget the operator reserved for ncm: its external use is 0. Otherwise, on GPUs the total
-    VRAM with nothing external known, and on CPUs the RAM, where external = total − available
-    − the models this agent holds (``held_bytes``; the agent's own runtime counts as external)."""
+    ``external_bytes`` (what else uses it). A configured ``vram_gib`` / ``ram_gib`` is a
+    budget the operator reserved for ncm: its external use is what the agent holds in RAM beside
+    its fragments (``beside_bytes``: its embedding models) for a RAM budget, 0 for a VRAM one.
+    Otherwise, on GPUs the total VRAM with nothing external known, and on CPUs the RAM, where
+    external = total − available − the models this agent holds (``held_bytes``; the agent's own
+    runtime and what it holds beside the fragments count as external)."""
     if vram_gib:
         return {"total_bytes": int(vram_gib * GIB), "external_bytes": 0}
     if ram_gib:
-        return {"total_bytes": int(ram_gib * GIB), "external_bytes": 0}
+        return {"total_bytes": int(ram_gib * GIB), "external_bytes": beside_bytes}
     vram_bytes, _ = nvml_total_vram_bytes()
     if vram_bytes:
         return {"total_bytes": vram_bytes, "external_bytes": 0}

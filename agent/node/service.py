@@ -400,7 +400,7 @@ def build_app(config: AgentConfig, *, node_id: str, store: ModelStore, api_port:
     app[DRAIN_TIMEOUT_S] = drain_timeout_s
     app[EVENTS] = EventLog()
     app[METRICS] = Metrics()
-    app[EMBEDDINGS] = EmbeddingModels(store, config.threads)
+    app[EMBEDDINGS] = EmbeddingModels(store, config.threads, idle_s=config.sleep_idle_s)
     app[EVENTS].listen(app[METRICS].count_event)
     app.on_shutdown.append(close_data_plane)
     app.on_response_prepare.append(sign_answers)
@@ -421,7 +421,8 @@ def build_app(config: AgentConfig, *, node_id: str, store: ModelStore, api_port:
             config, node_id, client, api_port=api_port, peer_port=peer_port, events=events,
             describe_extra=lambda: {"models": complete_models(store), "worker": app[WORKER].status(),
                                     "device_memory": app[WORKER].device_memory()})
-        app[WORKER] = Worker(node_id, config, store, client, app[LINKS], app[METRICS], app[MEMBERSHIP].agents_on_host)
+        app[WORKER] = Worker(node_id, config, store, client, app[LINKS], app[METRICS], app[MEMBERSHIP].agents_on_host,
+                             beside_bytes=app[EMBEDDINGS].held_bytes)
         app[ROUTER] = ModelRouter(config, store, app[MEMBERSHIP], events, lambda models: Orchestrator(
             node_id, config, app[MEMBERSHIP], app[WORKER], client, store, events, models))
         app[ORCHESTRATOR] = app[ROUTER].orchestrator
@@ -458,6 +459,7 @@ def build_app(config: AgentConfig, *, node_id: str, store: ModelStore, api_port:
             asyncio.create_task(app[WORKER].reap_idle_sessions(), name="session-reaper"),
             asyncio.create_task(app[WORKER].copies.fetch_copies(), name="fallback-copies"),
             asyncio.create_task(join_pending(config, app[CLIENT].session, app[LIFECYCLE]), name="pending-join"),
+            asyncio.create_task(app[EMBEDDINGS].close_when_idle(), name="embedding-models"),
         ]
         if discovery is not None:
             tasks.append(asyncio.create_task(discovery.run(), name="mdns-refresh"))
@@ -469,6 +471,7 @@ def build_app(config: AgentConfig, *, node_id: str, store: ModelStore, api_port:
                 await task
         if discovery is not None:
             await discovery.stop()
+        app[EMBEDDINGS].close_all()
         scrubber.stopped_cleanly()
 
     app.cleanup_ctx.extend([peers, background])

@@ -171,8 +171,10 @@ class Worker:
     it together run as one batch) and fragment builds on another, both off the event loop."""
 
     def __init__(self, node_id: str, config: AgentConfig, store: ModelStore, client: PeerClient, links: Links,
-                 metrics: Metrics | None = None, agents_on_host: Callable[[], int] = lambda: 1) -> None:
+                 metrics: Metrics | None = None, agents_on_host: Callable[[], int] = lambda: 1,
+                 beside_bytes: Callable[[], int] = lambda: 0) -> None:
         self.node_id = node_id
+        self.beside_bytes = beside_bytes  # what the agent holds beside the fragments (its embedding models)
         self.metrics = metrics or Metrics()
         self.config = config
         self.store = store
@@ -325,7 +327,7 @@ class Worker:
     def device_memory(self) -> dict[str, int]:
         """The device the fragments live in, for the router's memory ledger."""
         return device_memory(vram_gib=self.config.vram_gib, ram_gib=self.config.ram_gib,
-                             held_bytes=sum(self.memory_bytes.values()))
+                             held_bytes=sum(self.memory_bytes.values()), beside_bytes=self.beside_bytes())
 
     def _retire(self) -> None:
         """Forget orders no request uses any more, and free the fragments none of the rest needs

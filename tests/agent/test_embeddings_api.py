@@ -2,7 +2,8 @@
 the default chat model and all-MiniLM-L6-v2: a batch equals its texts one by one, base64
 decodes to the same floats, Open WebUI's `/api/embed` batches and the legacy endpoint answer,
 the model is listed with its capability, and what cannot be honoured is refused by name. The
-request goes to an agent that is not the orchestrator too."""
+request goes to an agent that is not the orchestrator too. An open embedding model is listed
+by /api/ps and closed by keep_alive 0 from the admin token."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ import pytest
 
 from shards.importers.encoder import import_encoder
 from shards.store.model_store import ModelStore
-from tests.agent.agents import cluster_ready, linked_copy, make_agents, shut_down, wait_for
+from tests.agent.agents import ADMIN, cluster_ready, linked_copy, make_agents, shut_down, wait_for
 from tests.conftest import SMOLLM2_MODEL_NAME
 
 pytestmark = pytest.mark.slow
@@ -84,3 +85,17 @@ def test_the_ollama_client_and_open_webui_rag_batches(agents):
     with pytest.raises(ollama.ResponseError) as caught:
         client.embed(model=EMBEDDER, input="the " * 400, truncate=False)
     assert caught.value.status_code == 400 and "truncate" in caught.value.error
+
+
+def test_an_open_embedding_model_is_listed_running_and_closed_by_keep_alive_zero(agents):
+    client = ollama.Client(host=agents[1].url, timeout=60)
+    client.embed(model=EMBEDDER, input=TEXTS[:1], keep_alive="10m")
+    running = {m.model: m for m in client.ps().models}
+    assert running[f"{EMBEDDER}:latest"].size > 1_000_000 and running[f"{EMBEDDER}:latest"].expires_at.year < 2300
+    client.embed(model=EMBEDDER, input=TEXTS[:1], keep_alive=0)  # no admin token: its own keep_alive ends
+    assert f"{EMBEDDER}:latest" in [m.model for m in client.ps().models]
+    status, _ = agents[1].post("/api/embed", {"model": EMBEDDER, "input": "x", "keep_alive": 0}, headers=ADMIN)
+    assert status == 200 and f"{EMBEDDER}:latest" not in [m.model for m in client.ps().models]
+    with pytest.raises(ollama.ResponseError) as caught:
+        client.embed(model=EMBEDDER, input="x", keep_alive="soon")
+    assert caught.value.status_code == 400 and "keep_alive" in caught.value.error

@@ -35,6 +35,13 @@ def test_manifest_round_trips_through_json() -> None:
     assert m.fragment_files(1, 1) == ["layer.1", "head"]
 
 
+def test_a_partial_rotary_round_trips_and_an_older_manifest_turns_the_whole_head() -> None:
+    m = make_manifest(rotary_dim=8, rotary_scale=1.2, rope_freq_factors=(1.0, 1.5, 2.0, 4.0))
+    assert Manifest.from_json(m.to_json()) == m and m.rotary_width == 8
+    plain = make_manifest()
+    assert "rotary_dim" not in plain.to_json() and plain.rotary_width == 16 and plain.rotary_scale == 1.0
+
+
 def test_manifest_is_frozen() -> None:
     m = make_manifest()
     with pytest.raises(dataclasses.FrozenInstanceError):
@@ -47,6 +54,8 @@ def test_manifest_is_frozen() -> None:
     {"architecture": "gpt2"}, {"weight_format": "q8"}, {"n_layers": 0}, {"n_heads": 5},
     {"head_dim": 15}, {"rope_theta": float("nan")}, {"rms_norm_eps": -1.0}, {"name": "../evil"},
     {"source_digest": "xyz"}, {"rope_freq_factors": (1.0, 2.0)}, {"tied_embeddings": "yes"},
+    {"rotary_dim": 7}, {"rotary_dim": 16}, {"rotary_dim": -2}, {"rotary_scale": 0.0}, {"rotary_scale": "1"},
+    {"rotary_dim": 8, "rope_freq_factors": (1.0,) * 8},  # factors cover the turned dims only: 4
 ])
 def test_manifest_rejects_nonsense(bad) -> None:
     with pytest.raises(ModelFormatError):
