@@ -24,6 +24,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import Any, ClassVar
 
+import numpy as np
+
 from agent.core.errors import WireError
 
 INTERNAL_PREFIX = "/internal/"
@@ -53,7 +55,8 @@ def model_file_path(name: str, relative: str) -> str:
 class StepFrame:
     """Run the layers from ``layer`` on, for session ``sid`` at positions ``start``...; the
     tail samples the next token when ``sample`` (with ``params``, sent on a session's first
-    step). Its result, or the failure of any stage, goes straight to ``reply`` (a node id,
+    step), or returns the final hidden state of the last position when ``embed`` (a
+    prompt's embedding). Its result, or the failure of any stage, goes straight to ``reply`` (a node id,
     reached at ``reply_url``): the orchestrator, which names itself there before it sends
     the step (:meth:`replying_to`)."""
 
@@ -68,10 +71,13 @@ class StepFrame:
     reply: str | None = None
     reply_url: str | None = None
     reuse: str | None = None  # a kept session whose cache, cut to ``start`` positions, this one takes over
+    embed: bool = False
 
     def header(self) -> dict[str, Any]:
         header = {"kind": "step", "sid": self.sid, "seq": self.seq, "layer": self.layer, "start": self.start,
                   "epoch": self.epoch, "plan": self.plan, "sample": self.sample}
+        if self.embed:
+            header["embed"] = True
         if self.params is not None:
             header["params"] = dict(self.params)
         if self.reuse is not None:
@@ -85,7 +91,7 @@ class StepFrame:
         """The step of a decoded (so validated) header."""
         return cls(header["sid"], header["seq"], header["layer"], header["start"], header["epoch"], header["plan"],
                    header["sample"], header.get("params"), header.get("reply"), header.get("reply_url"),
-                   header.get("reuse"))
+                   header.get("reuse"), header.get("embed", False))
 
     def replying_to(self, node_id: str, url: str) -> StepFrame:
         """The same step, its outcome sent straight to ``node_id`` (at ``url``)."""
@@ -100,17 +106,21 @@ class StepFrame:
 class ResultFrame:
     """The tail's answer to a step: the sampled token (None when the step did not sample) and,
     when the request asks, its log-probability and the likeliest alternatives
-    (``logprobs``: ``(logprob, ((id, logprob), ...))``)."""
+    (``logprobs``: ``(logprob, ((id, logprob), ...))``); for an ``embed`` step, the final
+    hidden state of its last position (``embedding``, float32)."""
 
     sid: str
     seq: int
     token: int | None
     logprobs: tuple[float, tuple[tuple[int, float], ...]] | None = None
+    embedding: np.ndarray | None = None
 
     def header(self) -> dict[str, Any]:
         header = {"kind": "result", "sid": self.sid, "seq": self.seq, "token": self.token}
         if self.logprobs is not None:
             header["logprobs"] = {"logprob": self.logprobs[0], "top": [list(pair) for pair in self.logprobs[1]]}
+        if self.embedding is not None:
+            header["embedding"] = np.ascontiguousarray(self.embedding, "<f4").tobytes()
         return header
 
     @classmethod
@@ -121,7 +131,9 @@ class ResultFrame:
                 logprobs = (float(logprobs["logprob"]), tuple((int(i), float(lp)) for i, lp in logprobs["top"]))
             except (KeyError, TypeError, ValueError):
                 raise WireError("result frame: 'logprobs' must be {\"logprob\", \"top\": [[id, logprob], ...]}") from None
-        return cls(header["sid"], header["seq"], header["token"], logprobs)
+        embedding = header.get("embedding")
+        return cls(header["sid"], header["seq"], header["token"], logprobs,
+                   None if embedding is None else np.frombuffer(embedding, "<f4"))
 
 
 @dataclass(frozen=True)

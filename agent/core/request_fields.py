@@ -155,17 +155,19 @@ OLLAMA_GENERATE = _table(
 _DIMENSIONS = Field("dimensions", HONOURED, "accepted when it is the model's own size; other sizes are refused "
                    "(400): these models' vectors cannot be shortened")
 OPENAI_EMBEDDINGS = _table(
-    Field("model", HONOURED, "an embedding model (GET /v1/models lists them)"),
+    Field("model", HONOURED, "an embedding model, or a chat model (its last token's final hidden state, "
+                             "normalised; GET /v1/models lists both)"),
     Field("input", HONOURED, "a string or a list of strings (token ids are refused), each cut at what the model reads"),
     Field("encoding_format", HONOURED, "float (default) or base64 (little-endian float32)"),
     _DIMENSIONS,
     Field("user", NO_EFFECT, "an end-user id for the app's own records"),
 )
 _OLLAMA_EMBED_COMMON = (
-    Field("model", HONOURED, "an embedding model (name or name:latest)"),
+    Field("model", HONOURED, "an embedding model or a chat model (name or name:latest)"),
     Field("options", REFUSED, "no option changes an embedding", ({},)),
     Field("keep_alive", HONOURED, "how long the model stays open idle after the request (negative: until asked); "
-                                  "0 closes it now from the admin token, else the idle rule (sleep_idle_s) applies"),
+                                  "0 closes (a chat model: unloads) it now from the admin token, else the idle "
+                                  "rule (sleep_idle_s) applies"),
 )
 OLLAMA_EMBED = _table(
     *_OLLAMA_EMBED_COMMON,

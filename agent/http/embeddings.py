@@ -1,21 +1,26 @@
 """Embeddings on both APIs: OpenAI's `/v1/embeddings`, Ollama's `/api/embed` (a batch) and
-its older `/api/embeddings` (one text). They run on the orchestrator, with the embedding
+its older `/api/embeddings` (one text). They run on the orchestrator: with the embedding
 models of its store (:class:`~agent.models.embeddings.EmbeddingModels`), open as long as
-Ollama's `keep_alive` or the idle rule says; a chat model makes no embeddings here (the answer
-says which models do).
+Ollama's `keep_alive` or the idle rule says, or with a chat model through its pipeline, pooled
+as llama.cpp's server pools a decoder with `--pooling last`: the final norm's hidden state of
+the text's last token, L2-normalised (:meth:`~agent.orchestration.token_loop.TokenLoop.embed`).
 """
 
 from __future__ import annotations
 
+import asyncio
 import base64
+import time
 from typing import Any
 
+import numpy as np
 from aiohttp import web
 
-from agent.core.errors import InvalidRequestError
+from agent.core.errors import InvalidRequestError, UnknownModelError
 from agent.core.request_fields import OLLAMA_EMBED, OLLAMA_EMBEDDINGS, OPENAI_EMBEDDINGS, check_fields
 from agent.http.api import holds_admin_token, on_orchestrator, read_json
-from agent.http.app_keys import EMBEDDINGS, ROUTER
+from agent.http.app_keys import EMBEDDINGS, ORCHESTRATOR, ROUTER
+from agent.http.clients import client_of
 from agent.http.metrics_endpoint import REQUEST_MODEL
 from agent.http.ollama import parse_duration_s
 from agent.models.embeddings import Embeddings
@@ -26,23 +31,24 @@ MAX_INPUT_CHARS = 1_000_000
 routes = web.RouteTableDef()
 
 
-def _model(request: web.Request, body: dict[str, Any]) -> str:
-    """The stored embedding model ``body`` names (404 naming the known ones, 400 for a chat model)."""
+def _model(request: web.Request, body: dict[str, Any]) -> tuple[str, bool]:
+    """The model ``body`` names and whether it is a stored embedding model (else a chat model
+    of the router's; 404 naming the known ones)."""
     name = body.get("model")
     if not isinstance(name, str) or not name or len(name) > 256:
-        raise InvalidRequestError("'model' must name an embedding model", "model")
+        raise InvalidRequestError("'model' must name an embedding or chat model", "model")
     models = request.app[EMBEDDINGS]
     found = models.resolve(name)
-    if found is not None:
-        request[REQUEST_MODEL] = found
-        return found
-    known = ", ".join(models.names()) or "none (ncm pull all-minilm-l6-v2 stores one)"
-    router = request.app[ROUTER]
-    if router.catalog.resolve(name.removesuffix(":latest")) is not None:
-        raise InvalidRequestError(f"{name!r} is a chat model: ncm makes embeddings with embedding models "
-                                  f"(stored: {known})", "model", "model_not_embedding")
-    raise InvalidRequestError(f"embedding model {name!r} does not exist; stored: {known}", "model",
-                              "model_not_found", status=404)
+    encoder = found is not None
+    if found is None:
+        try:
+            found = request.app[ROUTER].resolve(name)
+        except UnknownModelError:
+            known = ", ".join(models.names()) or "none (ncm pull all-minilm-l6-v2 stores one)"
+            raise InvalidRequestError(f"model {name!r} does not exist; embedding models stored: {known}; "
+                                      "chat models: see /v1/models", "model", "model_not_found", status=404) from None
+    request[REQUEST_MODEL] = found
+    return found, encoder
 
 
 def _texts(value: Any, field: str) -> list[str]:
@@ -75,15 +81,46 @@ async def _embed(request: web.Request, body: Any, table: Any, field: str, *, tru
     if not isinstance(body, dict):
         raise InvalidRequestError("the request body must be a JSON object")
     check_fields(body, table)
-    name = _model(request, body)
+    name, encoder = _model(request, body)
     texts = _texts(body.get(field), field)
     keep_alive_s = parse_duration_s(body["keep_alive"]) if body.get("keep_alive") is not None else None
-    models = request.app[EMBEDDINGS]
-    result = await models.embed(name, texts, truncate=truncate)
-    if keep_alive_s is not None:  # Ollama's: how long the model stays open after this request
-        models.keep_alive(name, keep_alive_s, close=holds_admin_token(request))
+    if encoder:
+        models = request.app[EMBEDDINGS]
+        result = await models.embed(name, texts, truncate=truncate)
+        if keep_alive_s is not None:  # Ollama's: how long the model stays open after this request
+            models.keep_alive(name, keep_alive_s, close=holds_admin_token(request))
+    else:
+        router = request.app[ROUTER]
+        try:
+            result = await _embed_with_chat_model(request, name, texts, field, truncate=truncate)
+        finally:
+            if keep_alive_s is not None:
+                router.keep_alive(name, keep_alive_s, unload=holds_admin_token(request))
     _dimensions(body, result.vectors.shape[1])
     return name, result
+
+
+async def _embed_with_chat_model(request: web.Request, name: str, texts: list[str], field: str, *,
+                                 truncate: bool) -> Embeddings:
+    """Each text read through ``name``'s pipeline, one after another: the last token's final
+    hidden state, L2-normalised. A text longer than the context is cut to its first tokens
+    (``truncate`` false refuses it, naming ``field``)."""
+    started = time.perf_counter()
+    async with request.app[ROUTER].use(name, client=client_of(request)) as deployment:
+        opened = time.perf_counter()
+        max_context = deployment.settings.max_context
+        prompts = await asyncio.to_thread(lambda: [deployment.tokenizer.encode(text) for text in texts])
+        for index, ids in enumerate(prompts):
+            if not ids:
+                raise InvalidRequestError(f"{field}[{index}] has no tokens to embed", field)
+            if len(ids) > max_context and not truncate:
+                raise InvalidRequestError(f"{field}[{index}] has {len(ids)} tokens, more than the {max_context} "
+                                          f"{name} reads (truncate: true cuts it)", field)
+        orchestrator = request.app[ORCHESTRATOR]
+        vectors = np.stack([await orchestrator.embed(deployment, ids[:max_context]) for ids in prompts])
+    norms = np.linalg.norm(vectors, axis=1, keepdims=True)
+    return Embeddings(vectors / np.maximum(norms, 1e-12), sum(min(len(ids), max_context) for ids in prompts),
+                      opened - started, time.perf_counter() - opened)
 
 
 @routes.post("/v1/embeddings")

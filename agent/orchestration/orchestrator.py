@@ -27,6 +27,8 @@ import time
 from collections.abc import AsyncIterator, Mapping, Sequence
 from typing import Any, Protocol
 
+import numpy as np
+
 from agent.cluster.membership import Membership
 from agent.cluster.peer_client import PeerClient
 from agent.core.deployments import (
@@ -397,3 +399,7 @@ class Orchestrator:
                  generated: Sequence[int] = (), *, cache_prompt: bool = True) -> AsyncIterator[Completion]:
         """Generate from ``prompt_ids`` (see :meth:`agent.orchestration.token_loop.TokenLoop.complete`)."""
         return self.requests.complete(deployment, prompt_ids, params, generated, cache_prompt=cache_prompt)
+
+    async def embed(self, deployment: Deployment, ids: list[int]) -> np.ndarray:
+        """The embedding of ``ids`` (see :meth:`agent.orchestration.token_loop.TokenLoop.embed`)."""
+        return await self.requests.embed(deployment, ids)

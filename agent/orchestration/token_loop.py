@@ -127,21 +127,60 @@ class TokenLoop:
                 raise outcome
 
     async def _prefill(self, deployment: Deployment, order: RoutingOrder, sid: str, ids: list[int],
-                       sampling: dict[str, Any], kept: KeptPrompt | None = None, reused: int = 0) -> ResultFrame:
+                       sampling: dict[str, Any] | None, kept: KeptPrompt | None = None, reused: int = 0) -> ResultFrame:
         """Feed ``ids`` in chunks, from position 0 or, taking over the ``kept`` session's cache,
-        from ``reused``; the last chunk samples the next token."""
+        from ``reused``; the last chunk samples the next token (with ``sampling``) or, without
+        it, returns the final hidden state of the last position (an embedding)."""
+        embed = sampling is None
         for link in await self._links_to_stages(order):  # linked to every stage: one that dies is noticed at once
             await link.connect()
         chunk = deployment.settings.prefill_chunk
         result: ResultFrame | None = None
         for seq, start in enumerate(range(reused if kept else 0, len(ids), chunk)):
             last = start + chunk >= len(ids)
-            step = StepFrame(sid, seq, 0, start, order.epoch, order.plan_version, last, sampling if last else None,
-                             reuse=kept.sid if kept is not None and seq == 0 else None)
+            step = StepFrame(sid, seq, 0, start, order.epoch, order.plan_version, last and not embed,
+                             sampling if last else None, reuse=kept.sid if kept is not None and seq == 0 else None,
+                             embed=last and embed)
             result = await self._step(order, step, np.asarray([ids[start:start + chunk]], dtype=np.int64),
                                       PREFILL_STEP_TIMEOUT_S)
-        assert result is not None and result.token is not None
+        assert result is not None
+        if (result.embedding if embed else result.token) is None:
+            raise StageError("bad_result", f"the tail answered step {result.seq} without its "
+                             f"{'embedding' if embed else 'token'}", None)
         return result
+
+    async def embed(self, deployment: Deployment, ids: list[int]) -> np.ndarray:
+        """The final hidden state of the last of ``ids`` (the model's own, after its final
+        norm), the prompt read through the pipeline in chunks, nothing sampled or kept. A
+        stage that fails is failed over and the prompt read again on the new route; a model
+        served by its fallback makes no embeddings (they would be another model's)."""
+        if not ids or len(ids) > deployment.settings.max_context:
+            raise ValueError(f"{len(ids)} tokens to embed; {deployment.name} reads 1 to {deployment.settings.max_context}")
+        recoveries = 0
+        self._running += 1
+        self._none_running.clear()
+        try:
+            while True:
+                order = deployment.order
+                if order.degraded:
+                    raise ClusterError(f"{deployment.name} is served by its fallback model {order.model} now: "
+                                       "its embeddings would be another model's")
+                sid = uuid.uuid4().hex
+                try:
+                    return (await self._prefill(deployment, order, sid, ids, None)).embedding
+                except StageError as error:
+                    if error.node is None or error.node == self.node_id or recoveries >= MAX_RECOVERIES_PER_REQUEST:
+                        raise
+                    recoveries += 1
+                    log.warning("embedding %s: stage %s failed (%s); failing over", sid[:8], error.node, error.code)
+                    self.membership.mark_unreachable(error.node)
+                    deployment = await self._recover(deployment, {error.node})
+                finally:
+                    await self._close(order, sid)
+        finally:
+            self._running -= 1
+            if not self._running:
+                self._none_running.set()
 
     async def complete(self, deployment: Deployment, prompt_ids: list[int], params: SamplingParams,
                        generated: Sequence[int] = (), *, cache_prompt: bool = True) -> AsyncIterator[Completion]:

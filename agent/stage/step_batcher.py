@@ -44,10 +44,11 @@ class _Pending:
     future: asyncio.Future[np.ndarray] = field(repr=False)
     arrived_s: float = 0.0  # event-loop time
     reuse: str | None = None  # a kept session whose cache this one takes over (see _prepare)
+    hidden: bool = False  # a tail's step that returns the final hidden states (an embedding), never batched
 
     @property
     def decode(self) -> bool:
-        return self.x.shape[1] == 1
+        return self.x.shape[1] == 1 and not self.hidden
 
 
 def _prepare(runner: FragmentRunner, sid: str, start: int, reuse: str | None = None) -> None:
@@ -75,14 +76,14 @@ def _prepare(runner: FragmentRunner, sid: str, start: int, reuse: str | None = N
         raise StageError("session_out_of_sync", f"session {sid} holds {length} positions, step starts at {start}", None)
 
 
-def run_batch(runner: FragmentRunner, steps: list[tuple[str, int, np.ndarray, str | None]]
+def run_batch(runner: FragmentRunner, steps: list[tuple[str, int, np.ndarray, str | None, bool]]
               ) -> list[np.ndarray | BaseException]:
-    """Run ``steps`` ((session, start, input, reused session) each) on ``runner``: one batched
-    call for the rows that are ready, each row alone if that call fails. Per step its output
-    or its error."""
+    """Run ``steps`` ((session, start, input, reused session, final hidden states wanted)
+    each) on ``runner``: one batched call for the rows that are ready, each row alone if that
+    call fails. Per step its output or its error."""
     results: list[np.ndarray | BaseException | None] = [None] * len(steps)
     ready = []
-    for index, (sid, start, _, reuse) in enumerate(steps):
+    for index, (sid, start, _, reuse, _) in enumerate(steps):
         try:
             _prepare(runner, sid, start, reuse)
             ready.append(index)
@@ -97,9 +98,9 @@ def run_batch(runner: FragmentRunner, steps: list[tuple[str, int, np.ndarray, st
         except ShardsError as error:
             log.warning("a batch of %d steps failed, running them one by one: %s", len(ready), error)
     for index in ready:
-        sid, _, x, _ = steps[index]
-        try:
-            results[index] = runner.forward(sid, x, last_only=True)  # a tail's step samples its last row
+        sid, _, x, _, hidden = steps[index]
+        try:  # a tail's step samples (or embeds) its last row
+            results[index] = runner.forward(sid, x, last_only=True, hidden=hidden)
         except (StageError, ShardsError) as error:
             results[index] = error
     return results  # type: ignore[return-value]
@@ -120,12 +121,13 @@ class StepBatcher:
         self.batched_steps = 0  # steps that ran in those calls
 
     async def compute(self, runner: FragmentRunner, sid: str, start: int, x: np.ndarray,
-                      reuse: str | None = None) -> np.ndarray:
+                      reuse: str | None = None, *, hidden: bool = False) -> np.ndarray:
         """Run ``x`` (positions from ``start`` on) through ``runner`` for session ``sid``
-        (which takes over the cache of the kept session ``reuse`` first, when given)."""
+        (which takes over the cache of the kept session ``reuse`` first, when given); a tail
+        with ``hidden`` returns the last row's final hidden states instead of its logits."""
         loop = asyncio.get_running_loop()
         future: asyncio.Future[np.ndarray] = loop.create_future()
-        self._queue.append(_Pending(runner, sid, start, x, future, loop.time(), reuse))
+        self._queue.append(_Pending(runner, sid, start, x, future, loop.time(), reuse, hidden))
         self._next()
         return await future
 
@@ -181,7 +183,7 @@ class StepBatcher:
             self.batches += 1
             self.batched_steps += len(batch)
         started_s = loop.time()
-        steps = [(p.sid, p.start, p.x, p.reuse) for p in batch]
+        steps = [(p.sid, p.start, p.x, p.reuse, p.hidden) for p in batch]
         if self._inline(batch):
             try:
                 results: list[np.ndarray | BaseException | None] = list(run_batch(batch[0].runner, steps))

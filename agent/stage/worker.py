@@ -397,7 +397,8 @@ class Worker:
             info = self.sessions[sid] = _SessionInfo(order.plan_version, time.monotonic())
         info.last_used = started = time.monotonic()
         try:
-            output = await self.batcher.compute(runner, sid, step.start, tensor, step.reuse)
+            output = await self.batcher.compute(runner, sid, step.start, tensor, step.reuse,
+                                                hidden=step.embed and runner.is_tail)
             self.metrics.child(self.metrics.stage_compute, order.name).observe(time.monotonic() - started)
         except (StageError, ShardsError) as error:
             if fresh:  # a step of a session this node does not hold (a late one, after its close)
@@ -456,6 +457,8 @@ class Worker:
         """The token this tail stage picks from ``output`` (None unless the step asks for one),
         with its log-probabilities when the request asks; the session's sampler is made on its
         first sampling step, from the step's params."""
+        if step.embed:
+            return ResultFrame(step.sid, step.seq, None, embedding=output[0, -1])
         if not step.sample:
             return ResultFrame(step.sid, step.seq, None)
         if step.start == 0 or info.sampler is None:

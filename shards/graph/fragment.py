@@ -54,7 +54,7 @@ from shards.store.model_store import MANIFEST_FILE
 from shards.store.verify import verify_weight_files
 
 log = logging.getLogger(__name__)
-BUILDER_VERSION = 14
+BUILDER_VERSION = 15
 FRAGMENTS_DIR = "fragments"  # the default cache, inside the model's directory
 BLOB_POOL = ".blobs"
 TMP_PREFIX = ".tmp-frag-"

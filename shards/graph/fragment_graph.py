@@ -16,7 +16,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper
 
-from shards.graph.spec import FUSED_FLAVOURS, IR_VERSION, ONNX_FILE, FragmentSpec
+from shards.graph.spec import FINAL_HIDDEN, FUSED_FLAVOURS, IR_VERSION, ONNX_FILE, FragmentSpec
 from shards.store.manifest import BLOCK_FORMATS, Manifest, layer_key
 from shards.store.tensorfile import read_tensors
 
@@ -603,6 +603,8 @@ class _Builder:
                 inputs.append(helper.make_tensor_value_info("logits_from", TensorProto.INT64, [1]))
                 normed = g.op1("Slice", [normed, "logits_from", g.const("int64_max", np.array([2**63 - 1], np.int64)),
                                          g.const("one_ax", np.array([1], np.int64))])
+            hidden = normed if self.elem == TensorProto.FLOAT else g.op1("Cast", [normed], to=TensorProto.FLOAT)
+            g.op("Identity", [hidden], out=[FINAL_HIDDEN])  # what an embedding of the prompt reads
             logits = self.scaled(self.linear(normed, h, ["lm_head"], "lm_head"), m.logit_scale, "logit_scale")
             if self.elem != TensorProto.FLOAT:
                 logits = g.op1("Cast", [logits], to=TensorProto.FLOAT)
@@ -610,6 +612,7 @@ class _Builder:
             g.op("Identity", [logits], out=["logits"])
             rows: int | str = "L" if fused else t_dim
             outputs.insert(0, helper.make_tensor_value_info("logits", TensorProto.FLOAT, [b_dim, rows, m.vocab_size]))
+            outputs.append(helper.make_tensor_value_info(FINAL_HIDDEN, TensorProto.FLOAT, [b_dim, rows, m.hidden_size]))
         else:
             g.op("Add", [self.residual_precision(pending), residual], out=["hidden_states_out"])
             outputs.insert(0, helper.make_tensor_value_info("hidden_states_out", TensorProto.FLOAT,

@@ -11,6 +11,7 @@ from shards.store.manifest import Manifest
 FUSED_FLAVOURS = ("cpu", "gpu")  # GroupQueryAttention, the KV pool, batches of rows
 IR_VERSION = 8  # of every fragment written (onnx.ModelProto.ir_version)
 ONNX_FILE = "fragment.onnx"
+FINAL_HIDDEN = "final_hidden"  # a tail's last output: the final norm's hidden states (the rows its logits are of)
 
 
 @dataclass(frozen=True)

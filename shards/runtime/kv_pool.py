@@ -34,7 +34,7 @@ class KvPool:
         self.arrays: dict[str, Any] = {n: self._empty(0, 0) for n in self.names}
         self.slot_of: dict[str, int] = {}
         # (first row, end row) -> an IOBinding over their views, with the OrtValues it binds
-        self._bindings: dict[tuple[int, int], tuple[Any, list[Any]]] = {}
+        self._bindings: dict[tuple[int, int, str], tuple[Any, list[Any]]] = {}
 
     def _empty(self, slots: int, capacity: int) -> Any:
         return self._placed(np.zeros((slots, self.kv_heads, capacity, self.head_dim), self.dtype))
@@ -125,7 +125,7 @@ class KvPool:
 
         Rows are the outermost dimension, so rows [first, end) are one contiguous piece of a
         buffer, bound by its address: the same on the host and on a device."""
-        key = (first, end)
+        key = (first, end, logits_name)
         if key not in self._bindings:
             io = session.io_binding()
             io.bind_output(logits_name, "cpu")  # first: get_outputs() keeps binding order

@@ -19,7 +19,7 @@ import numpy as np
 
 from shards.errors import RunnerError
 from shards.graph.fragment import build_fragment, load_manifest
-from shards.graph.spec import FUSED_FLAVOURS
+from shards.graph.spec import FINAL_HIDDEN, FUSED_FLAVOURS
 from shards.providers.backends import Backend, backend_chain, detect_platform
 from shards.providers.rknn import RKNN, RknnSession
 from shards.runtime.kv_pool import KvPool
@@ -51,11 +51,12 @@ class FragmentRunner(abc.ABC):
         """Start an empty KV cache for ``session_id`` (RunnerError if it is already open)."""
 
     @abc.abstractmethod
-    def forward(self, session_id: str, x: np.ndarray, *, last_only: bool = False) -> np.ndarray:
+    def forward(self, session_id: str, x: np.ndarray, *, last_only: bool = False, hidden: bool = False) -> np.ndarray:
         """Run ``x`` (token ids [1, T] at the head, hidden states [1, T, hidden] elsewhere),
         append its T positions to the session's cache; return logits or hidden states. A tail
         with ``last_only`` returns the last position's logits alone ([1, 1, vocab]): what
-        sampling needs, without the output layer's product for the other T - 1 rows."""
+        sampling needs, without the output layer's product for the other T - 1 rows; with
+        ``hidden``, the final norm's hidden states instead of logits (what an embedding reads)."""
 
     def forward_batch(self, session_ids: Sequence[str], x: np.ndarray) -> np.ndarray:
         """One decode step of several sessions: row i of ``x`` ([B, 1] token ids or [B, 1,
@@ -179,7 +180,7 @@ class OrtFragmentRunner(FragmentRunner):
         device = _DEVICES.get(self.provider, "cpu") if io_binding else "cpu"
         self._io_device = device if io_binding and self.flavour == "portable" else None
         self._in_name = "input_ids" if self.is_head else "hidden_states"
-        self._out_names = [o.name for o in self._sess.get_outputs()]
+        self._out_names = [o.name for o in self._sess.get_outputs() if o.name != FINAL_HIDDEN]
         self._layers = list(range(self.first_layer, self.last_layer + 1))
         self._sessions: dict[str, _Session] = {}
         m = self.manifest
@@ -314,7 +315,10 @@ class OrtFragmentRunner(FragmentRunner):
             raise RunnerError(f"fragment wants float32 hidden states [{rows}, T, {h}], got {x.dtype} {x.shape}")
         return x
 
-    def forward(self, session_id: str, x: np.ndarray, *, last_only: bool = False) -> np.ndarray:
+    def forward(self, session_id: str, x: np.ndarray, *, last_only: bool = False, hidden: bool = False) -> np.ndarray:
+        if hidden and not self.is_tail:
+            raise RunnerError(f"fragment {self.first_layer}-{self.last_layer} is no tail: it has no final hidden states")
+        first = FINAL_HIDDEN if hidden else self._out_names[0]
         with self._lock:
             if self._sess is None:
                 raise RunnerError("runner is closed")
@@ -324,17 +328,18 @@ class OrtFragmentRunner(FragmentRunner):
             if s.length + t > self.max_context:
                 raise RunnerError(f"context overflow: {s.length} + {t} positions > max_context {self.max_context}")
             if self._pool is not None:  # the fused graph computes the logits of the rows asked for
-                return self._forward_rows([session_id], x, t - 1 if last_only else 0)
-            out = self._forward_unpooled(s, x)
+                return self._forward_rows([session_id], x, t - 1 if last_only else 0, first)
+            out = self._forward_unpooled(s, x, first)
             return out[:, -1:] if last_only and self.is_tail else out
 
-    def _forward_unpooled(self, s: _Session, x: np.ndarray) -> np.ndarray:
+    def _forward_unpooled(self, s: _Session, x: np.ndarray, first: str) -> np.ndarray:
+        """``first``: the output returned (logits or the final hidden states at a tail)."""
         if self.flavour == "static":
-            return self._forward_static(s, x)
+            return self._forward_static(s, x, first)
         if self._io_device is not None:
-            return self._forward_bound(s, x)
+            return self._forward_bound(s, x, first)
         feeds: dict[str, Any] = {self._in_name: x, **s.kv}
-        outs = self._sess.run(self._out_names, feeds)
+        outs = self._sess.run([first, *self._out_names[1:]], feeds)
         for name, val in zip(self._out_names[1:], outs[1:]):
             s.kv[name.replace("present_", "past_")] = val
         s.length += x.shape[1]
@@ -356,12 +361,14 @@ class OrtFragmentRunner(FragmentRunner):
                     raise RunnerError(f"context overflow: session {sid!r} holds max_context {self.max_context}")
             return self._forward_rows(session_ids, x)
 
-    def _forward_rows(self, session_ids: Sequence[str], x: np.ndarray, logits_from: int = 0) -> np.ndarray:
+    def _forward_rows(self, session_ids: Sequence[str], x: np.ndarray, logits_from: int = 0,
+                      output: str | None = None) -> np.ndarray:
         """Run row i of ``x`` for ``session_ids[i]`` over the consecutive pool rows that hold
         them; the rows between that are not in the batch get a dummy input at their own next
         position (their next step overwrites it). A fused flavour's present is bound to its
         past, so the run writes the new positions into the pool in place. A tail returns the
-        logits of positions ``logits_from`` on."""
+        logits (or ``output``, the final hidden states) of positions ``logits_from`` on."""
+        output = output or self._out_names[0]
         pool, t = self._pool, x.shape[1]
         assert pool is not None
         first, end = pool.span(session_ids)
@@ -376,7 +383,7 @@ class OrtFragmentRunner(FragmentRunner):
         else:
             feed = np.zeros((end - first, *x.shape[1:]), x.dtype)
             feed[rows] = x
-        io = pool.binding(self._sess, first, end, self._out_names[0])
+        io = pool.binding(self._sess, first, end, output)
         io.bind_cpu_input(self._in_name, feed)
         io.bind_cpu_input("past_length", lengths)
         if self.is_tail:
@@ -385,16 +392,16 @@ class OrtFragmentRunner(FragmentRunner):
         for sid in session_ids:
             self._sessions[sid].length += t
         out = io.get_outputs()[0].numpy()
-        io.bind_output(self._out_names[0], "cpu")  # lets go of this run's output: the next gets a new one
+        io.bind_output(output, "cpu")  # lets go of this run's output: the next gets a new one
         return out if feed is x else out[rows]
 
-    def _forward_bound(self, s: _Session, x: np.ndarray) -> np.ndarray:
+    def _forward_bound(self, s: _Session, x: np.ndarray, first: str) -> np.ndarray:
         """Dynamic flavour with IOBinding: the KV cache never leaves the device."""
         io = self._sess.io_binding()
         io.bind_cpu_input(self._in_name, x)
         for name, val in s.kv.items():
             io.bind_ortvalue_input(name, val)
-        io.bind_output(self._out_names[0], "cpu")
+        io.bind_output(first, "cpu")
         for name in self._out_names[1:]:
             io.bind_output(name, self._io_device, 0)
         self._sess.run_with_iobinding(io)
@@ -404,7 +411,7 @@ class OrtFragmentRunner(FragmentRunner):
         s.length += x.shape[1]
         return outs[0].numpy()
 
-    def _forward_static(self, s: _Session, x: np.ndarray) -> np.ndarray:
+    def _forward_static(self, s: _Session, x: np.ndarray, first: str) -> np.ndarray:
         c, t = self.prefill_chunk, x.shape[1]
         pieces = []
         for start in range(0, t, c):
@@ -414,7 +421,7 @@ class OrtFragmentRunner(FragmentRunner):
                 pad = [(0, 0), (0, c - valid)] + ([(0, 0)] if chunk.ndim == 3 else [])
                 chunk = np.pad(chunk, pad)
             feeds = {self._in_name: chunk, "past_length": np.array([s.length], np.int64), **s.kv}
-            outs = self._sess.run(self._out_names, feeds)
+            outs = self._sess.run([first, *self._out_names[1:]], feeds)
             for name, val in zip(self._out_names[1:], outs[1:]):
                 s.kv[name.replace("new_", "past_")][:, :, s.length:s.length + valid] = val[:, :, :valid]
             s.length += valid
@@ -544,9 +551,10 @@ class RunnerChain(FragmentRunner):
                 raise
         return x
 
-    def forward(self, session_id: str, x: np.ndarray, *, last_only: bool = False) -> np.ndarray:
-        return self._through([session_id], lambda part, h: part.forward(session_id, x if h is None else h,
-                                                                        last_only=last_only))
+    def forward(self, session_id: str, x: np.ndarray, *, last_only: bool = False, hidden: bool = False) -> np.ndarray:
+        tail = self.parts[-1]
+        return self._through([session_id], lambda part, h: part.forward(
+            session_id, x if h is None else h, last_only=last_only, hidden=hidden and part is tail))
 
     def forward_batch(self, session_ids: Sequence[str], x: np.ndarray) -> np.ndarray:
         return self._through(session_ids, lambda part, h: part.forward_batch(session_ids, x if h is None else h))

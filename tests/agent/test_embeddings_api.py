@@ -3,7 +3,8 @@ the default chat model and all-MiniLM-L6-v2: a batch equals its texts one by one
 decodes to the same floats, Open WebUI's `/api/embed` batches and the legacy endpoint answer,
 the model is listed with its capability, and what cannot be honoured is refused by name. The
 request goes to an agent that is not the orchestrator too. An open embedding model is listed
-by /api/ps and closed by keep_alive 0 from the admin token."""
+by /api/ps and closed by keep_alive 0 from the admin token. The chat model embeds through its
+two-agent pipeline what one process computes: its last token's final hidden state, normalised."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import openai
 import pytest
 
 from shards.importers.encoder import import_encoder
+from shards.runtime.runner import open_range
 from shards.store.model_store import ModelStore
 from tests.agent.agents import ADMIN, cluster_ready, linked_copy, make_agents, shut_down, wait_for
 from tests.conftest import SMOLLM2_MODEL_NAME
@@ -60,8 +62,8 @@ def test_the_openai_client_embeds_a_batch_as_one_by_one(agents):
 def test_what_cannot_be_honoured_is_refused_by_name(agents):
     client = openai.OpenAI(base_url=agents[1].url + "/v1", api_key="none", timeout=60, max_retries=0)
     assert len(client.embeddings.create(model=EMBEDDER, input="x", dimensions=384).data[0].embedding) == 384
-    for kwargs, named in (({"dimensions": 128}, "dimensions"), ({"model": SMOLLM2_MODEL_NAME}, "chat model"),
-                          ({"input": [[1, 2, 3]]}, "token ids"), ({"extra_body": {"colour": "red"}}, "colour")):
+    for kwargs, named in (({"dimensions": 128}, "dimensions"), ({"input": [[1, 2, 3]]}, "token ids"),
+                          ({"extra_body": {"colour": "red"}}, "colour")):
         with pytest.raises(openai.BadRequestError) as caught:
             client.embeddings.create(**{"model": EMBEDDER, "input": "x", **kwargs})
         assert named in caught.value.message
@@ -99,3 +101,30 @@ def test_an_open_embedding_model_is_listed_running_and_closed_by_keep_alive_zero
     with pytest.raises(ollama.ResponseError) as caught:
         client.embed(model=EMBEDDER, input="x", keep_alive="soon")
     assert caught.value.status_code == 400 and "keep_alive" in caught.value.error
+
+
+def test_a_chat_model_embeds_through_its_pipeline_what_one_process_computes(agents, smollm2_store, smollm2_tokenizer):
+    client = openai.OpenAI(base_url=agents[1].url + "/v1", api_key="none", timeout=120, max_retries=0)
+    batch = client.embeddings.create(model=SMOLLM2_MODEL_NAME, input=TEXTS)
+    vectors = np.array([item.embedding for item in batch.data])
+    assert vectors.shape == (3, 576) and batch.model == SMOLLM2_MODEL_NAME
+    runner = open_range(smollm2_store.model_dir(SMOLLM2_MODEL_NAME), 0, 29, 1, threads=1)
+    try:
+        for index, text in enumerate(TEXTS):
+            ids = smollm2_tokenizer.encode(text)
+            runner.open_session("reference")
+            last = runner.forward("reference", np.array([ids]), last_only=True, hidden=True)[0, -1]
+            runner.close_session("reference")
+            assert float(vectors[index] @ (last / np.linalg.norm(last))) >= 0.9999
+    finally:
+        runner.close()
+    assert batch.usage.prompt_tokens == sum(len(smollm2_tokenizer.encode(text)) for text in TEXTS)
+    ollama_client = ollama.Client(host=agents[0].url, timeout=120)
+    alone = ollama_client.embed(model=f"{SMOLLM2_MODEL_NAME}:latest", input=TEXTS[1]).embeddings[0]
+    np.testing.assert_allclose(alone, vectors[1], atol=1e-5)
+    long_text = "the lights are on " * 200  # 800 tokens, past the context of 256
+    cut = ollama_client.embed(model=SMOLLM2_MODEL_NAME, input=long_text)
+    assert cut.prompt_eval_count == 256 and len(cut.embeddings[0]) == 576
+    with pytest.raises(ollama.ResponseError) as caught:
+        ollama_client.embed(model=SMOLLM2_MODEL_NAME, input=long_text, truncate=False)
+    assert caught.value.status_code == 400 and "truncate" in caught.value.error

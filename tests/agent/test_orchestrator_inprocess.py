@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+import numpy as np
 import pytest
 
 from agent.cluster.peer_client import PeerError
@@ -202,6 +203,40 @@ def test_a_stage_lost_mid_request_is_replaced_by_the_replica_and_the_answer_is_u
                              what="the other agents to see node-1 gone")
             again = await reference(middle.url)
             assert again["choices"][0]["text"] == expected
+
+    asyncio.run(scenario())
+
+
+def test_an_embedding_whose_stage_dies_is_read_again_on_the_new_route_and_none_is_made_by_the_fallback(tmp_path):
+    """A chat model's embedding is a prefill through the route: the head (node-1) dies while
+    it reads the text, the text is read again through the replica and the vector is the
+    undisturbed one. Once the middle (node-2) is gone too, the fallback serves the model and
+    an embedding is refused (503): it would be another model's."""
+
+    async def scenario() -> None:
+        store_fallback(tmp_path)
+        async with tiny_cluster(tmp_path, 3, **CHAOS) as (leader, others):
+            head, middle = others
+            the_plan_is_as_pinned(await cluster_status(leader))
+            body = {"model": TINY, "input": PROMPT}
+            status, undisturbed = await call("POST", leader.url + "/v1/embeddings", body)
+            assert status == 200, undisturbed
+            expected = np.array(undisturbed["data"][0]["embedding"])
+            assert expected.shape == (64,) and abs(np.linalg.norm(expected) - 1) < 1e-5
+
+            frozen = Frozen(head, at=1)
+            request = asyncio.create_task(call("POST", middle.url + "/v1/embeddings", body, timeout_s=60))
+            status, again = await stop_during(head, frozen, request)
+            assert status == 200, again
+            np.testing.assert_allclose(again["data"][0]["embedding"], expected, atol=1e-5)
+            assert [e.node for e in events_of(leader, "failover")] == ["node-1"]
+
+            await middle.runner.cleanup()
+            status, answer = await call("POST", leader.url + "/v1/completions", {
+                "model": TINY, "prompt": PROMPT, "max_tokens": 2, "temperature": 0}, timeout_s=60)
+            assert status == 200 and answer["model"] == FALLBACK, answer
+            status, refused = await call("POST", leader.url + "/v1/embeddings", body)
+            assert status == 503 and "fallback" in refused["error"]["message"], refused
 
     asyncio.run(scenario())
 

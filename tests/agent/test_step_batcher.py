@@ -66,9 +66,9 @@ def test_waiting_decode_steps_run_as_one_batch_with_each_sessions_output(model_d
 class SlowDevice(OrtFragmentRunner):
     """The tiny fragment on a device that takes 20 ms a call (a 1B-class model's decode)."""
 
-    def forward(self, session_id, x, *, last_only=False):
+    def forward(self, session_id, x, *, last_only=False, hidden=False):
         time.sleep(0.02)
-        return super().forward(session_id, x, last_only=last_only)
+        return super().forward(session_id, x, last_only=last_only, hidden=hidden)
 
     def forward_batch(self, session_ids, x):
         time.sleep(0.02)
@@ -108,10 +108,10 @@ class Recording(OrtFragmentRunner):
 
     delay_s = 0.0
 
-    def forward(self, session_id, x, *, last_only=False):
+    def forward(self, session_id, x, *, last_only=False, hidden=False):
         self.threads.append(threading.get_ident())
         time.sleep(self.delay_s)
-        return super().forward(session_id, x, last_only=last_only)
+        return super().forward(session_id, x, last_only=last_only, hidden=hidden)
 
 
 @pytest.mark.parametrize("case", ["lone quick stream", "slow device", "two sessions"])
@@ -167,7 +167,7 @@ def test_a_step_reusing_a_kept_session_takes_its_cache_or_misses_by_name(model_d
     runner.open_session("kept")
     expected = runner.forward("kept", ids)
     runner.open_session("late")  # a session of the reusing request that exists already goes
-    results = run_batch(runner, [("new", 6, ids[:, 6:], "kept"), ("other", 0, ids[:, :2], "gone")])
+    results = run_batch(runner, [("new", 6, ids[:, 6:], "kept", False), ("other", 0, ids[:, :2], "gone", False)])
     np.testing.assert_allclose(results[0], expected[:, -1:], atol=1e-4, rtol=0)  # a tail: its last row
     assert isinstance(results[1], StageError) and results[1].code == "cache_miss"
     assert sorted(runner.sessions()) == ["late", "new"] and runner.session_length("new") == 11

@@ -105,3 +105,17 @@ def test_the_other_data_plane_frames_read_back():
     ping = PingFrame(7)
     assert PingFrame.from_header(decode_frame(encode_frame(ping.header()))[0]).pong() == PongFrame(7)
     assert PongFrame.from_header(decode_frame(encode_frame(PongFrame(7).header()))[0]).cid == 7
+
+
+def test_an_embedding_step_and_its_result_read_back():
+    from agent.core.protocol import ResultFrame, StepFrame
+
+    step = StepFrame("s3", 1, 0, 64, 1, 2, False, embed=True).replying_to("node-0", "https://127.0.0.1:7000")
+    header, _ = decode_frame(encode_frame(step.header(), np.zeros((1, 3), np.int64)))
+    assert StepFrame.from_header(header) == step and "embed" not in StepFrame("s3", 1, 0, 64, 1, 2, True).header()
+    vector = np.linspace(-1, 1, 576, dtype=np.float32)
+    result = ResultFrame.from_header(decode_frame(encode_frame(ResultFrame("s3", 1, None, embedding=vector).header()))[0])
+    assert result.token is None and np.array_equal(result.embedding, vector)
+    for bad in (b"\0" * 6, b"\0" * (4 * 65536 + 4), [1.0, 2.0]):
+        with pytest.raises(WireError, match="embedding"):
+            decode_frame(encode_frame({**ResultFrame("s3", 1, None).header(), "embedding": bad}))

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 from fragment_helpers import SMOLLM2, chain, greedy
 
+from shards.errors import RunnerError
 from shards.runtime.runner import chain_forward
 
 pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore:.*past_key_values.*:FutureWarning")]
@@ -53,3 +54,26 @@ def test_32_greedy_tokens_match_transformers(hf_model, runners, smollm2_tokenize
     _, tokens = greedy(runners, "greedy", ids, 32)
     assert tokens == ref_tokens
     assert "Paris" in smollm2_tokenizer.decode(tokens)
+
+
+@pytest.mark.parametrize("flavour", ["cpu", "portable", "static"])
+def test_a_tails_final_hidden_states_match_transformers(hf_model, smollm2_store, smollm2_tokenizer, flavour) -> None:
+    """What an embedding of a prompt reads: the final norm's hidden states, every row or the
+    last alone, in each flavour's own path through the runner (pooled rows, plain, chunks)."""
+    import torch
+
+    ids = np.array(smollm2_tokenizer.encode(PROMPTS[1]), np.int64)
+    with torch.no_grad():
+        ref = hf_model(torch.from_numpy(ids[None, :]), output_hidden_states=True).hidden_states[-1][0].numpy()
+    runners = chain(smollm2_store.model_dir(SMOLLM2), [(0, 14), (15, 29)], threads=2, flavour=flavour)
+    for last_only in (False, True):
+        for r in runners:
+            r.open_session("hidden")
+        h = runners[0].forward("hidden", ids[None, :])
+        ours = runners[1].forward("hidden", h, last_only=last_only, hidden=True)[0]
+        for r in runners:
+            r.close_session("hidden")
+        assert ours.shape == (1 if last_only else len(ids), 576)
+        assert np.abs(ours - ref[-len(ours):]).max() <= 1e-3
+    with pytest.raises(RunnerError, match="no tail"):
+        runners[0].forward("absent", ids[None, :], hidden=True)
