@@ -128,6 +128,18 @@ class InvalidRequestError(NcmError, ValueError):
         return PublicAnswer(self.status, self.code or "invalid_request", str(self), self.param)
 
 
+class RelayedError(NcmError):
+    """What another node answered for work it did for this one (an embedding model the router
+    placed there): the caller reads that node's answer as it was."""
+
+    def __init__(self, answer: PublicAnswer) -> None:
+        super().__init__(answer.message)
+        self.relayed = answer
+
+    def answer(self) -> PublicAnswer:
+        return self.relayed
+
+
 # --- the model router (design §10) ---------------------------------------------------------------
 class RouterError(NcmError):
     """The model router cannot serve the request."""

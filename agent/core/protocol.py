@@ -20,6 +20,7 @@ Each frame is a header validated by :data:`agent.core.wire.SCHEMAS` on decode; t
 
 from __future__ import annotations
 
+import base64
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import Any, ClassVar
@@ -37,6 +38,7 @@ ABORT_PATH = "/internal/routing/abort"  # drop the staged order
 UNLOAD_PATH = "/internal/unload"  # drop a model's orders and fragments
 COPY_PATH = "/internal/copy"  # keep a whole copy of a model (the fallback)
 REKEY_PATH = "/internal/rekey"  # the new cluster key after a node is removed
+EMBED_PATH = "/internal/embed"  # embed texts with an embedding model the router placed on this node
 STREAM_PATH = "/internal/stream"  # the data plane: a WebSocket of step, result, error, close and ping frames
 MODEL_LISTING_PATH = "/internal/models/{name}"  # a stored model's files, sizes and sha256
 MODEL_FILE_PATH = "/internal/models/{name}/files/{path}"  # one file (Range requests resume)
@@ -275,6 +277,75 @@ class CopyOrder:
         if not all(isinstance(s, list) and len(s) == 2 and all(isinstance(x, str) for x in s) for s in sources):
             raise WireError("a copy order's 'sources' are [node, url] pairs")
         return cls(model, tuple((node, url) for node, url in sources))
+
+
+MAX_EMBED_TEXTS = 2048
+
+
+@dataclass(frozen=True)
+class EmbedOrder:
+    """Embed ``texts`` with embedding model ``model`` on this node, where the router placed it
+    (its files fetched from ``sources`` first when this node does not store it); ``truncate``
+    cuts a text longer than the model reads; ``keep_alive_s`` (None: the idle rule) is the
+    request's Ollama keep_alive, which may ``close`` the model now when it is 0."""
+
+    model: str
+    texts: tuple[str, ...]
+    truncate: bool
+    sources: tuple[tuple[str, str], ...]
+    keep_alive_s: float | None = None
+    close: bool = False
+
+    def to_json(self) -> dict[str, Any]:
+        return {"model": self.model, "texts": list(self.texts), "truncate": self.truncate,
+                "sources": [list(source) for source in self.sources], "keep_alive_s": self.keep_alive_s,
+                "close": self.close}
+
+    @classmethod
+    def from_json(cls, body: Any) -> EmbedOrder:
+        model, texts, truncate, sources, close = _fields(
+            body, "an embed order", {"model": str, "texts": list, "truncate": bool, "sources": list, "close": bool})
+        if not 1 <= len(texts) <= MAX_EMBED_TEXTS or not all(isinstance(text, str) for text in texts):
+            raise WireError(f"an embed order's 'texts' are 1 to {MAX_EMBED_TEXTS} strings")
+        if not all(isinstance(s, list) and len(s) == 2 and all(isinstance(x, str) for x in s) for s in sources):
+            raise WireError("an embed order's 'sources' are [node, url] pairs")
+        keep_alive_s = body.get("keep_alive_s")
+        if keep_alive_s is not None and (isinstance(keep_alive_s, bool) or not isinstance(keep_alive_s, (int, float))):
+            raise WireError("an embed order's 'keep_alive_s' is a number or null")
+        return cls(model, tuple(texts), truncate, tuple((node, url) for node, url in sources),
+                   None if keep_alive_s is None else float(keep_alive_s), close)
+
+
+@dataclass(frozen=True)
+class Embeddings:
+    """What an embedding request got (and a node answers an :class:`EmbedOrder`): a vector
+    per text (float32), the tokens read, the seconds spent opening the model (0 when it was
+    open) and embedding."""
+
+    vectors: np.ndarray
+    prompt_tokens: int
+    load_s: float
+    embed_s: float
+
+    def to_json(self) -> dict[str, Any]:
+        vectors = np.ascontiguousarray(self.vectors, "<f4")
+        return {"vectors": base64.b64encode(vectors.tobytes()).decode(), "shape": list(vectors.shape),
+                "prompt_tokens": self.prompt_tokens, "load_s": self.load_s, "embed_s": self.embed_s}
+
+    @classmethod
+    def from_json(cls, body: Any) -> Embeddings:
+        packed, shape, prompt_tokens = _fields(body, "an embed answer", {"vectors": str, "shape": list,
+                                                                         "prompt_tokens": int})
+        load_s, embed_s = body.get("load_s"), body.get("embed_s")
+        if not all(isinstance(x, (int, float)) and not isinstance(x, bool) and x >= 0 for x in (load_s, embed_s)):
+            raise WireError("an embed answer's 'load_s' and 'embed_s' are seconds")
+        if len(shape) != 2 or not all(isinstance(d, int) and not isinstance(d, bool) and d > 0 for d in shape):
+            raise WireError("an embed answer's 'shape' is [texts, dimensions]")
+        try:
+            vectors = np.frombuffer(base64.b64decode(packed, validate=True), "<f4").reshape(shape)
+        except ValueError as error:
+            raise WireError(f"an embed answer's 'vectors' are not its shape {shape}: {error}") from None
+        return cls(vectors, prompt_tokens, float(load_s), float(embed_s))
 
 
 MAX_REKEY_PEERS = 16

@@ -32,6 +32,7 @@ from agent.core.errors import (
     NcmError,
     PresetError,
     PublicAnswer,
+    RelayedError,
     RouterError,
     WireError,
     without_addresses,
@@ -96,7 +97,7 @@ def answer_error(error: NcmError) -> web.Response:
 
 
 # The errors a public endpoint answers with their own answer; any other is a 500.
-PUBLIC_ERRORS = (InvalidRequestError, StageError, RouterError, PresetError, ClusterError, InviteError)
+PUBLIC_ERRORS = (InvalidRequestError, StageError, RouterError, PresetError, ClusterError, InviteError, RelayedError)
 
 
 @web.middleware

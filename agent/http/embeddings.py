@@ -1,9 +1,11 @@
 """Embeddings on both APIs: OpenAI's `/v1/embeddings`, Ollama's `/api/embed` (a batch) and
-its older `/api/embeddings` (one text). They run on the orchestrator: with the embedding
-models of its store (:class:`~agent.models.embeddings.EmbeddingModels`), open as long as
-Ollama's `keep_alive` or the idle rule says, or with a chat model through its pipeline, pooled
-as llama.cpp's server pools a decoder with `--pooling last`: the final norm's hidden state of
-the text's last token, L2-normalised (:meth:`~agent.orchestration.token_loop.TokenLoop.embed`).
+its older `/api/embeddings` (one text). The orchestrator answers them: with an embedding
+model, whole, on the node the router places it on (itself when it has room, else the node
+with the most; :mod:`agent.core.embedding_placement`), open there as long as Ollama's
+`keep_alive` or the idle rule says (:class:`~agent.models.embeddings.EmbeddingModels`); or
+with a chat model through its pipeline, pooled as llama.cpp's server pools a decoder with
+`--pooling last`: the final norm's hidden state of the text's last token, L2-normalised
+(:meth:`~agent.orchestration.token_loop.TokenLoop.embed`).
 """
 
 from __future__ import annotations
@@ -16,17 +18,28 @@ from typing import Any
 import numpy as np
 from aiohttp import web
 
-from agent.core.errors import InvalidRequestError, UnknownModelError
+from agent.cluster.peer_client import PeerError
+from agent.core.errors import (
+    ClusterError,
+    InvalidRequestError,
+    PublicAnswer,
+    RelayedError,
+    UnknownModelError,
+    WireError,
+    without_addresses,
+)
+from agent.core.protocol import EMBED_PATH, Embeddings, EmbedOrder
 from agent.core.request_fields import OLLAMA_EMBED, OLLAMA_EMBEDDINGS, OPENAI_EMBEDDINGS, check_fields
 from agent.http.api import holds_admin_token, on_orchestrator, read_json
-from agent.http.app_keys import EMBEDDINGS, ORCHESTRATOR, ROUTER
+from agent.http.app_keys import CLIENT, EMBEDDINGS, MEMBERSHIP, NODE_ID, ORCHESTRATOR, ROUTER
 from agent.http.clients import client_of
 from agent.http.metrics_endpoint import REQUEST_MODEL
 from agent.http.ollama import parse_duration_s
-from agent.models.embeddings import Embeddings
+from agent.models.embeddings import open_everywhere
 
 MAX_INPUTS = 2048  # texts per request, as OpenAI bounds them
 MAX_INPUT_CHARS = 1_000_000
+REMOTE_EMBED_TIMEOUT_S = 600.0  # another node's answer to a batch, the model fetched there first
 
 routes = web.RouteTableDef()
 
@@ -85,10 +98,7 @@ async def _embed(request: web.Request, body: Any, table: Any, field: str, *, tru
     texts = _texts(body.get(field), field)
     keep_alive_s = parse_duration_s(body["keep_alive"]) if body.get("keep_alive") is not None else None
     if encoder:
-        models = request.app[EMBEDDINGS]
-        result = await models.embed(name, texts, truncate=truncate)
-        if keep_alive_s is not None:  # Ollama's: how long the model stays open after this request
-            models.keep_alive(name, keep_alive_s, close=holds_admin_token(request))
+        result = await _embed_with_embedding_model(request, name, texts, truncate=truncate, keep_alive_s=keep_alive_s)
     else:
         router = request.app[ROUTER]
         try:
@@ -98,6 +108,42 @@ async def _embed(request: web.Request, body: Any, table: Any, field: str, *, tru
                 router.keep_alive(name, keep_alive_s, unload=holds_admin_token(request))
     _dimensions(body, result.vectors.shape[1])
     return name, result
+
+
+async def _embed_with_embedding_model(request: web.Request, name: str, texts: list[str], *, truncate: bool,
+                                      keep_alive_s: float | None) -> Embeddings:
+    """``texts`` embedded on the node the router places ``name`` on: this one, or another,
+    which fetches the model from this one first when it does not store it. ``keep_alive_s``
+    (Ollama's): how long the model stays open after this request."""
+    app = request.app
+    models, node_id, membership = app[EMBEDDINGS], app[NODE_ID], app[MEMBERSHIP]
+    close = holds_admin_token(request)
+    opened = open_everywhere(models, node_id, membership.peer_extras(), time.monotonic())
+    node = app[ROUTER].place_embedding_model(name, models.store.encoder_manifest(name).weight_bytes,
+                                             [opened[name]["node"]] if name in opened else [])
+    if node == node_id:
+        result = await models.embed(name, texts, truncate=truncate)
+        if keep_alive_s is not None:
+            models.keep_alive(name, keep_alive_s, close=close)
+        return result
+    order = EmbedOrder(name, tuple(texts), truncate, ((node_id, membership.peer_address_of(node_id)),),
+                       keep_alive_s, close)
+    try:
+        return Embeddings.from_json(await app[CLIENT].request_json(
+            "POST", membership.peer_address_of(node), EMBED_PATH, order.to_json(), target=node,
+            timeout_s=REMOTE_EMBED_TIMEOUT_S))
+    except PeerError as error:
+        answer = error.peer_answer if isinstance(error.peer_answer, dict) else {}
+        if error.status is not None and (400 <= error.status < 500 or error.status == 503) \
+                and isinstance(answer.get("error"), str) and isinstance(answer.get("code"), str):
+            retry_after_s = answer.get("retry_after_s")
+            raise RelayedError(PublicAnswer(
+                error.status, answer["code"], answer["error"], answer["param"] if isinstance(answer.get("param"), str)
+                else None, retry_after_s if isinstance(retry_after_s, (int, float)) else None)) from None
+        raise ClusterError(f"node {node}, where embedding model {name} runs, could not embed: "
+                           f"{without_addresses(str(error))}") from None
+    except WireError as error:
+        raise ClusterError(f"node {node} answered an embedding request with {error}") from None
 
 
 async def _embed_with_chat_model(request: web.Request, name: str, texts: list[str], field: str, *,

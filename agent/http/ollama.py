@@ -13,6 +13,7 @@ unload. Errors use Ollama's shape, ``{"error": "message"}``.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import datetime
 import functools
 import hashlib
@@ -38,9 +39,10 @@ from agent.http.api import (
     start_generation,
     tool_call_entries,
 )
-from agent.http.app_keys import EMBEDDINGS, ORCHESTRATOR, ROUTER, STORE
+from agent.http.app_keys import EMBEDDINGS, MEMBERSHIP, NODE_ID, ORCHESTRATOR, ROUTER, STORE
 from agent.http.clients import client_of
 from agent.http.metrics_endpoint import REQUEST_MODEL
+from agent.models.embeddings import open_everywhere
 from agent.orchestration.orchestrator import Completion, Deployment
 from shards.errors import ShardsError
 from shards.importers.pull import PULLABLE_ENCODERS, pull_encoder, pull_model, resolve_pull_name
@@ -315,13 +317,15 @@ async def running(request: web.Request) -> web.StreamResponse:
         last_used = time.time() - (time.monotonic() - info["last_used_s"])
         expires = _iso(last_used + idle_s) if idle_s > 0 else NEVER_EXPIRES
         models.append({**_entry(request, info), "size": held, "size_vram": 0, "expires_at": expires})
-    embedders, store = request.app[EMBEDDINGS], request.app[STORE]
-    for name, held in sorted(embedders.memory_bytes().items()):  # open on this node, whole
-        idle_s = embedders.closes_after_s(name)
-        last_used = time.time() - (time.monotonic() - embedders.last_used_s(name))
-        expires = _iso(last_used + idle_s) if idle_s > 0 else NEVER_EXPIRES
-        models.append({**_encoder_entry(store.encoder_manifest(name)), "size": held, "size_vram": 0,
-                       "expires_at": expires})
+    store = request.app[STORE]
+    opened = open_everywhere(request.app[EMBEDDINGS], request.app[NODE_ID], request.app[MEMBERSHIP].peer_extras(),
+                             time.monotonic())
+    for name, open_model in sorted(opened.items()):  # each whole, on one node
+        expires_in_s = open_model.get("expires_in_s")
+        expires = NEVER_EXPIRES if expires_in_s is None else _iso(time.time() + expires_in_s)
+        with contextlib.suppress(ShardsError):  # one the orchestrator does not store (removed meanwhile)
+            models.append({**_encoder_entry(store.encoder_manifest(name)), "size": open_model["bytes"],
+                           "size_vram": 0, "expires_at": expires})
     return web.json_response({"models": models})
 
 

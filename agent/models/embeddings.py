@@ -1,7 +1,8 @@
 """The embedding models this node serves: opened on first use, each whole, on this node.
 
-An embedding model is small (all-MiniLM-L6-v2: 90 MB) and needs no pipeline: the
-orchestrator, which every API request reaches, opens it from its own store. It stays open
+An embedding model is small (all-MiniLM-L6-v2: 90 MB) and needs no pipeline: the node the
+router places it on (:mod:`agent.core.embedding_placement`; the orchestrator when it has room)
+opens it from its own store, fetched from the orchestrator's when it was not there. It stays open
 while it is used, and closes once idle as long as the chat models' idle rule says
 (``sleep_idle_s``, 0: never) or as a request's Ollama ``keep_alive`` asks; what the open ones
 hold is counted in the router's ledger of this node's memory (:meth:`EmbeddingModels.held_bytes`).
@@ -13,28 +14,17 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import dataclass
-
-import numpy as np
+from collections.abc import Mapping
+from typing import Any
 
 from agent.core.errors import InvalidRequestError, ModelLoadError
+from agent.core.protocol import Embeddings
 from agent.models.router import LATEST_TAG
 from shards.errors import ShardsError
 from shards.runtime.embedder import Embedder
 from shards.store.model_store import ModelStore
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class Embeddings:
-    """What one request got: a vector per text, the tokens read and the time spent opening
-    the model (0 when it was open) and embedding."""
-
-    vectors: np.ndarray
-    prompt_tokens: int
-    load_s: float
-    embed_s: float
 
 
 class EmbeddingModels:
@@ -74,6 +64,16 @@ class EmbeddingModels:
 
     def last_used_s(self, name: str) -> float:
         return self._last_used_s.get(name, time.monotonic())
+
+    def status(self, now_s: float) -> dict[str, dict[str, float | int | None]]:
+        """Per open model, the memory it holds and in how many seconds it closes if left idle
+        (None: not until asked), at monotonic time ``now_s``: what /api/ps lists of it."""
+        status: dict[str, dict[str, float | int | None]] = {}
+        for name, held in sorted(self.memory_bytes().items()):
+            idle_s = self.closes_after_s(name)
+            expires_in_s = idle_s - (now_s - self.last_used_s(name)) if idle_s > 0 else None
+            status[name] = {"bytes": held, "expires_in_s": expires_in_s}
+        return status
 
     def keep_alive(self, name: str, seconds: float, *, close: bool) -> None:
         """After this request, keep ``name`` open while idle for ``seconds`` (Ollama's
@@ -141,4 +141,23 @@ class EmbeddingModels:
                           time.perf_counter() - opened)
 
 
-__all__ = ["Embeddings", "EmbeddingModels"]
+def open_everywhere(local: EmbeddingModels, node_id: str, peer_extras: Mapping[str, Mapping[str, Any]],
+                    now_s: float) -> dict[str, dict[str, Any]]:
+    """The embedding models open in the cluster: this node's (``local``, as of monotonic
+    ``now_s``) and the peers', as they last described them (``embedding_models`` of their
+    extras). Per model: its ``node``, the ``bytes`` it holds and ``expires_in_s``."""
+    found = {name: {**entry, "node": node_id} for name, entry in local.status(now_s).items()}
+    for node, extra in sorted(peer_extras.items()):
+        described = extra.get("embedding_models")
+        if not isinstance(described, Mapping):
+            continue
+        for name, entry in described.items():
+            if name in found or not isinstance(entry, Mapping) or not isinstance(entry.get("bytes"), int):
+                continue
+            expires_in_s = entry.get("expires_in_s")
+            found[name] = {"node": node, "bytes": entry["bytes"],
+                           "expires_in_s": expires_in_s if isinstance(expires_in_s, (int, float)) else None}
+    return found
+
+
+__all__ = ["EmbeddingModels", "open_everywhere"]

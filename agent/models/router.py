@@ -15,11 +15,12 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Callable, Collection, Mapping
 from typing import Any
 
 from agent.cluster.membership import Membership
 from agent.core.admission import Admission, AdmissionLimits
+from agent.core.embedding_placement import place_embedding_model
 from agent.core.errors import (
     ClusterError,
     ModelBusyError,
@@ -171,6 +172,17 @@ class ModelRouter:
         """What a loaded model's new plan would lack, its own memory counted as free."""
         self._update_devices()
         return self.registry.shortfall(min_bytes, without=[name])
+
+    def place_embedding_model(self, name: str, weight_bytes: int, open_on: Collection[str]) -> str:
+        """The live node that runs embedding model ``name`` of ``weight_bytes`` (``open_on``: where
+        it is open now), from the ledger's free memory (:mod:`agent.core.embedding_placement`)."""
+        self._update_devices()
+        me = self.orchestrator.node_id
+        free: dict[str, int | None] = {}
+        for node in {me, *self.membership.alive_nodes()}:
+            budget = self.registry.budget_bytes(node)
+            free[node] = None if budget is None else budget - self.registry.held_bytes(node)
+        return place_embedding_model(name, weight_bytes, free, orchestrator=me, open_on=open_on)
 
     def on_progress(self, name: str, nodes_done: int, nodes: int) -> None:
         entry = self.registry.entries.get(name)

@@ -39,6 +39,7 @@ from agent.core.protocol import (
     COMMIT_PATH,
     COPY_PATH,
     DESCRIBE_PATH,
+    EMBED_PATH,
     INTERNAL_PREFIX,
     MODEL_FILE_PATH,
     MODEL_LISTING_PATH,
@@ -50,6 +51,7 @@ from agent.core.protocol import (
     UNLOAD_PATH,
     CloseFrame,
     CopyOrder,
+    EmbedOrder,
     OrderStep,
     PingFrame,
     RekeyOrder,
@@ -97,7 +99,7 @@ from agent.models.embeddings import EmbeddingModels
 from agent.models.router import ModelRouter
 from agent.orchestration.orchestrator import Orchestrator
 from agent.stage.scrub import Scrubber
-from agent.stage.weights import complete_models, describe_model_files, resolve_model_file
+from agent.stage.weights import complete_models, describe_model_files, ensure_encoder_files, resolve_model_file
 from agent.stage.worker import StaleOrderError, Worker, WorkerState, failure_cause
 from shards.errors import ShardsError
 from shards.graph.fragment import FRAGMENTS_DIR, sweep_fragments
@@ -209,9 +211,11 @@ async def describe(request: web.Request) -> web.Response:
 
 
 def internal_error(error: NcmError) -> web.Response:
-    """An internal endpoint's refusal, as the error's class answers it: ``{"error", "code"}``."""
+    """An internal endpoint's refusal, as the error's class answers it: ``{"error", "code",
+    "param", "retry_after_s"}`` (what :class:`~agent.core.errors.RelayedError` reads back)."""
     answer = error.answer()
-    return web.json_response({"error": answer.message, "code": answer.code}, status=answer.status)
+    return web.json_response({"error": answer.message, "code": answer.code, "param": answer.param,
+                              "retry_after_s": answer.retry_after_s}, status=answer.status)
 
 
 async def read_message(request: web.Request, kind: Any) -> Any:
@@ -300,6 +304,23 @@ async def rekey(request: web.Request) -> web.Response:
     return web.json_response({"rekeyed": request.app[NODE_ID]})
 
 
+@internal.post(EMBED_PATH)
+async def embed(request: web.Request) -> web.Response:
+    """Embed texts with an embedding model the router placed here, fetched first when this
+    node does not store it."""
+    try:
+        order = await read_message(request, EmbedOrder)
+        store, models = request.app[STORE], request.app[EMBEDDINGS]
+        if not store.has_encoder(order.model):
+            await ensure_encoder_files(request.app[CLIENT], store, order.model, list(order.sources))
+        result = await models.embed(order.model, list(order.texts), truncate=order.truncate)
+        if order.keep_alive_s is not None:
+            models.keep_alive(order.model, order.keep_alive_s, close=order.close)
+    except NcmError as error:
+        return internal_error(error)
+    return web.json_response(result.to_json())
+
+
 @internal.get(STATE_PATH)
 async def state(request: web.Request) -> web.Response:
     return web.json_response(request.app[WORKER].status())
@@ -309,7 +330,7 @@ async def state(request: web.Request) -> web.Response:
 async def model_listing(request: web.Request) -> web.Response:
     store = request.app[STORE]
     name = request.match_info["name"]
-    if not store.has(name):
+    if not store.has(name) and not store.has_encoder(name):
         raise web.HTTPNotFound(text=f"model {name} is not here")
     return web.json_response(await asyncio.to_thread(describe_model_files, store.models_dir / name))
 
@@ -318,7 +339,8 @@ async def model_listing(request: web.Request) -> web.Response:
 async def model_file(request: web.Request) -> web.StreamResponse:
     store = request.app[STORE]
     name = request.match_info["name"]
-    if not store.has(name):
+    encoder = store.has_encoder(name)
+    if not store.has(name) and not encoder:
         raise web.HTTPNotFound(text=f"model {name} is not here")
     relative = request.match_info["path"]
     try:
@@ -326,7 +348,8 @@ async def model_file(request: web.Request) -> web.StreamResponse:
     except FileNotFoundError:
         raise web.HTTPNotFound(text="no such file") from None
     try:
-        entry = next((e for e in store.manifest(name).files.values() if e.path == relative), None)
+        files = (store.encoder_manifest(name) if encoder else store.manifest(name)).files
+        entry = next((e for e in files.values() if e.path == relative), None)
     except ShardsError:
         raise web.HTTPNotFound(text=f"model {name} is unreadable here") from None
     if entry is not None and not await asyncio.to_thread(intact, store.models_dir / name, entry):
@@ -420,7 +443,8 @@ def build_app(config: AgentConfig, *, node_id: str, store: ModelStore, api_port:
         app[MEMBERSHIP] = Membership(
             config, node_id, client, api_port=api_port, peer_port=peer_port, events=events,
             describe_extra=lambda: {"models": complete_models(store), "worker": app[WORKER].status(),
-                                    "device_memory": app[WORKER].device_memory()})
+                                    "device_memory": app[WORKER].device_memory(),
+                                    "embedding_models": app[EMBEDDINGS].status(time.monotonic())})
         app[WORKER] = Worker(node_id, config, store, client, app[LINKS], app[METRICS], app[MEMBERSHIP].agents_on_host,
                              beside_bytes=app[EMBEDDINGS].held_bytes)
         app[ROUTER] = ModelRouter(config, store, app[MEMBERSHIP], events, lambda models: Orchestrator(

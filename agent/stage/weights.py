@@ -24,6 +24,7 @@ from agent.cluster.peer_client import PeerClient, PeerError
 from agent.core.errors import NcmError
 from agent.core.protocol import model_file_path, model_listing_path
 from shards.errors import ShardsError
+from shards.store.encoder_manifest import ENCODER_FILE, EncoderManifest
 from shards.store.manifest import Manifest
 from shards.store.model_store import ModelStore
 from shards.store.verify import hash_file
@@ -54,12 +55,15 @@ def file_digest(path: Path) -> str:
 
 
 def describe_model_files(model_dir: Path) -> dict[str, Any]:
-    """What a source serves: the manifest and the size/digest of the tokenizer files."""
+    """What a source serves: the manifest (an embedding model's: ``encoder``) and the
+    size/digest of the tokenizer files."""
     meta = {}
     for name in META_FILES:
         path = model_dir / name
         if path.is_file():
             meta[name] = {"bytes": path.stat().st_size, "sha256": file_digest(path)}
+    if (model_dir / ENCODER_FILE).is_file():
+        return {"encoder": json.loads((model_dir / ENCODER_FILE).read_text(encoding="utf-8")), "meta_files": meta}
     return {"manifest": json.loads((model_dir / MANIFEST_FILE).read_text(encoding="utf-8")), "meta_files": meta}
 
 
@@ -162,14 +166,16 @@ def _writing(dest: Path) -> Iterator[None]:
                               error.errno) from error
 
 
-async def _listing(client: PeerClient, name: str, sources: list[Source], errors: list[str]) -> tuple[Source, dict[str, Any]]:
-    """The first source's answer to `GET /internal/models/{name}`: (source, listing)."""
+async def _listing(client: PeerClient, name: str, sources: list[Source], errors: list[str], *,
+                   kind: str = "manifest") -> tuple[Source, dict[str, Any]]:
+    """The first source's answer to `GET /internal/models/{name}` (one with a ``kind``:
+    "manifest", or "encoder" for an embedding model): (source, listing)."""
     for source in sources:
         node_id, base_url = source
         try:
             listing = await client.request_json("GET", base_url, model_listing_path(name), target=node_id,
                                                 timeout_s=30.0)
-            if isinstance(listing, dict) and isinstance(listing.get("manifest"), dict):
+            if isinstance(listing, dict) and isinstance(listing.get(kind), dict):
                 return source, listing
             errors.append(f"{base_url}: malformed model listing")
         except PeerError as error:
@@ -242,3 +248,31 @@ async def _fetch_model_files(
         with _writing(model_dir / MANIFEST_FILE):
             store.write_manifest(model_dir, manifest)
     return manifest
+
+
+async def ensure_encoder_files(client: PeerClient, store: ModelStore, name: str, sources: list[Source]) -> None:
+    """Make sure embedding model ``name`` is in the local store: its weights, tokenizer and
+    ``encoder.json``, fetched whole from the first source that has each intact (into a
+    staging folder, so a broken transfer leaves nothing half-stored)."""
+    model_dir = store.models_dir / name
+    lock = _fetch_locks.setdefault(str(model_dir.resolve()), asyncio.Lock())
+    async with lock:
+        if store.has_encoder(name):
+            return
+        errors: list[str] = []
+        source, listing = await _listing(client, name, sources, errors, kind="encoder")
+        try:
+            manifest = EncoderManifest.from_json(json.dumps(listing["encoder"]))
+            files = {k: (int(v["bytes"]), str(v["sha256"])) for k, v in listing.get("meta_files", {}).items()
+                     if k in META_FILES}
+        except (ShardsError, KeyError, TypeError, ValueError) as error:
+            raise WeightTransferError(f"{source[1]} sent an unusable listing of {name!r}: {error}") from None
+        if manifest.name != name:
+            raise WeightTransferError(f"{source[1]} listed {manifest.name!r} for embedding model {name!r}")
+        files.update({entry.path: (entry.bytes, entry.sha256) for entry in manifest.files.values()})
+        log.info("fetching embedding model %s (%d bytes)", name, sum(size for size, _ in files.values()))
+        ordered = [source] + [s for s in sources if s != source]
+        with _writing(model_dir), store.staging(name) as staging:
+            for relative, (size, digest) in files.items():
+                await _fetch_from_any(client, ordered, name, relative, staging / relative, size, digest, errors)
+            (staging / ENCODER_FILE).write_text(manifest.to_json(), encoding="utf-8")

@@ -3,12 +3,13 @@ handler reads, and a body that is not the message is a WireError, never another 
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
 from agent.core.errors import WireError
-from agent.core.protocol import CopyOrder, OrderStep, PairRequest, RekeyOrder, UnloadOrder
+from agent.core.protocol import CopyOrder, Embeddings, EmbedOrder, OrderStep, PairRequest, RekeyOrder, UnloadOrder
 
 MESSAGES = [
     OrderStep("smollm2-135m", 3, 2),
@@ -17,6 +18,8 @@ MESSAGES = [
     RekeyOrder("home", "k" * 64, ("https://192.168.1.20:8080", "http://192.168.1.21:8080")),
     PairRequest("0123abcd0123abcd", "nonce0001", "ab" * 32, "home", "f" * 32),
     PairRequest("0123abcd0123abcd", "nonce0001", "ab" * 32),
+    EmbedOrder("all-minilm-l6-v2", ("the kitchen light", "é"), True, (("a1b2c3d4e5f6", "https://10.0.0.2:41000"),)),
+    EmbedOrder("all-minilm-l6-v2", ("x",), False, (), keep_alive_s=0.0, close=True),
 ]
 
 
@@ -35,6 +38,13 @@ def test_a_message_reads_back_as_it_was_sent(message):
     (RekeyOrder, {"cluster": "home", "key": "k" * 32, "peers": ["ftp://x"]}, "http"),
     (PairRequest, {"invite": "i", "nonce": "n", "proof": "p" * 200}, "at most 128"),
     (PairRequest, {"invite": "i", "nonce": "n", "proof": "p", "cluster": "home"}, "both"),
+    (EmbedOrder, {"model": "m", "texts": [], "truncate": True, "sources": [], "close": False}, "1 to 2048"),
+    (EmbedOrder, {"model": "m", "texts": [1], "truncate": True, "sources": [], "close": False}, "strings"),
+    (EmbedOrder, {"model": "m", "texts": ["x"], "truncate": True, "sources": [], "close": False,
+                  "keep_alive_s": "5m"}, "keep_alive_s"),
+    (Embeddings, {"vectors": "AAAA", "shape": [2, 1], "prompt_tokens": 1, "load_s": 0, "embed_s": 0}, "shape"),
+    (Embeddings, {"vectors": "!!", "shape": [1, 1], "prompt_tokens": 1, "load_s": 0, "embed_s": 0}, "vectors"),
+    (Embeddings, {"vectors": "AAAA", "shape": [1, 1], "prompt_tokens": 1, "load_s": -1, "embed_s": 0}, "seconds"),
 ])
 def test_a_body_that_is_not_the_message_is_refused_by_name(kind, body, why):
     with pytest.raises(WireError, match=why):
@@ -46,7 +56,7 @@ JSON = st.recursive(st.none() | st.booleans() | st.integers() | st.floats(allow_
                     max_leaves=12)
 
 
-@given(st.sampled_from([OrderStep, UnloadOrder, CopyOrder, RekeyOrder, PairRequest]), JSON)
+@given(st.sampled_from([OrderStep, UnloadOrder, CopyOrder, RekeyOrder, PairRequest, EmbedOrder, Embeddings]), JSON)
 def test_any_json_is_a_message_or_a_wire_error(kind, body):
     try:
         kind.from_json(body)
@@ -57,3 +67,9 @@ def test_any_json_is_a_message_or_a_wire_error(kind, body):
 def test_a_rekey_order_names_at_most_sixteen_peers():
     order = RekeyOrder.from_json({"cluster": "home", "key": "k" * 32, "peers": [f"http://10.0.0.{i}:8080" for i in range(40)]})
     assert len(order.peers) == 16
+
+
+def test_embeddings_read_back_exactly():
+    vectors = np.linspace(-1, 1, 6, dtype=np.float32).reshape(2, 3)
+    read = Embeddings.from_json(Embeddings(vectors, 7, 0.5, 0.25).to_json())
+    assert np.array_equal(read.vectors, vectors) and (read.prompt_tokens, read.load_s, read.embed_s) == (7, 0.5, 0.25)
