@@ -534,8 +534,10 @@ class Generation:
     reader: AnswerReader
 
 
-def _prompt(parsed: ChatRequest, deployment: Deployment) -> tuple[list[int], str | None, AnswerReader]:
-    """The prompt's ids, the grammar of the answer and its reader (see
+def _prompt(parsed: ChatRequest, deployment: Deployment, *, call_pieces: bool
+            ) -> tuple[list[int], str | None, AnswerReader]:
+    """The prompt's ids, the grammar of the answer and its reader (``call_pieces``: the calls'
+    pieces are sent as they come; see
     :mod:`shards.runtime.tool_calls` and :mod:`shards.runtime.reasoning`)."""
     tokenizer = deployment.tokenizer
     if parsed.messages is None:
@@ -572,7 +574,8 @@ def _prompt(parsed: ChatRequest, deployment: Deployment) -> tuple[list[int], str
             raise InvalidRequestError(f"the tools cannot be turned into a grammar: {error}",
                                       "tools" if parsed.json_schema is None else "response_format") from None
     return prompt_ids, grammar, AnswerReader(tool_format=fmt if tools else None, reasoning=splitter,
-                                             show_reasoning=think is not False, stream_calls=grammar is not None)
+                                             show_reasoning=think is not False, stream_calls=grammar is not None,
+                                             call_pieces=call_pieces)
 
 
 PROMPT_TAIL_TOKENS = 8  # enough of a prompt's end to see whether its template opened a think block
@@ -603,11 +606,12 @@ def _schema_grammar(schema: dict[str, Any] | None, think: ThinkFirst | None = No
 
 
 def start_generation(request: web.Request, parsed: ChatRequest, deployment: Deployment, *,
-                     max_context: int | None = None, resume: tuple[int, ...] = ()) -> Generation:
+                     max_context: int | None = None, resume: tuple[int, ...] = (),
+                     call_pieces: bool = False) -> Generation:
     """A generation of ``parsed`` (its messages through the chat template, with its tools,
     else its prompt as it is) on ``deployment``, timed and counted; ``max_context`` narrows
-    the model's context."""
-    prompt_ids, grammar, reader = _prompt(parsed, deployment)
+    the model's context; ``call_pieces``: the caller streams the calls' pieces (OpenAI)."""
+    prompt_ids, grammar, reader = _prompt(parsed, deployment, call_pieces=call_pieces)
     params = sampling_params(parsed, len(prompt_ids), max_context or deployment.settings.max_context, grammar,
                              default_max_tokens=request.app[CONFIG].default_max_tokens)
     if resume:  # the reader reads on where the lost orchestrator's stopped (its text went out already)
@@ -673,7 +677,7 @@ def completion_logprobs(tokenizer: Tokenizer, entries: tuple[TokenLogprobs, ...]
 
 async def _generate(request: web.Request, parsed: ChatRequest, deployment: Deployment, *, chat: bool,
                     headers: dict[str, str], resume: tuple[int, ...] = ()) -> web.StreamResponse:
-    generation = start_generation(request, parsed, deployment, resume=resume)
+    generation = start_generation(request, parsed, deployment, resume=resume, call_pieces=parsed.stream)
     events, reader = generation.events, generation.reader
     created = int(time.time())
     ident = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]

@@ -39,14 +39,16 @@ class AnswerReader:
     ``reasoning``: the splitter of its reasoning (None: the model does not reason);
     ``show_reasoning``: False drops the reasoning (thinking was turned off, but the model
     thinks anyway); ``stream_calls``: a grammar holds the calls to their form, so they come in
-    pieces as they are written (else whole, at the end)."""
+    pieces as they are written (else whole, at the end); ``call_pieces``: the caller sends
+    those pieces on (OpenAI's streamed answers; else a call cut short comes back as text)."""
 
     def __init__(self, *, tool_format: str | None = None, reasoning: ReasoningSplitter | None = None,
-                 show_reasoning: bool = True, stream_calls: bool = False) -> None:
+                 show_reasoning: bool = True, stream_calls: bool = False, call_pieces: bool = True) -> None:
         self.tool_format = tool_format
         self._splitter = reasoning
         self._show_reasoning = show_reasoning
-        self._calls = CallStream(tool_format, streaming=stream_calls) if tool_format is not None else None
+        self._calls = CallStream(tool_format, streaming=stream_calls,
+                                 pieces_sent=call_pieces) if tool_format is not None else None
         self._held = ""
 
     def push(self, text: str) -> AnswerPiece:

@@ -65,11 +65,14 @@ class CallStream:
     """The calls of one answer, read from its text so far each time more is written.
 
     ``streaming``: the answer's grammar guarantees its calls' form, so they stream as written;
-    else :meth:`finish` gives each call whole."""
+    else :meth:`finish` gives each call whole. ``pieces_sent``: the caller sends the calls'
+    pieces as they come (OpenAI's streamed answers); else a call cut short, of which nothing
+    went out, goes back as text."""
 
-    def __init__(self, fmt: str, *, streaming: bool) -> None:
+    def __init__(self, fmt: str, *, streaming: bool, pieces_sent: bool = True) -> None:
         self._fmt = fmt
         self._streaming = streaming
+        self._pieces_sent = pieces_sent
         self._search_from = 0  # where the next call may start
         self._open: int | None = None  # where the arguments of the call being written start
         self._sent = 0  # of those arguments' characters
@@ -120,13 +123,15 @@ class CallStream:
     def finish(self, text: str, reply: str, calls: Sequence[ToolCall]) -> tuple[str, list[CallDelta]]:
         """What is left to go out once the answer ended: of ``reply`` (the answer's text without
         its calls) what did not stream, and the pieces that complete ``calls`` (whole, those that
-        did not stream). An answer cut short keeps what streamed: a reply's start, a call's."""
+        did not stream). An answer cut short keeps what streamed: a reply's start, a call's (a
+        call whose pieces did not go out goes back as its text, as llama.cpp's server returns a
+        call it cannot read)."""
         sent = self._reply
         _, deltas = self.read(text)
         if sent:
             rest = reply[len(sent):] if reply.startswith(sent) else ""
         else:
-            rest = "" if self._calls and not calls else reply
+            rest = "" if self._calls and not calls and self._pieces_sent else reply
         deltas += [CallDelta(index, call.name, json.dumps(call.arguments, ensure_ascii=False))
                    for index, call in enumerate(calls) if index >= self._calls]
         return rest, deltas

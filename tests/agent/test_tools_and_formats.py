@@ -165,7 +165,7 @@ def test_home_assistant_and_open_webui_requests_are_answered_as_ollama_would(age
     for call in calls:  # what HA executes: a name among its tools, arguments as an object
         assert call["function"]["name"] in {t["function"]["name"] for t in HA_TOOLS}
         assert isinstance(call["function"]["arguments"], dict)
-    assert calls or "".join(c["message"]["content"] for c in chunks)
+    assert calls or "".join(c["message"]["content"] for c in chunks), json.dumps(chunks)
     # Open WebUI's chat controls over its Ollama connection
     open_webui = {"model": MODEL + ":latest", "stream": False, "messages": ASK, "options": {
         "repeat_penalty": 1.1, "repeat_last_n": 64, "top_k": 40, "top_p": 0.9, "min_p": 0.05, "temperature": 0.8,

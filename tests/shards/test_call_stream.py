@@ -81,6 +81,15 @@ def test_a_call_cut_short_keeps_what_streamed():
     assert [d.name for d in answer.deltas if d.name] == ["HassTurnOn"]
 
 
+def test_a_call_cut_short_whose_pieces_are_not_sent_comes_back_as_its_text():
+    """Ollama's answers, and OpenAI's unstreamed ones, send no pieces: a call cut short (the
+    answer ran out of tokens in its arguments) comes back as the text the model wrote."""
+    text = '{"tool_calls": [' + json.dumps({"name": "HassTurnOn", "arguments": {"domain": ["light"] * 30}})[:90]
+    _, answer = read(AnswerReader(tool_format=GENERIC, stream_calls=True, call_pieces=False), text,
+                     list(range(0, len(text), 7)))
+    assert not answer.calls and answer.content == text
+
+
 def test_value_end():
     assert value_end('{"a": "}", "b": [1, {"c": "\\""}]} tail', 0) == 33
     assert value_end('{"a": [1, 2', 0) is None
