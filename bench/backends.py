@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from agent.cli.demo import _ensure_model  # noqa: E402
 from shards.graph.fragment import load_manifest  # noqa: E402
 from shards.providers.backends import OPENVINO, backend_chain, detect_platform, rknn_backend  # noqa: E402
-from shards.runtime.runner import OrtFragmentRunner  # noqa: E402
+from shards.runtime.ort_runner import OrtFragmentRunner  # noqa: E402
 from shards.store.model_store import ModelStore  # noqa: E402
 
 

@@ -73,8 +73,8 @@ def prompt_ids(gguf_path: Path, n_tokens: int) -> list[int]:
 def run_ncm(model_dir: Path, ids: list[int], decode_tokens: int, threads: int, repeats: int) -> dict:
     """Prefill ``ids`` then decode greedily ``decode_tokens`` tokens through one fragment
     (best of ``repeats``)."""
+    from shards.runtime.chain import open_chain
     from shards.runtime.generate import decode_step, prefill
-    from shards.runtime.runner import open_chain
     from shards.store.manifest import Manifest
 
     manifest = Manifest.from_json((model_dir / "manifest.json").read_text(encoding="utf-8"))

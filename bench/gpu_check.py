@@ -38,8 +38,9 @@ from agent.local.probe import find_accelerators  # noqa: E402
 from bench.backends import measure  # noqa: E402
 from shards.errors import RunnerError  # noqa: E402
 from shards.providers.backends import CPU_BACKEND, backend_chain, detect_platform  # noqa: E402
+from shards.runtime.chain import chain_forward  # noqa: E402
 from shards.runtime.generate import LocalModel  # noqa: E402
-from shards.runtime.runner import OrtFragmentRunner, chain_forward  # noqa: E402
+from shards.runtime.ort_runner import OrtFragmentRunner  # noqa: E402
 from shards.store.model_store import ModelStore  # noqa: E402
 
 MODEL = "smollm2-135m"

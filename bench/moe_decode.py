@@ -29,7 +29,7 @@ if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
 from shards.importers.importer import import_model  # noqa: E402 - after the path
-from shards.runtime.runner import chain_forward, open_chain  # noqa: E402
+from shards.runtime.chain import chain_forward, open_chain  # noqa: E402
 from shards.store.model_store import ModelStore  # noqa: E402
 
 VOCAB = 4096

@@ -27,7 +27,7 @@ if str(REPO_ROOT) not in sys.path:
 
 from shards.graph import fragment  # noqa: E402 - after the path
 from shards.importers.pull import DEFAULT_MODEL, pull_model  # noqa: E402
-from shards.runtime.runner import chain_forward, open_chain  # noqa: E402
+from shards.runtime.chain import chain_forward, open_chain  # noqa: E402
 from shards.store.model_store import ModelStore  # noqa: E402
 from shards.text.tokenizer import Tokenizer  # noqa: E402
 

@@ -8,10 +8,11 @@ replays its tokens so far on that route and goes on: nothing is lost or repeated
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -63,6 +64,18 @@ class TokenLoop:
         self._caches: dict[str, PromptCache] = {}  # per model: the KV caches its stages keep
         self._none_running = asyncio.Event()
         self._none_running.set()
+
+    @contextlib.contextmanager
+    def _counted(self) -> Iterator[None]:
+        """One request running from this node while inside (what :meth:`drained` waits for)."""
+        self._running += 1
+        self._none_running.clear()
+        try:
+            yield
+        finally:
+            self._running -= 1
+            if not self._running:
+                self._none_running.set()
 
     async def drained(self, timeout_s: float) -> bool:
         """Wait until no request runs here (an agent that stops lets them finish); False when
@@ -157,9 +170,7 @@ class TokenLoop:
         if not ids or len(ids) > deployment.settings.max_context:
             raise ValueError(f"{len(ids)} tokens to embed; {deployment.name} reads 1 to {deployment.settings.max_context}")
         recoveries = 0
-        self._running += 1
-        self._none_running.clear()
-        try:
+        with self._counted():
             while True:
                 order = deployment.order
                 if order.degraded:
@@ -177,10 +188,6 @@ class TokenLoop:
                     deployment = await self._recover(deployment, {error.node})
                 finally:
                     await self._close(order, sid)
-        finally:
-            self._running -= 1
-            if not self._running:
-                self._none_running.set()
 
     async def complete(self, deployment: Deployment, prompt_ids: list[int], params: SamplingParams,
                        generated: Sequence[int] = (), *, cache_prompt: bool = True) -> AsyncIterator[Completion]:
@@ -214,73 +221,72 @@ class TokenLoop:
         unsent_logprobs: list[TokenLogprobs] = []
         recoveries = 0
         sid = uuid.uuid4().hex
-        self._running += 1
-        self._none_running.clear()
-        try:
-            result: ResultFrame | None = None
-            while True:
+        with self._counted():
+            try:
+                result: ResultFrame | None = None
+                while True:
+                    order = deployment.order
+                    served = order.model if order.degraded else order.name
+                    try:
+                        if result is None:  # the tail catches up with the tokens chosen so far (grammar, penalties)
+                            result = await self._prefill(deployment, order, sid, context,
+                                                         {**sampling, "generated": context[len(prompt_ids):]},
+                                                         kept, reused)
+                        token = result.token
+                        assert token is not None
+                        text = stream.push(token)
+                        unsent.append(token)
+                        if result.logprobs is not None:
+                            unsent_logprobs.append(TokenLogprobs(token, *result.logprobs))
+                        if stream.done or len(context) + 1 >= max_context:
+                            finished = True
+                            if not stream.done:
+                                text += stream.finish(FINISH_LENGTH)
+                            yield Completion(text, served, stream.finish_reason, len(prompt_ids),
+                                             stream.completion_tokens, tuple(unsent), tuple(unsent_logprobs),
+                                             min(reused, len(prompt_ids)))
+                            return
+                        if text:
+                            yield Completion(text, served, tokens=tuple(unsent), logprobs=tuple(unsent_logprobs))
+                            unsent.clear()
+                            unsent_logprobs.clear()
+                        context.append(token)
+                        step = StepFrame(sid, len(context), 0, len(context) - 1, order.epoch, order.plan_version, True)
+                        result = None
+                        result = await self._step(order, step, np.asarray([[context[-1]]], dtype=np.int64),
+                                                  DECODE_STEP_TIMEOUT_S)
+                    except StageError as error:
+                        if error.code == "cache_miss" and kept is not None:  # not kept there any more: read it all
+                            log.info("request %s: a stage no longer keeps the cached prompt; reading it all", sid[:8])
+                            await self._close(order, kept.sid)  # what the other stages still keep of it
+                            kept, reused, result = None, 0, None
+                            continue
+                        if error.node is None or error.node == self.node_id or recoveries >= MAX_RECOVERIES_PER_REQUEST:
+                            raise
+                        recoveries += 1
+                        log.warning("request %s: stage %s failed (%s); failing over", sid[:8], error.node, error.code)
+                        self.membership.mark_unreachable(error.node)
+                        await self._close(order, sid)
+                        if kept is not None:  # what the other stages still keep of the cache it started from
+                            await self._close(order, kept.sid)
+                        previous = deployment
+                        deployment = await self._recover(deployment, {error.node})
+                        if deployment.order.model != previous.order.model \
+                                and deployment.tokenizer.vocab_size != previous.tokenizer.vocab_size:
+                            raise ClusterError("the fallback model uses another tokenizer; the request cannot "
+                                               "continue on it") from None
+                        sid = uuid.uuid4().hex
+                        kept, reused = None, 0  # the new route keeps nothing of this request
+                        result = None  # replay everything so far on the new route
+            finally:
                 order = deployment.order
-                served = order.model if order.degraded else order.name
-                try:
-                    if result is None:  # the tail catches up with the tokens chosen so far (grammar, penalties)
-                        result = await self._prefill(deployment, order, sid, context,
-                                                     {**sampling, "generated": context[len(prompt_ids):]},
-                                                     kept, reused)
-                    token = result.token
-                    assert token is not None
-                    text = stream.push(token)
-                    unsent.append(token)
-                    if result.logprobs is not None:
-                        unsent_logprobs.append(TokenLogprobs(token, *result.logprobs))
-                    if stream.done or len(context) + 1 >= max_context:
-                        finished = True
-                        if not stream.done:
-                            text += stream.finish(FINISH_LENGTH)
-                        yield Completion(text, served, stream.finish_reason, len(prompt_ids), stream.completion_tokens,
-                                         tuple(unsent), tuple(unsent_logprobs), min(reused, len(prompt_ids)))
-                        return
-                    if text:
-                        yield Completion(text, served, tokens=tuple(unsent), logprobs=tuple(unsent_logprobs))
-                        unsent.clear()
-                        unsent_logprobs.clear()
-                    context.append(token)
-                    step = StepFrame(sid, len(context), 0, len(context) - 1, order.epoch, order.plan_version, True)
-                    result = None
-                    result = await self._step(order, step, np.asarray([[context[-1]]], dtype=np.int64),
-                                              DECODE_STEP_TIMEOUT_S)
-                except StageError as error:
-                    if error.code == "cache_miss" and kept is not None:  # not kept there any more: read it all
-                        log.info("request %s: a stage no longer keeps the cached prompt; reading it all", sid[:8])
-                        await self._close(order, kept.sid)  # what the other stages still keep of it
-                        kept, reused, result = None, 0, None
-                        continue
-                    if error.node is None or error.node == self.node_id or recoveries >= MAX_RECOVERIES_PER_REQUEST:
-                        raise
-                    recoveries += 1
-                    log.warning("request %s: stage %s failed (%s); failing over", sid[:8], error.node, error.code)
-                    self.membership.mark_unreachable(error.node)
+                if finished and cache is not None and cache.entries and not recoveries \
+                        and len(context) > cache.min_reused_tokens:
+                    for old in cache.keep(KeptPrompt(sid, tuple(context), order.plan_version, time.monotonic())):
+                        await self._close(order, old.sid)
+                    await self._close(order, sid, keep=True)
+                else:
                     await self._close(order, sid)
-                    if kept is not None:  # what the other stages still keep of the cache it started from
-                        await self._close(order, kept.sid)
-                    previous = deployment
-                    deployment = await self._recover(deployment, {error.node})
-                    if deployment.order.model != previous.order.model and deployment.tokenizer.vocab_size != previous.tokenizer.vocab_size:
-                        raise ClusterError("the fallback model uses another tokenizer; the request cannot continue on it") from None
-                    sid = uuid.uuid4().hex
-                    kept, reused = None, 0  # the new route keeps nothing of this request
-                    result = None  # replay everything so far on the new route
-        finally:
-            self._running -= 1
-            if not self._running:
-                self._none_running.set()
-            order = deployment.order
-            if finished and cache is not None and cache.entries and not recoveries \
-                    and len(context) > cache.min_reused_tokens:
-                for old in cache.keep(KeptPrompt(sid, tuple(context), order.plan_version, time.monotonic())):
-                    await self._close(order, old.sid)
-                await self._close(order, sid, keep=True)
-            else:
-                await self._close(order, sid)
 
     def kept(self, model: str) -> tuple[KeptPrompt, ...]:
         """The KV caches the stages keep for ``model``'s next requests."""

@@ -22,7 +22,9 @@ from agent.stage.weights import WeightTransferError, ensure_model_files
 from shards.errors import CorruptWeightsError
 from shards.graph.fragment import prune_blobs
 from shards.providers.backends import backend_chain, detect_platform
-from shards.runtime.runner import MAX_LOAD_PARTS, FragmentRunner, open_range
+from shards.runtime.chain import open_range
+from shards.runtime.load_cuts import MAX_LOAD_PARTS
+from shards.runtime.runner import FragmentRunner
 from shards.store.manifest import Manifest
 from shards.store.model_store import ModelStore
 from shards.store.verify import discard

@@ -19,7 +19,7 @@ onnxruntime has no execution provider for these NPUs. Their path is Rockchip's o
   fragment on the CPU of an x86 machine: the tests check the NPU's numerics with it (its
   speed means nothing).
 
-:class:`RknnSession` gives :class:`~shards.runtime.runner.OrtFragmentRunner` what it uses of an
+:class:`RknnSession` gives :class:`~shards.runtime.ort_runner.OrtFragmentRunner` what it uses of an
 onnxruntime session, so a fragment on an RKNN backend (:mod:`shards.providers.backends`) is run, its
 KV cache kept and its chunks padded exactly as on any other static-flavour backend.
 """

@@ -195,7 +195,7 @@ def _check_prompt(prompt_ids: Sequence[int], vocab_size: int) -> np.ndarray:
 def prefill(runners: Sequence[FragmentRunner], session_id: str, prompt_ids: np.ndarray,
             chunk_tokens: int = DEFAULT_PREFILL_CHUNK_TOKENS) -> np.ndarray:
     """Run the prompt through the chain in chunks; returns the last position's logits."""
-    from shards.runtime.runner import chain_forward
+    from shards.runtime.chain import chain_forward
 
     if chunk_tokens < 1:
         raise SamplingError(f"prefill chunk must be at least 1 token, got {chunk_tokens}")
@@ -208,7 +208,7 @@ def prefill(runners: Sequence[FragmentRunner], session_id: str, prompt_ids: np.n
 
 def decode_step(runners: Sequence[FragmentRunner], session_id: str, token_id: int) -> np.ndarray:
     """Run one new token through the chain; returns its logits row."""
-    from shards.runtime.runner import chain_forward
+    from shards.runtime.chain import chain_forward
 
     logits = chain_forward(runners, session_id, np.array([[token_id]], dtype=np.int64), last_only=True)
     return np.asarray(logits)[0, -1]
@@ -297,15 +297,16 @@ class LocalModel:
     """A stored model opened on this machine as one chain of runners, plus its tokenizer.
 
     Without ``cuts`` the layers are cut into ``parts`` ranges that take as long to open
-    (:func:`~shards.runtime.runner.load_cuts`; default: one per core, at most
-    :data:`~shards.runtime.runner.MAX_LOAD_PARTS`) and open side by side (:func:`~shards.runtime.runner.open_chain`),
+    (:func:`~shards.runtime.load_cuts.load_cuts`; default: one per core, at most
+    :data:`~shards.runtime.load_cuts.MAX_LOAD_PARTS`) and open side by side (:func:`~shards.runtime.chain.open_chain`),
     while the tokenizer loads on a thread of its own: the time to a first token is the
     slowest of them, not their sum.
     """
 
     def __init__(self, model_dir: Path, manifest: Manifest, *, cuts: Sequence[tuple[int, int]] | None = None,
                  parts: int | None = None, **runner_kw: Any) -> None:
-        from shards.runtime.runner import MAX_LOAD_PARTS, load_cuts, open_chain
+        from shards.runtime.chain import open_chain
+        from shards.runtime.load_cuts import MAX_LOAD_PARTS, load_cuts
 
         self.manifest = manifest
         self.model_dir = Path(model_dir)

@@ -16,7 +16,7 @@ import openai
 import pytest
 
 from shards.importers.encoder import import_encoder
-from shards.runtime.runner import open_range
+from shards.runtime.chain import open_range
 from shards.store.model_store import ModelStore
 from tests.agent.agents import ADMIN, cluster_ready, linked_copy, make_agents, shut_down, wait_for
 from tests.conftest import SMOLLM2_MODEL_NAME

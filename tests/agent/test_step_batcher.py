@@ -16,7 +16,7 @@ import pytest
 from agent.dataplane.links import StageError
 from agent.http.app_keys import WORKER
 from agent.stage.step_batcher import StepBatcher, run_batch
-from shards.runtime.runner import OrtFragmentRunner
+from shards.runtime.ort_runner import OrtFragmentRunner
 from tests.agent.inprocess import call
 from tests.agent.tiny import TINY, store_tiny_models, tiny_cluster
 

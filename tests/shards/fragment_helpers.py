@@ -8,7 +8,8 @@ from pathlib import Path
 
 import numpy as np
 
-from shards.runtime.runner import FragmentRunner, chain_forward, open_chain
+from shards.runtime.chain import chain_forward, open_chain
+from shards.runtime.runner import FragmentRunner
 from shards.store.tensorfile import write_tensors
 
 SMOLLM2 = "smollm2-135m"

@@ -13,7 +13,8 @@ from hypothesis import strategies as st
 
 from shards.errors import RunnerError
 from shards.providers.backends import CPU, CPU_BACKEND, OPENVINO, QNN, Backend, Platform, backend_chain, detect_platform
-from shards.runtime.runner import OrtFragmentRunner, chain_forward
+from shards.runtime.chain import chain_forward
+from shards.runtime.ort_runner import OrtFragmentRunner
 
 ALL = ("TensorrtExecutionProvider", "CUDAExecutionProvider", QNN, OPENVINO, "DmlExecutionProvider", CPU)
 
@@ -97,7 +98,7 @@ def test_a_backend_that_cannot_load_the_fragment_falls_back_to_the_next_with_a_w
     """A QNN backend on a machine without QNN: onnxruntime quietly starts the CPU instead,
     which the runner does not take for the backend it asked for."""
     qnn = Backend("qnn-htp", QNN, "npu", "static", (("backend_path", "/nonexistent/libQnnHtp.so"),))
-    with caplog.at_level(logging.WARNING, logger="shards.runtime.runner"):
+    with caplog.at_level(logging.WARNING, logger="shards.runtime.ort_runner"):
         runner = OrtFragmentRunner(model_dir, 0, 1, backends=[qnn, CPU_BACKEND], max_context=32, threads=1)
     try:
         assert runner.backend == CPU_BACKEND and runner.provider == CPU and runner.flavour == "cpu"

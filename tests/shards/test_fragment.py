@@ -14,7 +14,7 @@ from fragment_helpers import PROMPT_IDS, SMOLLM2, chain, greedy
 
 from shards.errors import FragmentError
 from shards.graph.fragment import BLOB_POOL, TMP_PREFIX, build_fragment, prune_blobs, sweep_fragments
-from shards.runtime.runner import chain_forward
+from shards.runtime.chain import chain_forward
 
 SPLITS = {
     1: [(0, 29)],

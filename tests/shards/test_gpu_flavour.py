@@ -10,10 +10,11 @@ import pytest
 from fragment_helpers import PROMPT_IDS, SMOLLM2, greedy, write_tiny_checkpoint
 
 import shards.graph.fragment as fragment_module
-import shards.runtime.runner as runner_module
+import shards.runtime.ort_runner as runner_module
 from shards.importers.importer import import_model
 from shards.providers.backends import CPU, Backend
-from shards.runtime.runner import OrtFragmentRunner, chain_forward
+from shards.runtime.chain import chain_forward
+from shards.runtime.ort_runner import OrtFragmentRunner
 from shards.store.model_store import ModelStore
 
 GROWTH = 16

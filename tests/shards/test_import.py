@@ -15,7 +15,7 @@ from fragment_helpers import PROMPT_IDS, SMOLLM2, add_tensors, chain, write_tiny
 from shards.errors import ModelFormatError, TokenizerError, UnmappedTensorError, UnsupportedArchitectureError
 from shards.importers.gguf import unpermute_rope_rows
 from shards.importers.importer import default_name, import_model
-from shards.runtime.runner import chain_forward, open_chain
+from shards.runtime.chain import chain_forward, open_chain
 from shards.store.model_store import ModelStore
 from shards.store.tensorfile import read_tensors
 

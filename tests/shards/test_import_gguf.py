@@ -10,7 +10,7 @@ from fragment_helpers import load_dequantised, make_hf_checkpoint, write_gguf_fr
 
 from shards.errors import UnmappedTensorError
 from shards.importers.importer import import_model
-from shards.runtime.runner import chain_forward, open_chain
+from shards.runtime.chain import chain_forward, open_chain
 from shards.store.model_store import ModelStore
 
 pytestmark = pytest.mark.slow

@@ -7,7 +7,7 @@ import pytest
 from fragment_helpers import greedy, load_dequantised, make_hf_checkpoint
 
 from shards.importers.importer import import_model
-from shards.runtime.runner import chain_forward, open_chain
+from shards.runtime.chain import chain_forward, open_chain
 from shards.store.model_store import ModelStore
 from shards.store.tensorfile import read_tensors
 

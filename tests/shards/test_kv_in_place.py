@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 from fragment_helpers import write_tiny_checkpoint
 
-import shards.runtime.runner as runner_module
+import shards.runtime.ort_runner as runner_module
 from shards.errors import RunnerError
 from shards.importers.importer import import_model
-from shards.runtime.runner import OrtFragmentRunner
+from shards.runtime.ort_runner import OrtFragmentRunner
 from shards.store.model_store import ModelStore
 
 GROWTH = 16  # positions; small, so that a short test crosses several doublings

@@ -10,34 +10,16 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 from fragment_helpers import write_tiny_checkpoint
-from hypothesis import given
-from hypothesis import strategies as st
 
 from shards.errors import CorruptWeightsError, RunnerError
 from shards.importers.importer import import_model
+from shards.runtime.chain import RunnerChain, open_chain, open_range
 from shards.runtime.generate import LocalModel, prompt_ids_for
-from shards.runtime.runner import RunnerChain, balanced_cuts, layer_load_costs, load_cuts, open_chain, open_range
+from shards.runtime.load_cuts import layer_load_costs, load_cuts
 from shards.runtime.sampling import SamplingParams
 from shards.store.model_store import ModelStore
 
 LAYERS = 5
-
-
-@given(costs=st.lists(st.integers(1, 1000), min_size=1, max_size=64), parts=st.integers(1, 70))
-def test_balanced_cuts_tile_the_layers_each_within_a_layer_of_an_equal_share(costs: list[int], parts: int) -> None:
-    cuts = balanced_cuts(costs, parts, first_layer=7)
-    assert len(cuts) == min(parts, len(costs))
-    assert cuts[0][0] == 7 and cuts[-1][1] == 7 + len(costs) - 1
-    assert all(b + 1 == a for (_, b), (a, _) in zip(cuts, cuts[1:]))
-    assert all(a <= b for a, b in cuts)
-    share = sum(costs) / len(cuts)
-    assert all(sum(costs[a - 7:b - 6]) <= share + max(costs) for a, b in cuts)
-
-
-@given(n_layers=st.integers(1, 64), parts=st.integers(1, 70))
-def test_equal_costs_cut_in_ranges_that_differ_by_one_layer_at_most(n_layers: int, parts: int) -> None:
-    sizes = [b - a + 1 for a, b in balanced_cuts([5] * n_layers, parts)]
-    assert max(sizes) - min(sizes) <= 1
 
 
 def test_the_last_range_holds_fewer_layers_as_it_opens_the_output_layer_too(tmp_path: Path) -> None:
@@ -47,12 +29,6 @@ def test_the_last_range_holds_fewer_layers_as_it_opens_the_output_layer_too(tmp_
     shape = dict(n_layers=16, hidden_size=2048, intermediate_size=8192, n_heads=32, n_kv_heads=8, head_dim=64,
                  vocab_size=49152)  # the 1B bench shape: its output layer weighs 1.7 layers
     assert load_cuts(SimpleNamespace(**shape), 0, 15, 2) == [(0, 8), (9, 15)]  # type: ignore[arg-type]
-
-
-@pytest.mark.parametrize("n_layers,parts", [(0, 1), (4, 0)])
-def test_balanced_cuts_refuse_nothing_to_cut(n_layers: int, parts: int) -> None:
-    with pytest.raises(RunnerError):
-        balanced_cuts([1] * n_layers, parts)
 
 
 def tiny_store(tmp: Path) -> ModelStore:

@@ -47,7 +47,7 @@ def test_openvino_runs_the_default_model_as_the_cpu_provider_does(model_dir, tmp
     assert described["fallbacks"] == []
 
     cpu = chain(model_dir, [(0, 29)], max_context=64, threads=1)
-    from shards.runtime.runner import chain_forward
+    from shards.runtime.chain import chain_forward
 
     prompt_logits = chain_forward(cpu, "prompt", PROMPT_IDS)[0]
     cpu[0].close_session("prompt")

@@ -7,7 +7,9 @@ import pytest
 from fragment_helpers import PROMPT_IDS, SMOLLM2, chain
 
 from shards.errors import RunnerError
-from shards.runtime.runner import FragmentRunner, OrtFragmentRunner, chain_forward, open_chain
+from shards.runtime.chain import chain_forward, open_chain
+from shards.runtime.ort_runner import OrtFragmentRunner
+from shards.runtime.runner import FragmentRunner
 
 
 @pytest.fixture(scope="module")

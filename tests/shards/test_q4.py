@@ -11,7 +11,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from shards.importers.importer import import_model
 from shards.importers.quant import dequantize, exact_q8, quantize_q4, quantize_q8
-from shards.runtime.runner import chain_forward
+from shards.runtime.chain import chain_forward
 from shards.store.model_store import ModelStore
 
 

@@ -7,7 +7,7 @@ import pytest
 from fragment_helpers import SMOLLM2, chain, greedy
 
 from shards.errors import RunnerError
-from shards.runtime.runner import chain_forward
+from shards.runtime.chain import chain_forward
 
 pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore:.*past_key_values.*:FutureWarning")]
 PROMPTS = ["The capital of France is", "def add(a, b):\n    return", "Water boils at a temperature of",

@@ -18,7 +18,7 @@ from shards.errors import RknnConversionError, RknnUnavailableError
 from shards.graph.fragment import build_fragment
 from shards.providers.backends import CPU_BACKEND, Platform, backend_chain, rknn_backend, self_test
 from shards.providers.rknn import RKNN, board_target, convert, converter_python, lite_runtime_problem, rknn_path
-from shards.runtime.runner import OrtFragmentRunner
+from shards.runtime.ort_runner import OrtFragmentRunner
 
 SIMULATOR = rknn_backend("rk3588", runtime="simulator")
 CONTEXT, CHUNK = 64, 8
