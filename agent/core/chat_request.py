@@ -70,7 +70,7 @@ class ChatRequest:
     logit_bias: tuple[tuple[int, float], ...] = ()
     tools: tuple[Tool, ...] = ()
     tool_choice: str = "auto"  # auto, none, required, or the name of the one tool to call
-    parallel_tool_calls: bool = True
+    parallel_tool_calls: bool | None = None  # None: as the tool format supports (one call, or several)
     json_schema: dict[str, Any] | None = None  # the answer is JSON valid under it
     logprobs: int | None = None  # report each token's log-probability and this many alternatives
     think: bool | None = None  # thinking on or off (None: as the model's template decides)
@@ -181,8 +181,8 @@ def parse_request(body: Any, *, chat: bool) -> ChatRequest:
         raise InvalidRequestError("'stream_options' must be an object like {\"include_usage\": true}", "stream_options")
     tools = _tools(body.get("tools"))
     tool_choice = _tool_choice(body.get("tool_choice"), tools)
-    parallel = body.get("parallel_tool_calls", True)
-    if not isinstance(parallel, bool):
+    parallel = body.get("parallel_tool_calls")
+    if parallel is not None and not isinstance(parallel, bool):
         raise InvalidRequestError("'parallel_tool_calls' must be true or false", "parallel_tool_calls")
     repeat_last_n = _integer(body, "repeat_last_n", -1)
     return ChatRequest(

@@ -74,7 +74,9 @@ OPENAI_CHAT = _table(
     Field("max_completion_tokens", HONOURED, "the same as max_tokens"),
     Field("tools", HONOURED, "functions the model may call (rendered by the model's chat template)"),
     Field("tool_choice", HONOURED, "auto, none, required or a named function (forced by constrained decoding)"),
-    Field("parallel_tool_calls", HONOURED, "false: at most one call per answer"),
+    Field("parallel_tool_calls", HONOURED, "false: at most one call per answer; unset: several where the tool "
+                                          "format writes several (hermes, mistral), one in the generic and Llama 3 "
+                                          "formats, as llama.cpp's server follows the template"),
     Field("response_format", HONOURED, "text, json_object or json_schema (constrained decoding: the output parses)"),
     Field("logprobs", HONOURED, "each token's log-probability under the model (choices[].logprobs.content)"),
     Field("top_logprobs", HONOURED, "with logprobs: that many likeliest alternatives per token (0-20)"),

@@ -72,7 +72,7 @@ from shards.runtime.call_stream import CallDelta
 from shards.runtime.grammar import ThinkFirst, json_schema_grammar
 from shards.runtime.reasoning import ReasoningSplitter, ReasoningSupport, prompt_opens_thinking, reasoning_support
 from shards.runtime.sampling import SamplingParams, TokenLogprobs
-from shards.runtime.tool_calls import ToolCall, call_grammar, prompt_messages, tool_format
+from shards.runtime.tool_calls import PARALLEL_BY_DEFAULT, ToolCall, call_grammar, prompt_messages, tool_format
 from shards.text.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -552,7 +552,8 @@ def _prompt(parsed: ChatRequest, deployment: Deployment, *, call_pieces: bool
     fmt = tool_format(template)
     support = reasoning_support(template)
     think, variables = _thinking(parsed, support, deployment.name)
-    messages, extra = prompt_messages(fmt, parsed.messages, tools, parallel=parsed.parallel_tool_calls)
+    parallel = PARALLEL_BY_DEFAULT[fmt] if parsed.parallel_tool_calls is None else parsed.parallel_tool_calls
+    messages, extra = prompt_messages(fmt, parsed.messages, tools, parallel=parallel)
     try:
         prompt_ids = tokenizer.encode_chat(messages, **variables, **extra)
     except ShardsError as error:
@@ -567,7 +568,7 @@ def _prompt(parsed: ChatRequest, deployment: Deployment, *, call_pieces: bool
         grammar = _schema_grammar(parsed.json_schema, think_first)
     else:  # with a response_format, an answer that calls no tool follows its schema
         try:
-            grammar = call_grammar(fmt, tools, parsed.tool_choice, parallel=parsed.parallel_tool_calls,
+            grammar = call_grammar(fmt, tools, parsed.tool_choice, parallel=parallel,
                                    tokens=tokenizer.added_token_texts, answer_schema=parsed.json_schema,
                                    think=think_first)
         except ShardsError as error:

@@ -31,6 +31,10 @@ from shards.runtime.grammar import ThinkFirst, answer_grammar, json_schema_gramm
 
 HERMES, LLAMA3, MISTRAL, GENERIC = "hermes", "llama3", "mistral", "generic"
 FORMATS = (HERMES, LLAMA3, MISTRAL, GENERIC)
+# Several calls in one answer unless a request says otherwise: where the format's templates
+# write several, as llama.cpp's server defaults parallel_tool_calls to the template's support
+# (one at a time in the generic format, whose small models otherwise repeat a call to the end).
+PARALLEL_BY_DEFAULT = {HERMES: True, MISTRAL: True, LLAMA3: False, GENERIC: False}
 _HERMES_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
 
 
