@@ -195,3 +195,32 @@ def test_logprobs_of_chat_and_completions(client):
     assert logprobs.text_offset[0] == 0 and all(lp <= 0 for lp in logprobs.token_logprobs)
     with pytest.raises(openai.BadRequestError, match="top_logprobs"):
         client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=2, top_logprobs=2)
+
+
+def test_a_langchain_tool_agent_calls_its_tool_over_both_apis(agent):
+    """LangChain's tool loop, as an agent framework runs it: the model asks for the tool, the
+    tool's answer goes back as a tool message, the model answers from it. Over `ChatOpenAI`
+    the call is forced (`tool_choice`), over `ChatOllama` (whose API has no tool_choice) the
+    model chooses it itself, greedily, in the generic format."""
+    from langchain_core.messages import HumanMessage
+    from langchain_core.tools import tool
+    from langchain_ollama import ChatOllama
+    from langchain_openai import ChatOpenAI
+
+    @tool
+    def get_weather(city: str) -> str:
+        """The weather now in a city."""
+        return f"Sunny and 21 degrees in {city}."
+
+    over_openai = ChatOpenAI(base_url=agent.url + "/v1", api_key="none", model=MODEL, temperature=0, max_tokens=80,
+                             max_retries=0, timeout=120)
+    over_ollama = ChatOllama(base_url=agent.url, model=MODEL, temperature=0, num_predict=80)
+    for llm, first in ((over_openai, over_openai.bind_tools([get_weather], tool_choice="get_weather")),
+                       (over_ollama, over_ollama.bind_tools([get_weather]))):
+        messages = [HumanMessage("What is the weather in Paris?")]
+        asked = first.invoke(messages)
+        assert [call["name"] for call in asked.tool_calls] == ["get_weather"], asked
+        assert isinstance(asked.tool_calls[0]["args"].get("city"), str)
+        messages += [asked, get_weather.invoke(asked.tool_calls[0])]  # the tool's answer, as a ToolMessage
+        answered = llm.bind_tools([get_weather]).invoke(messages)
+        assert answered.content or answered.tool_calls, answered
