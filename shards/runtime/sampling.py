@@ -299,20 +299,21 @@ class Sampler:
         if p.greedy:
             best = int(np.argmax(row))
             return np.array([best]), np.array([1.0])
-        scores = row.astype(np.float64)
-        if (scores == np.inf).any():  # +inf dominates: only those tokens are possible
-            scores = np.where(scores == np.inf, 0.0, -np.inf)
+        logits = row.astype(np.float64)
+        if (logits == np.inf).any():  # +inf dominates: only those tokens are possible
+            logits = np.where(logits == np.inf, 0.0, -np.inf)
         with np.errstate(over="ignore"):  # a tiny temperature leaves only the best tokens
-            scores = (scores - scores[np.isfinite(scores)].max()) / p.temperature
+            scores = (logits - logits[np.isfinite(logits)].max()) / p.temperature
         vocab = scores.size
+        # Ranked by the logits themselves: shifted and scaled, two close ones may round to a tie.
         if 0 < p.top_k < vocab:
             # the k best by (logit desc, id asc): partition on the value, then sort the few
-            kth = np.partition(scores, vocab - p.top_k)[vocab - p.top_k]
-            pool = np.flatnonzero(scores >= kth)
+            kth = np.partition(logits, vocab - p.top_k)[vocab - p.top_k]
+            pool = np.flatnonzero(logits >= kth)
         else:
             pool = np.arange(vocab)
         pool = pool[np.isfinite(scores[pool])]
-        order = pool[np.lexsort((pool, -scores[pool]))]
+        order = pool[np.lexsort((pool, -logits[pool]))]
         if 0 < p.top_k < order.size:
             order = order[:p.top_k]
         logits_kept = scores[order]

@@ -6,7 +6,7 @@ import dataclasses
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
 
@@ -26,6 +26,7 @@ def test_greedy_is_argmax(logits: np.ndarray) -> None:
 
 @_PROPS
 @given(logits=_logits, k=st.integers(1, 70), seed=st.integers(0, 2**32), temperature=st.floats(0.05, 5))
+@example(logits=np.array([1.0, -1.5000947e-36, 0.0], np.float32), k=2, seed=0, temperature=1.0)  # a tie once shifted
 def test_top_k_stays_in_the_k_best(logits: np.ndarray, k: int, seed: int, temperature: float) -> None:
     sampler = Sampler(SamplingParams(temperature=temperature, top_k=k, seed=seed))
     kth_best = np.sort(logits)[::-1][min(k, logits.size) - 1]
