@@ -61,7 +61,7 @@ def prompt_ids(gguf_path: Path, n_tokens: int) -> list[int]:
     import gguf
 
     from shards.text.tokenizer import Tokenizer
-    from shards.text.tokenizer_spec import tokenizer_spec_from_gguf
+    from shards.text.tokenizer_gguf import tokenizer_spec_from_gguf
 
     tokenizer = Tokenizer(tokenizer_spec_from_gguf(gguf.GGUFReader(gguf_path)))
     ids: list[int] = []

@@ -82,7 +82,7 @@ def conversation_prompts(gguf_path: Path, turns: int) -> list[str]:
     import gguf
 
     from shards.text.tokenizer import Tokenizer
-    from shards.text.tokenizer_spec import tokenizer_spec_from_gguf
+    from shards.text.tokenizer_gguf import tokenizer_spec_from_gguf
 
     tokenizer = Tokenizer(tokenizer_spec_from_gguf(gguf.GGUFReader(gguf_path)))
     system = INSTRUCTIONS + "\n\n" + generic_system_text(TOOLS, parallel=True)

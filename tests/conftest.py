@@ -119,7 +119,7 @@ def smollm2_tokenizer(smollm2_gguf: Path):
     import gguf
 
     from shards.text.tokenizer import Tokenizer
-    from shards.text.tokenizer_spec import tokenizer_spec_from_gguf
+    from shards.text.tokenizer_gguf import tokenizer_spec_from_gguf
 
     return Tokenizer(tokenizer_spec_from_gguf(gguf.GGUFReader(smollm2_gguf)))
 

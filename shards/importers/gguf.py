@@ -310,7 +310,7 @@ class GgufSource:
         return {"norm": self._tensor("output_norm.weight"), "lm_head": w}
 
     def tokenizer_spec(self) -> Any:
-        from shards.text.tokenizer_spec import tokenizer_spec_from_gguf
+        from shards.text.tokenizer_gguf import tokenizer_spec_from_gguf
 
         return tokenizer_spec_from_gguf(self.reader)
 

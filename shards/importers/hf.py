@@ -391,7 +391,7 @@ class HfSource:
         return {"norm": norm, "lm_head": w}
 
     def tokenizer_spec(self) -> Any:
-        from shards.text.tokenizer_spec import tokenizer_spec_from_hf
+        from shards.text.tokenizer_hf import tokenizer_spec_from_hf
 
         return tokenizer_spec_from_hf(self.path)
 

@@ -153,7 +153,7 @@ def qwen_like_tokenizer(folder):
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
     from shards.text.tokenizer import Tokenizer as NcmTokenizer
-    from shards.text.tokenizer_spec import tokenizer_spec_from_hf
+    from shards.text.tokenizer_hf import tokenizer_spec_from_hf
 
     alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
     tok = Tokenizer(models.BPE({char: i for i, char in enumerate(alphabet)}, []))

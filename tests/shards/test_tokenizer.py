@@ -14,13 +14,9 @@ from hypothesis import strategies as st
 
 from shards.errors import TokenizerError
 from shards.text.tokenizer import Tokenizer
-from shards.text.tokenizer_spec import (
-    TokenizerSpec,
-    load_tokenizer_spec,
-    save_tokenizer_spec,
-    tokenizer_spec_from_gguf,
-    tokenizer_spec_from_hf,
-)
+from shards.text.tokenizer_gguf import tokenizer_spec_from_gguf
+from shards.text.tokenizer_hf import tokenizer_spec_from_hf
+from shards.text.tokenizer_spec import TokenizerSpec, load_tokenizer_spec, save_tokenizer_spec
 from tests.examples import examples
 
 SAMPLES = [
