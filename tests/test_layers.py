@@ -1,6 +1,8 @@
 """The house: every module of `agent/` and `shards/` sits in one role package, roles depend on
 each other in one direction only (the order below, which docs/architecture.md shows), no
-module imports another in a cycle, and every module imports alone in a fresh interpreter.
+module imports another in a cycle, every module imports alone in a fresh interpreter and has
+a test file named after it in the tree that mirrors the packages, and a class over 250 lines
+says why.
 
 Imports are read from the source, late ones (inside functions) and type-only ones included:
 what a module needs at any moment is a dependency.
@@ -159,3 +161,31 @@ def test_every_module_imports_alone_in_a_fresh_interpreter():
     with ThreadPoolExecutor(max_workers=os.cpu_count() or 2) as pool:
         failed = [(m, err) for m, code, err in pool.map(_import_alone, alone) if code != 0]
     assert failed == []
+
+
+MAX_CLASS_LINES = 250
+
+
+def test_no_class_is_over_250_lines_without_a_reason_in_its_docstring():
+    """A class longer than :data:`MAX_CLASS_LINES` says why in its docstring, in a line that
+    starts "Over 250 lines:"; the others are cut by concern, not to a number."""
+    unexplained = []
+    for name, path in modules().items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ClassDef) and node.end_lineno - node.lineno + 1 > MAX_CLASS_LINES \
+                    and "Over 250 lines:" not in (ast.get_docstring(node) or ""):
+                unexplained.append(f"{name}.{node.name} ({node.end_lineno - node.lineno + 1} lines)")
+    assert not unexplained, unexplained
+
+
+def test_every_module_has_a_test_file_named_after_it_in_the_mirrored_tree():
+    """``agent/stage/worker.py`` is tested in ``tests/agent/stage/test_worker.py`` (behaviour
+    scenarios of several modules live in ``tests/agent/scenarios/``)."""
+    untested = []
+    for name, path in modules().items():
+        relative = path.relative_to(REPO)
+        if relative.name == "__init__.py":
+            continue
+        if not (REPO / "tests" / relative.parent / f"test_{relative.name}").is_file():
+            untested.append(str(relative))
+    assert not untested, untested

@@ -3,6 +3,7 @@ this device's cluster (what the admin commands send)."""
 
 from __future__ import annotations
 
+import http.client
 import json
 import urllib.error
 import urllib.request
@@ -24,7 +25,7 @@ def http_json(method: str, url: str, payload: Any = None, *, token: str | None =
         request.add_header("Authorization", f"Bearer {token}")
     try:
         with urllib.request.urlopen(request, timeout=timeout_s) as response:
-            return json.loads(response.read() or b"null")
+            body = response.read()
     except urllib.error.HTTPError as error:
         try:
             message = json.loads(error.read())["error"]["message"]
@@ -34,6 +35,12 @@ def http_json(method: str, url: str, payload: Any = None, *, token: str | None =
     except (urllib.error.URLError, TimeoutError, OSError) as error:
         reason = getattr(error, "reason", error)
         raise NcmError(f"cannot reach {url}: {reason}") from None
+    except http.client.HTTPException as error:  # something answered that does not speak HTTP
+        raise NcmError(f"{url} does not answer as an ncm agent (no HTTP: {type(error).__name__})") from None
+    try:
+        return json.loads(body or b"null")
+    except ValueError:
+        raise NcmError(f"{url} does not answer as an ncm agent (its answer is not JSON)") from None
 
 
 def local_admin_token(config_path: Path | None = None, *, create: bool = False) -> str | None:

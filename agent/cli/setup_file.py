@@ -65,7 +65,7 @@ def _strip_comment(value: str) -> str:
         if rest and not rest.startswith("#"):
             raise ValueError("text after the closing quote")
         return value[1:end]
-    match = re.search(r"\s#", value)
+    match = re.search(r"(^|\s)#", value)  # a value that is only a comment is empty
     if match:
         value = value[: match.start()]
     return value.strip()

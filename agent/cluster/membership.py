@@ -38,6 +38,7 @@ from agent.core.auth import ANY_NODE
 from agent.core.capacity import NodeCapacity, credited_capacity, score
 from agent.core.election import Election, elect, newest
 from agent.core.errors import NcmError, WireError
+from agent.core.node_report import NodeReport
 from agent.core.peers import PeerTable
 from agent.core.protocol import DESCRIBE_PATH
 from agent.local.config import AgentConfig
@@ -54,10 +55,13 @@ def peer_url(api_url: str, peer_port: int) -> str:
 
 
 class Membership:
-    """The live view of the cluster from this node."""
+    """The live view of the cluster from this node.
+
+    Over 250 lines: each round contacts the peers, updates the table, the reports and the
+    election together; the parts that decide are pure (``agent.core.peers``, ``election``)."""
 
     def __init__(self, config: AgentConfig, node_id: str, client: PeerClient, *, api_port: int,
-                 peer_port: int, events: EventLog, describe_extra: Callable[[], dict[str, Any]] = dict) -> None:
+                 peer_port: int, events: EventLog, describe_extra: Callable[[], NodeReport] = NodeReport) -> None:
         """``describe_extra``: what this node tells peers besides its advert (its models, its
         worker's state, its device memory)."""
         self.config = config
@@ -76,7 +80,7 @@ class Membership:
         self._subscribers: list[asyncio.Event] = []
         self._capacity_at = time.monotonic()
         self._describe_extra = describe_extra
-        self._extras: dict[str, dict[str, Any]] = {}
+        self._reports: dict[str, NodeReport] = {}  # by URL: what each peer said in its last describe
         self._seen_as: str | None = None
         self._refused_as_stale: set[str] = set()  # peers whose refusal of our clock was logged
         for url in config.peers:
@@ -112,7 +116,7 @@ class Membership:
     def describe(self, caller_host: str | None = None) -> dict[str, Any]:
         """The answer to a peer's describe: my advert, my live peers, and how I see the caller."""
         return {"advert": self.advert().to_json(), "peers": self.live_peer_urls(), "you": caller_host,
-                "detected": self.detected.to_dict(), "accelerators": self.accelerators.to_dict(), **self._describe_extra()}
+                "detected": self.detected.to_dict(), "accelerators": self.accelerators.to_dict(), **self._describe_extra().to_json()}
 
     def introduction(self) -> dict[str, Any]:
         """What a describe request says about the caller: its API port, and its URL if configured."""
@@ -161,10 +165,10 @@ class Membership:
         latency = self.table.latency_of(node_id)
         return latency if latency is not None else 0.0
 
-    def peer_extras(self) -> dict[str, dict[str, Any]]:
-        """node id -> what the live peer said in its last describe beyond its advert."""
+    def peer_reports(self) -> dict[str, NodeReport]:
+        """node id -> what the live peer said of itself in its last describe beyond its advert."""
         return {
-            e.advert.node_id: self._extras.get(url, {})
+            e.advert.node_id: self._reports.get(url, NodeReport())
             for url, e in self.table.entries.items() if e.alive and e.advert is not None
         }
 
@@ -285,7 +289,7 @@ class Membership:
             return
         latency_ms = (time.monotonic() - started) * 1000.0
         self._refused_as_stale.discard(url)
-        self._extras[url] = {k: v for k, v in answer.items() if k not in ("advert", "peers", "you")}
+        self._reports[url] = NodeReport.from_json({k: v for k, v in answer.items() if k not in ("advert", "peers", "you")})
         if isinstance(answer.get("you"), str) and not self._seen_as and len(answer["you"]) < 64:
             self._seen_as = answer["you"]
         if self.table.contact_succeeded(url, advert, latency_ms, time.monotonic()):

@@ -24,7 +24,7 @@ from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 from agent.local.files import write_private
 
 # Valid from long ago to far ahead: devices without a real-time clock boot in 1970 or 2000.
-NOT_BEFORE = datetime.datetime(2000, 1, 1, tzinfo=datetime.timezone.utc)
+NOT_BEFORE = datetime.datetime(1970, 1, 1, tzinfo=datetime.timezone.utc)
 NOT_AFTER = datetime.datetime(2200, 1, 1, tzinfo=datetime.timezone.utc)
 _P256_ORDER = 0xFFFFFFFF00000000FFFFFFFFFFFFFFFFBCE6FAADA7179E84F3B9CAC2FC632551
 CA_NAME = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "ncm cluster CA")])

@@ -23,7 +23,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, replace
 
-from agent.core.errors import ClusterError, NcmError
+from agent.core.errors import ClusterError
+from agent.core.node_report import WorkerReport
 from agent.core.orders import RoutingOrder
 from agent.core.state_enum import StateEnum
 
@@ -125,22 +126,17 @@ def replan_decision(*, members: frozenset[str], deployed_members: frozenset[str]
     return Replan("a node joined" if joined else "a node that could not stage a plan changed")
 
 
-def newest_orders(reports: Iterable[Mapping[str, object]]) -> dict[str, RoutingOrder]:
-    """Per model, the newest valid order in the workers' status ``reports`` (their "orders")."""
+def newest_orders(reports: Iterable[WorkerReport]) -> dict[str, RoutingOrder]:
+    """Per model, the newest order the workers' ``reports`` name."""
     newest: dict[str, RoutingOrder] = {}
     for report in reports:
-        raw_orders = report.get("orders")
-        for raw in raw_orders if isinstance(raw_orders, list) else []:
-            try:
-                order = RoutingOrder.from_json(raw)
-            except NcmError:
-                continue
+        for order in report.orders:
             if order.name not in newest or order.plan_version > newest[order.name].plan_version:
                 newest[order.name] = order
     return newest
 
 
-def adoption_actions(reports: Iterable[Mapping[str, object]], alive: Iterable[str]) -> list[AdoptionAction]:
+def adoption_actions(reports: Iterable[WorkerReport], alive: Iterable[str]) -> list[AdoptionAction]:
     """What a new orchestrator does with the newest order of each model the workers report."""
     alive = set(alive)
     actions: list[AdoptionAction] = []
@@ -158,20 +154,15 @@ class DropOrphans:
     models: tuple[str, ...]
 
 
-def orphaned_orders(reports: Mapping[str, Mapping[str, object]], deployed: Iterable[str],
+def orphaned_orders(reports: Mapping[str, WorkerReport], deployed: Iterable[str],
                     busy: Iterable[str]) -> list[DropOrphans]:
-    """What each node must drop: the models its worker report (``models`` served, ``staged``)
-    names that are not ``deployed``, leaving alone the ``busy`` ones (a load or re-plan of
-    them is under way: their orders are being staged)."""
+    """What each node must drop: the models its worker report holds (served or staged) that
+    are not ``deployed``, leaving alone the ``busy`` ones (a load or re-plan of them is under
+    way: their orders are being staged)."""
     keep = set(deployed) | set(busy)
     actions = []
     for node, report in sorted(reports.items()):
-        held = set()
-        for key in ("models", "staged"):
-            named = report.get(key) if isinstance(report, Mapping) else None
-            if isinstance(named, Mapping):
-                held |= {name for name in named if isinstance(name, str)}
-        orphans = tuple(sorted(held - keep))
+        orphans = tuple(sorted(report.held - keep))
         if orphans:
             actions.append(DropOrphans(node, orphans))
     return actions

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Collection, Mapping
 
 from agent.core.errors import CapacityError
-from agent.core.model_registry import MIB
+from agent.core.memory_ledger import MIB
 
 RETRY_AFTER_S = 10.0  # room comes back as chat models go idle and sleep
 

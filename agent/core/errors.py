@@ -12,6 +12,7 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Any
 
 RETRY_AFTER_LOAD_S = 5.0  # a model that failed to load may be asked again this soon
 # What a public error must not show: URLs, and IPv4 / IPv6 addresses with a port.
@@ -35,6 +36,20 @@ class PublicAnswer:
     message: str
     param: str | None = None
     retry_after_s: float | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        """An internal endpoint's refusal, as a member reads it back (:meth:`from_json`)."""
+        return {"error": self.message, "code": self.code, "param": self.param, "retry_after_s": self.retry_after_s}
+
+    @classmethod
+    def from_json(cls, status: int, body: Any) -> PublicAnswer | None:
+        """The answer a member sent with ``status`` (None: ``body`` is no such answer)."""
+        if not isinstance(body, dict) or not isinstance(body.get("error"), str) or not isinstance(body.get("code"), str):
+            return None
+        param, retry_after_s = body.get("param"), body.get("retry_after_s")
+        return cls(status, body["code"], body["error"], param if isinstance(param, str) else None,
+                   float(retry_after_s) if isinstance(retry_after_s, (int, float)) and not isinstance(retry_after_s, bool)
+                   else None)
 
     @property
     def kind(self) -> str:

@@ -1,4 +1,4 @@
-"""Bookkeeping of the model router (design §10). Pure: time is a parameter.
+"""The model router's states and transitions (design §10). Pure: time is a parameter.
 
 A model is *loaded* when its fragments are planned and running on the devices. States:
 ``unloaded``, ``measuring`` (its per-device memory is being worked out, then room made for it),
@@ -6,22 +6,17 @@ A model is *loaded* when its fragments are planned and running on the devices. S
 a reason). A load goes forward only: unloaded (or sleeping, or failed) -> measuring -> loading
 -> ready; a model whose load is refused goes back to where it was.
 
-Requests waiting for the same model share one queue entry; only the entry at the head of the
-queue may load, and only one loader runs per model (the entry is *claimed*). Capacity has two
-ledgers: ``models_max`` (models loading or ready across the cluster; 0 = no limit) and device
-memory: every device has ``total - external - margin`` bytes for models; a loading model
-reserves its measured minimum, a ready one holds what its workers reported (effective). When a
-load does not fit, the least recently used idle model is evicted, one at a time; a model
-serving a request, loading, being stopped or waited for is never a victim. When nothing can be
-evicted the head entry is refused (the caller answers 503 with Retry-After), with the real
-reason: which device lacks how much, what evicting the idle models would free, and which
-models hold the rest and why.
+The registry keeps each model's entry and decides the next step for the head of the wait queue
+(:mod:`agent.core.wait_queue`) against the capacity ledgers (:mod:`agent.core.memory_ledger`):
+load it, evict the least recently used idle model first (one at a time; a model serving a
+request, loading, being stopped or waited for is never a victim), or refuse it (the caller
+answers 503 with Retry-After, and the ledger's reason).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from agent.core.errors import (
     RETRY_AFTER_LOAD_S,
@@ -31,7 +26,9 @@ from agent.core.errors import (
     RouterError,
     UnknownModelError,
 )
+from agent.core.memory_ledger import DeviceMemory, Holder, MemoryLedger
 from agent.core.state_enum import StateEnum
+from agent.core.wait_queue import QueueEntry, WaitQueue
 
 
 class ModelState(StateEnum):
@@ -54,22 +51,6 @@ class ModelState(StateEnum):
 
 
 STATES = tuple(state.value for state in ModelState)
-RETRY_AFTER_BUSY_S = 10.0
-MIB = 1024 * 1024
-
-
-@dataclass(frozen=True)
-class DeviceMemory:
-    """What a device has: its total memory and what other programs use of it."""
-
-    total_bytes: int
-    external_bytes: int = 0
-
-    def __post_init__(self) -> None:
-        for name in ("total_bytes", "external_bytes"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise RouterError(f"device memory: {name} must be an integer >= 0, got {value!r}")
 
 
 @dataclass
@@ -87,9 +68,13 @@ class ModelEntry:
     listed: bool = True  # still in the sources (a model dropped by a reload stays until unloaded)
     resting_state: ModelState = ModelState.UNLOADED  # where a measure that did not lead to a load returns
 
+    def counted(self) -> bool:
+        """Whether the model counts against ``models_max`` (loading or ready)."""
+        return self.state in (ModelState.LOADING, ModelState.READY)
+
     def held_bytes(self) -> Mapping[str, int]:
         """Device memory this model counts against: effective when known, else its reservation."""
-        if self.state not in (ModelState.LOADING, ModelState.READY):
+        if not self.counted():
             return {}
         return self.effective_bytes or self.min_bytes or {}
 
@@ -99,17 +84,6 @@ class ModelEntry:
             "active_requests": self.active_requests, "stopping": self.stopping,
             "memory": {"min_bytes": dict(self.min_bytes or {}), "effective_bytes": dict(self.effective_bytes or {})},
         }
-
-
-@dataclass
-class QueueEntry:
-    """Every request waiting for one model. ``outcome`` is set when the entry leaves the queue."""
-
-    model: str
-    waiters: int = 0
-    claimed: bool = False
-    outcome: RouterError | None = None
-    done: bool = False
 
 
 @dataclass(frozen=True)
@@ -141,19 +115,13 @@ class Refuse:
 Action = Load | Evict | Refuse
 
 
-@dataclass
 class ModelRegistry:
-    """Models, their states, the wait queue and both capacity ledgers."""
+    """Models and their states, over the wait queue and both capacity ledgers."""
 
-    models_max: int = 0
-    memory_margin_bytes: int = 0
-    entries: dict[str, ModelEntry] = field(default_factory=dict)
-    queue: list[QueueEntry] = field(default_factory=list)
-    devices: dict[str, DeviceMemory] = field(default_factory=dict)
-
-    def __post_init__(self) -> None:
-        if self.models_max < 0 or self.memory_margin_bytes < 0:
-            raise RouterError("models_max and memory_margin_bytes must be >= 0")
+    def __init__(self, models_max: int = 0, memory_margin_bytes: int = 0) -> None:
+        self.entries: dict[str, ModelEntry] = {}
+        self.queue = WaitQueue()
+        self.ledger = MemoryLedger(self.entries, models_max, memory_margin_bytes)
 
     # --- sources ---------------------------------------------------------------------------
     def set_models(self, names: Iterable[str]) -> None:
@@ -186,21 +154,16 @@ class ModelRegistry:
         self.entries.clear()
 
     def set_devices(self, devices: Mapping[str, DeviceMemory]) -> None:
-        self.devices = dict(devices)
+        self.ledger.devices = dict(devices)
 
     # --- the queue -------------------------------------------------------------------------
     def find(self, name: str) -> QueueEntry | None:
-        return next((q for q in self.queue if q.model == name), None)
+        return self.queue.find(name)
 
     def join(self, name: str) -> QueueEntry:
-        """A request waits for ``name``; requests for one model share one entry."""
+        """A request waits for ``name`` (a model the sources list)."""
         self.entry(name)
-        queued = self.find(name)
-        if queued is None:
-            queued = QueueEntry(name)
-            self.queue.append(queued)
-        queued.waiters += 1
-        return queued
+        return self.queue.join(name)
 
     def leave(self, ticket: QueueEntry) -> None:
         """A waiter is gone (served, failed or disconnected). A claimed load still completes."""
@@ -209,9 +172,7 @@ class ModelRegistry:
             self._pop(ticket, None)
 
     def _pop(self, ticket: QueueEntry, outcome: RouterError | None) -> None:
-        if ticket in self.queue:
-            self.queue.remove(ticket)
-        ticket.done, ticket.claimed, ticket.outcome = True, False, outcome
+        self.queue.take_out(ticket, outcome)
         entry = self.entries.get(ticket.model)
         if entry is not None:
             if entry.state == ModelState.MEASURING:  # measured, but no load followed: back to where it was
@@ -219,42 +180,13 @@ class ModelRegistry:
             self._drop_if_gone(entry)
 
     # --- capacity --------------------------------------------------------------------------
-    def loaded_count(self) -> int:
-        return sum(1 for e in self.entries.values() if e.state in (ModelState.LOADING, ModelState.READY))
-
-    def budget_bytes(self, node: str) -> int | None:
-        """Memory of ``node`` usable by models (None: the node never reported, no limit)."""
-        device = self.devices.get(node)
-        if device is None:
-            return None
-        return device.total_bytes - device.external_bytes - self.memory_margin_bytes
-
-    def held_bytes(self, node: str, *, without: Iterable[str] = ()) -> int:
-        skip = set(without)
-        return sum(e.held_bytes().get(node, 0) for e in self.entries.values() if e.name not in skip)
-
-    def shortfall(self, need: Mapping[str, int], *, without: Iterable[str] = ()) -> dict[str, int]:
-        """Per node, how many bytes ``need`` lacks (empty: it fits)."""
-        short = {}
-        for node, need_bytes in need.items():
-            budget = self.budget_bytes(node)
-            if budget is None:
-                continue
-            missing = need_bytes - (budget - self.held_bytes(node, without=without))
-            if missing > 0:
-                short[node] = missing
-        return short
-
     def _evictable(self) -> list[ModelEntry]:
         """Idle ready models, least recently used first."""
+        waited_for = self.queue.waited_for()
         return sorted((e for e in self.entries.values()
-                       if e.state == ModelState.READY and e.active_requests == 0 and not e.stopping and self.find(e.name) is None),
+                       if e.state == ModelState.READY and e.active_requests == 0 and not e.stopping
+                       and e.name not in waited_for),
                       key=lambda e: (e.last_used_s, e.name))
-
-    def _over_count(self, without: Iterable[str] = ()) -> bool:
-        skip = set(without)
-        count = sum(1 for e in self.entries.values() if e.state in (ModelState.LOADING, ModelState.READY) and e.name not in skip)
-        return self.models_max > 0 and count >= self.models_max
 
     def next_action(self) -> Action | None:
         """What to do for the head of the queue now (None: nothing, or wait for what runs)."""
@@ -274,72 +206,24 @@ class ModelRegistry:
                     entry.resting_state = entry.state
                 entry.state = ModelState.MEASURING
                 return Load(head.model, measure=True)
-            if self._fits(entry.min_bytes, []):
+            if self.ledger.fits(entry.min_bytes, []):
                 head.claimed = True
                 entry.state, entry.reason, entry.effective_bytes = ModelState.LOADING, None, None
                 return Load(head.model, measure=False)
-            victims = self._victims_for(entry)
+            victims = self.ledger.victims(entry.min_bytes, self._evictable())
             if victims:
                 self.entries[victims[0]].stopping = True
                 return Evict(victims[0], head.model)
-            error = self._refusal(entry)
+            error = self.ledger.refusal(entry.name, entry.min_bytes, [e.name for e in self._evictable()],
+                                        self._why_kept)
             before = entry.state
             self._pop(head, error)
             return Refuse(head.model, error, state_changed=entry.state != before)
         return None
 
-    def _fits(self, need: Mapping[str, int], gone: list[str]) -> bool:
-        """Whether ``need`` fits both ledgers once the models ``gone`` are unloaded."""
-        return not self.shortfall(need, without=gone) and not self._over_count(gone)
-
-    def _victims_for(self, entry: ModelEntry) -> list[str]:
-        """The LRU idle models whose unloading makes ``entry`` fit ([] when no such set exists)."""
-        need = entry.min_bytes or {}
-        gone: list[str] = []
-        for candidate in self._evictable():
-            if self._fits(need, gone):
-                break
-            short = self.shortfall(need, without=gone)
-            if self._over_count(gone) or any(candidate.held_bytes().get(n, 0) > 0 for n in short):
-                gone.append(candidate.name)
-        return gone if self._fits(need, gone) else []
-
-    def _refusal(self, entry: ModelEntry) -> CapacityError:
-        need = entry.min_bytes or {}
-        for node, need_bytes in sorted(need.items()):
-            budget = self.budget_bytes(node)
-            if budget is not None and need_bytes > budget:
-                return CapacityError(
-                    f"model {entry.name!r} needs {need_bytes / MIB:.0f} MiB on node {node}, which has "
-                    f"{max(budget, 0) / MIB:.0f} MiB for models even with nothing else loaded; "
-                    f"add a device or lower the model's context", None)
-        idle = [e.name for e in self._evictable()]
-        kept = sorted((e for e in self.entries.values()
-                       if e.state in (ModelState.LOADING, ModelState.READY) and e.name != entry.name and e.name not in idle),
-                      key=lambda e: e.name)
-        reasons = []
-        if self._over_count(idle):
-            reasons.append(f"models_max={self.models_max} is reached by models that cannot be evicted: "
-                           + ", ".join(f"{e.name} ({self._why_kept(e)})" for e in kept))
-        for node, _missing in sorted(self.shortfall(need, without=idle).items()):
-            budget = self.budget_bytes(node) or 0
-            free = max(budget - self.held_bytes(node), 0)
-            idle_here = [n for n in idle if self.entries[n].held_bytes().get(node, 0) > 0]
-            text = f"it needs {need[node] / MIB:.0f} MiB on node {node}, which has {free / MIB:.0f} MiB free"
-            if idle_here:
-                freed = sum(self.entries[n].held_bytes()[node] for n in idle_here)
-                text += (f"; evicting the idle model{'s' if len(idle_here) > 1 else ''} {', '.join(idle_here)} "
-                         f"would free only {freed / MIB:.0f} MiB more")
-            holders = [e for e in kept if e.held_bytes().get(node, 0) > 0]
-            if holders:
-                text += "; the rest is held by " + ", ".join(
-                    f"{e.name} ({e.held_bytes()[node] / MIB:.0f} MiB, {self._why_kept(e)})" for e in holders)
-            reasons.append(text)
-        return CapacityError(f"cannot load model {entry.name!r} now: {'; '.join(reasons) or 'it does not fit'}; "
-                             f"retry later", RETRY_AFTER_BUSY_S)
-
-    def _why_kept(self, entry: ModelEntry) -> str:
+    def _why_kept(self, model: Holder) -> str:
         """Why a loaded model cannot be evicted now."""
+        entry = self.entries[model.name]
         if entry.state == ModelState.LOADING:
             return "loading"
         if entry.stopping:

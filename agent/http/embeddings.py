@@ -30,11 +30,13 @@ from agent.core.errors import (
 )
 from agent.core.protocol import EMBED_PATH, Embeddings, EmbedOrder
 from agent.core.request_fields import OLLAMA_EMBED, OLLAMA_EMBEDDINGS, OPENAI_EMBEDDINGS, check_fields
-from agent.http.api import holds_admin_token, on_orchestrator, read_json
+from agent.http.admin import holds_admin_token
 from agent.http.app_keys import CLIENT, EMBEDDINGS, MEMBERSHIP, NODE_ID, ORCHESTRATOR, ROUTER
+from agent.http.bodies import read_json
 from agent.http.clients import client_of
 from agent.http.metrics_endpoint import REQUEST_MODEL
 from agent.http.ollama import parse_duration_s
+from agent.http.proxy import on_orchestrator
 from agent.models.embeddings import open_everywhere
 
 MAX_INPUTS = 2048  # texts per request, as OpenAI bounds them
@@ -118,7 +120,7 @@ async def _embed_with_embedding_model(request: web.Request, name: str, texts: li
     app = request.app
     models, node_id, membership = app[EMBEDDINGS], app[NODE_ID], app[MEMBERSHIP]
     close = holds_admin_token(request)
-    opened = open_everywhere(models, node_id, membership.peer_extras(), time.monotonic())
+    opened = open_everywhere(models, node_id, membership.peer_reports(), time.monotonic())
     node = app[ROUTER].place_embedding_model(name, models.store.encoder_manifest(name).weight_bytes,
                                              [opened[name]["node"]] if name in opened else [])
     if node == node_id:
@@ -133,13 +135,9 @@ async def _embed_with_embedding_model(request: web.Request, name: str, texts: li
             "POST", membership.peer_address_of(node), EMBED_PATH, order.to_json(), target=node,
             timeout_s=REMOTE_EMBED_TIMEOUT_S))
     except PeerError as error:
-        answer = error.peer_answer if isinstance(error.peer_answer, dict) else {}
-        if error.status is not None and (400 <= error.status < 500 or error.status == 503) \
-                and isinstance(answer.get("error"), str) and isinstance(answer.get("code"), str):
-            retry_after_s = answer.get("retry_after_s")
-            raise RelayedError(PublicAnswer(
-                error.status, answer["code"], answer["error"], answer["param"] if isinstance(answer.get("param"), str)
-                else None, retry_after_s if isinstance(retry_after_s, (int, float)) else None)) from None
+        answer = PublicAnswer.from_json(error.status, error.peer_answer) if error.status is not None else None
+        if answer is not None and (400 <= answer.status < 500 or answer.status == 503):
+            raise RelayedError(answer) from None
         raise ClusterError(f"node {node}, where embedding model {name} runs, could not embed: "
                            f"{without_addresses(str(error))}") from None
     except WireError as error:

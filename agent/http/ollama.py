@@ -29,19 +29,13 @@ from agent.core.chat_request import ChatRequest, check_model_name, parse_request
 from agent.core.errors import ClusterError, InvalidRequestError, without_addresses
 from agent.core.request_fields import OLLAMA_CHAT, OLLAMA_GENERATE, OLLAMA_OPTIONS, check_fields, integer
 from agent.dataplane.links import StageError
-from agent.http.api import (
-    admin_token_required,
-    chain_events,
-    holds_admin_token,
-    on_orchestrator,
-    pass_to_orchestrator,
-    read_json,
-    start_generation,
-    tool_call_entries,
-)
+from agent.http.admin import admin_token_required, holds_admin_token
 from agent.http.app_keys import EMBEDDINGS, MEMBERSHIP, NODE_ID, ORCHESTRATOR, ROUTER, STORE
+from agent.http.bodies import read_json
 from agent.http.clients import client_of
+from agent.http.generation import chain_events, start_generation, tool_call_entries
 from agent.http.metrics_endpoint import REQUEST_MODEL
+from agent.http.proxy import on_orchestrator, pass_to_orchestrator
 from agent.models.embeddings import open_everywhere
 from agent.orchestration.orchestrator import Completion, Deployment
 from shards.errors import ShardsError
@@ -318,7 +312,7 @@ async def running(request: web.Request) -> web.StreamResponse:
         expires = _iso(last_used + idle_s) if idle_s > 0 else NEVER_EXPIRES
         models.append({**_entry(request, info), "size": held, "size_vram": 0, "expires_at": expires})
     store = request.app[STORE]
-    opened = open_everywhere(request.app[EMBEDDINGS], request.app[NODE_ID], request.app[MEMBERSHIP].peer_extras(),
+    opened = open_everywhere(request.app[EMBEDDINGS], request.app[NODE_ID], request.app[MEMBERSHIP].peer_reports(),
                              time.monotonic())
     for name, open_model in sorted(opened.items()):  # each whole, on one node
         expires_in_s = open_model.get("expires_in_s")

@@ -12,6 +12,7 @@ A request that had not answered yet is simply asked again.
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 from collections.abc import AsyncIterator
@@ -23,6 +24,8 @@ from aiohttp import web
 from agent.cluster.membership import Membership
 from agent.cluster.peer_client import PeerClient
 from agent.core.errors import ClusterError
+from agent.http.app_keys import CLIENT, MEMBERSHIP, NODE_ID
+from agent.http.bodies import read_body
 from agent.http.clients import CLIENT_HEADER, client_of
 from agent.local.compat import timeout
 
@@ -202,3 +205,24 @@ def _error_of(answer: bytes, status: int) -> dict[str, Any]:
 
 async def _write_error(response: web.StreamResponse, error: dict[str, Any]) -> None:
     await response.write(b"data: " + json.dumps(error).encode() + b"\n\n")
+
+
+async def pass_to_orchestrator(request: web.Request) -> web.StreamResponse | None:
+    """Pass the request on to the orchestrator when this node is not it (None: handle here)."""
+    membership = request.app[MEMBERSHIP]
+    election = membership.election
+    if election is None:
+        raise ClusterError("no orchestrator has been elected yet; the cluster is starting")
+    if election.orchestrator == request.app[NODE_ID]:
+        return None
+    body = await read_body(request)  # decompressed: the Content-Encoding header is not passed on
+    return await ask_orchestrator(request, membership, request.app[CLIENT], body)
+
+
+def on_orchestrator(handler: Any) -> Any:
+    """Run ``handler`` on the orchestrator: other agents pass the request on to it."""
+    @functools.wraps(handler)
+    async def wrapper(request: web.Request) -> web.StreamResponse:
+        proxied = await pass_to_orchestrator(request)
+        return proxied if proxied is not None else await handler(request)
+    return wrapper

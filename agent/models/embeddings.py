@@ -18,6 +18,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from agent.core.errors import InvalidRequestError, ModelLoadError
+from agent.core.node_report import NodeReport, OpenEmbeddingModel
 from agent.core.protocol import Embeddings
 from agent.models.router import LATEST_TAG
 from shards.errors import ShardsError
@@ -65,15 +66,14 @@ class EmbeddingModels:
     def last_used_s(self, name: str) -> float:
         return self._last_used_s.get(name, time.monotonic())
 
-    def status(self, now_s: float) -> dict[str, dict[str, float | int | None]]:
+    def open_models(self, now_s: float) -> dict[str, OpenEmbeddingModel]:
         """Per open model, the memory it holds and in how many seconds it closes if left idle
         (None: not until asked), at monotonic time ``now_s``: what /api/ps lists of it."""
-        status: dict[str, dict[str, float | int | None]] = {}
+        models = {}
         for name, held in sorted(self.memory_bytes().items()):
             idle_s = self.closes_after_s(name)
-            expires_in_s = idle_s - (now_s - self.last_used_s(name)) if idle_s > 0 else None
-            status[name] = {"bytes": held, "expires_in_s": expires_in_s}
-        return status
+            models[name] = OpenEmbeddingModel(held, idle_s - (now_s - self.last_used_s(name)) if idle_s > 0 else None)
+        return models
 
     def keep_alive(self, name: str, seconds: float, *, close: bool) -> None:
         """After this request, keep ``name`` open while idle for ``seconds`` (Ollama's
@@ -141,22 +141,15 @@ class EmbeddingModels:
                           time.perf_counter() - opened)
 
 
-def open_everywhere(local: EmbeddingModels, node_id: str, peer_extras: Mapping[str, Mapping[str, Any]],
+def open_everywhere(local: EmbeddingModels, node_id: str, peer_reports: Mapping[str, NodeReport],
                     now_s: float) -> dict[str, dict[str, Any]]:
     """The embedding models open in the cluster: this node's (``local``, as of monotonic
-    ``now_s``) and the peers', as they last described them (``embedding_models`` of their
-    extras). Per model: its ``node``, the ``bytes`` it holds and ``expires_in_s``."""
-    found = {name: {**entry, "node": node_id} for name, entry in local.status(now_s).items()}
-    for node, extra in sorted(peer_extras.items()):
-        described = extra.get("embedding_models")
-        if not isinstance(described, Mapping):
-            continue
-        for name, entry in described.items():
-            if name in found or not isinstance(entry, Mapping) or not isinstance(entry.get("bytes"), int):
-                continue
-            expires_in_s = entry.get("expires_in_s")
-            found[name] = {"node": node, "bytes": entry["bytes"],
-                           "expires_in_s": expires_in_s if isinstance(expires_in_s, (int, float)) else None}
+    ``now_s``) and the peers', as they last described them. Per model: its ``node``, the
+    ``bytes`` it holds and ``expires_in_s``."""
+    found = {name: {**model.to_json(), "node": node_id} for name, model in local.open_models(now_s).items()}
+    for node, report in sorted(peer_reports.items()):
+        for name, model in report.embedding_models.items():
+            found.setdefault(name, {**model.to_json(), "node": node})
     return found
 
 

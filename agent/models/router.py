@@ -30,7 +30,8 @@ from agent.core.errors import (
     RouterError,
     UnknownModelError,
 )
-from agent.core.model_registry import MIB, DeviceMemory, ModelRegistry, ModelState
+from agent.core.memory_ledger import MIB, DeviceMemory
+from agent.core.model_registry import ModelRegistry, ModelState
 from agent.core.presets import ModelPreset
 from agent.local.compat import timeout
 from agent.local.config import AgentConfig
@@ -50,6 +51,12 @@ LATEST_TAG = ":latest"
 
 
 class ModelRouter:
+    """Many models behind one API on the orchestrator: what the sources list, what is loaded,
+    the requests that wait for a model, and the scheduler that loads, evicts and puts to sleep.
+
+    Over 250 lines: each public request path (use, load, unload, sleep, list) reads and changes
+    the one registry under one lock, and is kept beside the others for that."""
+
     def __init__(self, config: AgentConfig, store: ModelStore, membership: Membership, events: EventLog,
                  orchestrator: Callable[[ModelHooks], Orchestrator]) -> None:
         """``orchestrator`` makes this router's orchestrator, given the router as its hooks."""
@@ -171,7 +178,7 @@ class ModelRouter:
     def shortfall(self, name: str, min_bytes: Mapping[str, int]) -> Mapping[str, int]:
         """What a loaded model's new plan would lack, its own memory counted as free."""
         self._update_devices()
-        return self.registry.shortfall(min_bytes, without=[name])
+        return self.registry.ledger.shortfall(min_bytes, without=[name])
 
     def place_embedding_model(self, name: str, weight_bytes: int, open_on: Collection[str]) -> str:
         """The live node that runs embedding model ``name`` of ``weight_bytes`` (``open_on``: where
@@ -180,8 +187,8 @@ class ModelRouter:
         me = self.orchestrator.node_id
         free: dict[str, int | None] = {}
         for node in {me, *self.membership.alive_nodes()}:
-            budget = self.registry.budget_bytes(node)
-            free[node] = None if budget is None else budget - self.registry.held_bytes(node)
+            budget = self.registry.ledger.budget_bytes(node)
+            free[node] = None if budget is None else budget - self.registry.ledger.held_bytes(node)
         return place_embedding_model(name, weight_bytes, free, orchestrator=me, open_on=open_on)
 
     def on_progress(self, name: str, nodes_done: int, nodes: int) -> None:
@@ -193,7 +200,7 @@ class ModelRouter:
     def _update_devices(self) -> None:
         devices = {}
         reports = {self.orchestrator.node_id: self.orchestrator.worker.device_memory()}
-        reports.update({n: e.get("device_memory") for n, e in self.membership.peer_extras().items()})
+        reports.update({n: r.device_memory for n, r in self.membership.peer_reports().items()})
         for node, report in reports.items():
             if isinstance(report, dict):
                 with contextlib.suppress(RouterError, TypeError):

@@ -12,7 +12,8 @@ from collections.abc import Callable, Coroutine
 from typing import Any
 
 from agent.core.errors import RETRY_AFTER_LOAD_S, ClusterError, ModelLoadError
-from agent.core.model_registry import MIB, Evict, Load, ModelRegistry, Refuse
+from agent.core.memory_ledger import MIB
+from agent.core.model_registry import Evict, Load, ModelRegistry, Refuse
 from agent.local.compat import TaskGroup, timeout
 from agent.local.events import EventLog
 from agent.models.catalog import ModelCatalog

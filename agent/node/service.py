@@ -33,6 +33,7 @@ from agent.cluster.tls import TLS_DIR, TlsFiles, issue_node_files
 from agent.core.auth import HEADER_NONCE, ReplayGuard, admin_token, sign_answer, verify
 from agent.core.deployments import ClusterState, weight_sources
 from agent.core.errors import AuthError, KeyChangeRefusedError, NcmError, StaleRequestError, WireError
+from agent.core.node_report import NodeReport, StageFault, WorkerReport
 from agent.core.orders import RoutingOrder
 from agent.core.protocol import (
     ABORT_PATH,
@@ -60,8 +61,17 @@ from agent.core.protocol import (
 )
 from agent.core.rate_limit import RateLimiter
 from agent.core.wire import decode_frame, encode_frame
-from agent.dataplane.links import Links
-from agent.http import api, dashboard_page, embeddings, metrics_endpoint, ollama
+from agent.dataplane.links import Links, Replies
+from agent.http import (
+    cluster_endpoints,
+    dashboard_page,
+    embeddings,
+    metrics_endpoint,
+    model_endpoints,
+    ollama,
+    openai_api,
+)
+from agent.http.admin import admin_token_required, bearer_matches, changes_cluster, holds_admin_token
 from agent.http.app_keys import (
     ADMIN_TOKEN,
     CLIENT,
@@ -78,13 +88,17 @@ from agent.http.app_keys import (
     NODE_ID,
     ORCHESTRATOR,
     PAIR_LIMIT,
+    REFUSED_INTERNAL,
+    REFUSED_INVITES,
     REPLAY_GUARD,
+    RESULTS,
     ROUTER,
     SCRUBBER,
     STORE,
     WORKER,
 )
 from agent.http.clients import from_member
+from agent.http.errors_shape import answer_error, error_response, openai_errors
 from agent.http.metrics_endpoint import count_requests
 from agent.local.compat import TaskGroup, timeout
 from agent.local.config import CLUSTER_KEY_FILE, AgentConfig, ConfigError
@@ -115,8 +129,6 @@ log = logging.getLogger(__name__)
 HEADER_READ_TIMEOUT_S = 10.0
 MAX_PENDING_PER_ADDRESS = 64
 TLS_HANDSHAKE_TIMEOUT_S = 10.0
-refused_internal = ThrottledWarning(log, "refused an internal request")
-dropped_connections = ThrottledWarning(log, "dropped a connection")
 SHUTDOWN_TIMEOUT_S = 30.0
 PUBLIC_WITHOUT_TOKEN = ("/health", "/openapi.json", PAIR_PATH, *dashboard_page.PAGE_PATHS)
 ANSWER_NONCE = web.RequestKey("answer_nonce", str)  # the nonce of the member's request a signed answer binds
@@ -152,9 +164,8 @@ async def peer_auth(request: web.Request, handler: Any) -> web.StreamResponse:
     if not request.path.startswith(INTERNAL_PREFIX):
         return await handler(request)
     if not from_member(request):
-        return web.json_response({"error": {
-            "message": "internal endpoints answer only over TLS on the peer port (GET /health names it)",
-            "type": "invalid_request_error", "param": None, "code": "peer_port_only"}}, status=403)
+        return error_response(403, "internal endpoints answer only over TLS on the peer port (GET /health names it)",
+                              code="peer_port_only")
     body = await request.read()
     try:
         verify(
@@ -165,8 +176,8 @@ async def peer_auth(request: web.Request, handler: Any) -> web.StreamResponse:
     except AuthError as error:
         if isinstance(error, StaleRequestError):  # a member's request: the refusal is signed
             request[ANSWER_NONCE] = request.headers[HEADER_NONCE]
-        refused_internal.warn(request.remote or "?", f"{request.method} {request.path}: {error}")
-        return api.answer_error(error)
+        request.app[REFUSED_INTERNAL].warn(request.remote or "?", f"{request.method} {request.path}: {error}")
+        return answer_error(error)
     request[ANSWER_NONCE] = request.headers[HEADER_NONCE]
     return await handler(request)
 
@@ -188,13 +199,13 @@ async def access(request: web.Request, handler: Any) -> web.StreamResponse:
     others need an API key (or the admin token) when `api_keys` / `api_token` are set."""
     if request.path.startswith(INTERNAL_PREFIX) or request.path in PUBLIC_WITHOUT_TOKEN:
         return await handler(request)
-    if api.changes_cluster(request):
-        if not api.holds_admin_token(request):
-            return api.admin_token_required()
+    if changes_cluster(request):
+        if not holds_admin_token(request):
+            return admin_token_required()
         return await handler(request)
     keys = request.app[CONFIG].accepted_api_keys
-    if keys and not api.holds_admin_token(request) and not api.bearer_matches(request, keys):
-        return api.error_response(401, "a valid API key is needed: send 'Authorization: Bearer <key>'",
+    if keys and not holds_admin_token(request) and not bearer_matches(request, keys):
+        return error_response(401, "a valid API key is needed: send 'Authorization: Bearer <key>'",
                                   code="invalid_api_key")
     return await handler(request)
 
@@ -214,8 +225,7 @@ def internal_error(error: NcmError) -> web.Response:
     """An internal endpoint's refusal, as the error's class answers it: ``{"error", "code",
     "param", "retry_after_s"}`` (what :class:`~agent.core.errors.RelayedError` reads back)."""
     answer = error.answer()
-    return web.json_response({"error": answer.message, "code": answer.code, "param": answer.param,
-                              "retry_after_s": answer.retry_after_s}, status=answer.status)
+    return web.json_response(answer.to_json(), status=answer.status)
 
 
 async def read_message(request: web.Request, kind: Any) -> Any:
@@ -242,8 +252,8 @@ async def set_routing(request: web.Request) -> web.Response:
         return internal_error(error)
     except Exception as error:  # noqa: BLE001 - reported to the orchestrator, the agent keeps running
         log.debug("plan %d not staged", order.plan_version, exc_info=True)
-        fault = worker.fault or {"cause": failure_cause(error), "message": f"{type(error).__name__}: {error}"}
-        return web.json_response({"error": fault["message"], "cause": fault["cause"]}, status=500)
+        fault = worker.fault or StageFault(failure_cause(error), f"{type(error).__name__}: {error}")
+        return web.json_response(fault.to_json(), status=500)
 
 
 async def _order_step(request: web.Request, action: str) -> web.Response:
@@ -389,7 +399,7 @@ async def stream(request: web.Request) -> web.WebSocketResponse:
                 close = CloseFrame.from_header(header)
                 worker.close_session(close.sid, keep=close.keep)
             elif kind in ("result", "error"):  # a step's outcome, sent straight to this orchestrator
-                worker.replies.deliver(header)
+                request.app[RESULTS].deliver(header)
             elif kind == "ping":
                 with contextlib.suppress(ConnectionError, RuntimeError):
                     await ws.send_bytes(encode_frame(PingFrame.from_header(header).pong().header()))
@@ -403,13 +413,15 @@ async def close_data_plane(app: web.Application) -> None:
     for ws in list(app[DATA_PLANE_SOCKETS]):
         await ws.close(code=aiohttp.WSCloseCode.GOING_AWAY, message=b"agent stopping")
     await app[LINKS].close()
+    if ORCHESTRATOR in app:
+        await app[ORCHESTRATOR].requests.close()
 
 
 # --- the application -------------------------------------------------------------------------------
 def build_app(config: AgentConfig, *, node_id: str, store: ModelStore, api_port: int, peer_port: int, key: bytes,
               tls: TlsFiles, drain_timeout_s: float = SHUTDOWN_TIMEOUT_S) -> web.Application:
     """The agent; ``drain_timeout_s``: how long a stopping agent lets the requests it runs finish."""
-    app = web.Application(middlewares=[ollama.error_shape, count_requests, peer_auth, access, api.openai_errors],
+    app = web.Application(middlewares=[ollama.error_shape, count_requests, peer_auth, access, openai_errors],
                           client_max_size=16 * 1024 * 1024)
     app[CONFIG] = config
     app[NODE_ID] = node_id
@@ -418,7 +430,9 @@ def build_app(config: AgentConfig, *, node_id: str, store: ModelStore, api_port:
     app[ADMIN_TOKEN] = admin_token(key)
     app[LIFECYCLE] = Lifecycle(asyncio.Event())
     app[INVITES] = InviteStore(config.state_dir, key)
-    app[PAIR_LIMIT] = RateLimiter(api.PAIR_ATTEMPTS_PER_S, api.PAIR_ATTEMPTS_BURST)
+    app[PAIR_LIMIT] = RateLimiter(cluster_endpoints.PAIR_ATTEMPTS_PER_S, cluster_endpoints.PAIR_ATTEMPTS_BURST)
+    app[REFUSED_INVITES] = ThrottledWarning(logging.getLogger(cluster_endpoints.__name__), "refused an invite")
+    app[REFUSED_INTERNAL] = ThrottledWarning(log, "refused an internal request")
     app[DATA_PLANE_SOCKETS] = set()
     app[DRAIN_TIMEOUT_S] = drain_timeout_s
     app[EVENTS] = EventLog()
@@ -428,7 +442,9 @@ def build_app(config: AgentConfig, *, node_id: str, store: ModelStore, api_port:
     app.on_shutdown.append(close_data_plane)
     app.on_response_prepare.append(sign_answers)
     app.add_routes(internal)
-    app.add_routes(api.routes)
+    app.add_routes(cluster_endpoints.routes)
+    app.add_routes(model_endpoints.routes)
+    app.add_routes(openai_api.routes)
     app.add_routes(ollama.routes)
     app.add_routes(embeddings.routes)
     app.add_routes(dashboard_page.routes)
@@ -439,16 +455,16 @@ def build_app(config: AgentConfig, *, node_id: str, store: ModelStore, api_port:
         client = PeerClient(session, key, node_id, tls.client_context())
         app[CLIENT] = client
         app[LINKS] = Links(client)
+        app[RESULTS] = Replies()
         events = app[EVENTS]
         app[MEMBERSHIP] = Membership(
             config, node_id, client, api_port=api_port, peer_port=peer_port, events=events,
-            describe_extra=lambda: {"models": complete_models(store), "worker": app[WORKER].status(),
-                                    "device_memory": app[WORKER].device_memory(),
-                                    "embedding_models": app[EMBEDDINGS].status(time.monotonic())})
-        app[WORKER] = Worker(node_id, config, store, client, app[LINKS], app[METRICS], app[MEMBERSHIP].agents_on_host,
-                             beside_bytes=app[EMBEDDINGS].held_bytes)
+            describe_extra=lambda: NodeReport(complete_models(store), WorkerReport.from_json(app[WORKER].status()),
+                                              app[WORKER].device_memory(), app[EMBEDDINGS].open_models(time.monotonic())))
+        app[WORKER] = Worker(node_id, config, store, client, app[LINKS], app[RESULTS], app[METRICS],
+                             app[MEMBERSHIP].agents_on_host, beside_bytes=app[EMBEDDINGS].held_bytes)
         app[ROUTER] = ModelRouter(config, store, app[MEMBERSHIP], events, lambda models: Orchestrator(
-            node_id, config, app[MEMBERSHIP], app[WORKER], client, store, events, models))
+            node_id, config, app[MEMBERSHIP], app[WORKER], client, store, events, models, app[RESULTS]))
         app[ORCHESTRATOR] = app[ROUTER].orchestrator
         state = ClusterStateCollector(
             models=app[ROUTER].models, worker_status=app[WORKER].status, device_memory=app[WORKER].device_memory,
@@ -463,7 +479,7 @@ def build_app(config: AgentConfig, *, node_id: str, store: ModelStore, api_port:
 
     def sources_of(model: str) -> list[tuple[str, str]]:
         """Live peers to fetch ``model``'s files from, those holding it whole first."""
-        holdings = {node: extra.get("models") or {} for node, extra in app[MEMBERSHIP].peer_extras().items()}
+        holdings = {node: report.models for node, report in app[MEMBERSHIP].peer_reports().items()}
         return [(node, app[MEMBERSHIP].peer_address_of(node)) for node in weight_sources(model, holdings, node_id)]
 
     async def background(app: web.Application) -> AsyncIterator[None]:
@@ -546,7 +562,7 @@ class _AgentRequestHandler(web_protocol.RequestHandler):
         peer = transport.get_extra_info("peername")
         address = str(peer[0]) if isinstance(peer, tuple) and peer else "?"
         if not self._agent_server.pending_allowed(address):
-            dropped_connections.warn(address, f"more than {MAX_PENDING_PER_ADDRESS} connections without a request")
+            self._agent_server.dropped_connections.warn(address, f"more than {MAX_PENDING_PER_ADDRESS} connections without a request")
             transport.close()
             return
         self._address = address
@@ -573,7 +589,7 @@ class _AgentRequestHandler(web_protocol.RequestHandler):
 
     def _headers_too_slow(self) -> None:
         self._header_timer = None
-        dropped_connections.warn(self._address or "?", f"no request in full within {HEADER_READ_TIMEOUT_S:g} s")
+        self._agent_server.dropped_connections.warn(self._address or "?", f"no request in full within {HEADER_READ_TIMEOUT_S:g} s")
         if self.transport is not None:
             self.transport.close()
 
@@ -582,7 +598,7 @@ class _AgentRequestHandler(web_protocol.RequestHandler):
         response = super().handle_error(request, status, exc, message)
         if not 400 <= status < 500:
             return response
-        shaped = api.error_response(status, message or HTTPStatus(status).phrase)
+        shaped = error_response(status, message or HTTPStatus(status).phrase)
         shaped.force_close()
         return shaped
 
@@ -593,6 +609,7 @@ class _AgentServer(web.Server):
     ``pending``: no ``__init__`` here)."""
 
     pending: Counter[str]  # address -> connections whose first request has not come in full
+    dropped_connections: ThrottledWarning
 
     def __call__(self) -> web_protocol.RequestHandler:
         return _AgentRequestHandler(self, loop=self._loop, **self._kwargs)
@@ -639,6 +656,7 @@ class AgentRunner(web.AppRunner):
         server = await super()._make_server()
         server.__class__ = _AgentServer
         server.pending = Counter()
+        server.dropped_connections = ThrottledWarning(log, "dropped a connection")
         return server
 
 

@@ -21,6 +21,7 @@ from agent.cluster.membership import Membership
 from agent.cluster.peer_client import PeerClient, PeerError
 from agent.core.deployments import NodeFault, clear_faults, resolve_fallback, weight_sources
 from agent.core.errors import ClusterError
+from agent.core.node_report import StageFault, WorkerReport
 from agent.core.orders import RoutingOrder
 from agent.core.plan import ShardingPlan, make_plan
 from agent.core.presets import ModelPreset, ModelSettings
@@ -87,7 +88,10 @@ def min_bytes_per_node(manifest: Manifest, ranges: dict[str, set[tuple[int, int]
 
 class Deployer:
     """Plans models over the live nodes and sends, commits, aborts and drops their orders.
-    ``on_progress(name, nodes_done, nodes)`` follows a deployment node by node."""
+    ``on_progress(name, nodes_done, nodes)`` follows a deployment node by node.
+
+    Over 250 lines: planning and the two-step change of orders share the nodes' faults and
+    the plan versions, which neither may change alone."""
 
     def __init__(self, node_id: str, config: AgentConfig, membership: Membership, worker: Worker,
                  client: PeerClient, store: ModelStore, on_progress: Callable[[str, int, int], None]) -> None:
@@ -106,9 +110,7 @@ class Deployer:
     def holdings(self) -> dict[str, dict[str, int]]:
         """node id -> {model: bytes} of complete models, for every live node."""
         holdings = {self.node_id: complete_models(self.store)}
-        for node_id, extra in self.membership.peer_extras().items():
-            models = extra.get("models")
-            holdings[node_id] = {k: int(v) for k, v in models.items()} if isinstance(models, dict) else {}
+        holdings.update({node_id: dict(report.models) for node_id, report in self.membership.peer_reports().items()})
         return holdings
 
     def sources(self, model: str, holdings: dict[str, dict[str, int]]) -> list[tuple[str, str]]:
@@ -213,10 +215,9 @@ class Deployer:
                                f"({cause}): {failed[first]}")
         effective = {}
         for node_id, result in zip(nodes, results):
-            if isinstance(result, dict):
-                memory = ((result.get("staged") or {}).get(name) or {}).get("memory_bytes")
-                if isinstance(memory, int) and memory > 0:
-                    effective[node_id] = memory
+            memory = WorkerReport.from_json(result).staged_bytes.get(name, 0) if isinstance(result, dict) else 0
+            if memory > 0:
+                effective[node_id] = memory
         deployment = Deployment(name, order, plan, await self.tokenizer(model), settings, effective)
         publish(deployment)
         await self._order_step(COMMIT_PATH, order, staged)
@@ -319,19 +320,19 @@ class Deployer:
     def _reports_fault(self, node_id: str) -> bool:
         if node_id == self.node_id:
             return self.worker.fault is not None
-        return ((self.membership.peer_extras().get(node_id) or {}).get("worker") or {}).get("fault") is not None
+        report = self.membership.peer_reports().get(node_id)
+        return report is not None and report.worker.fault is not None
 
     def _record_fault(self, node_id: str, error: BaseException) -> None:
         if node_id == self.node_id:
             fault = self.worker.fault
-        elif isinstance(error, PeerError) and isinstance(error.peer_answer, dict) and error.peer_answer.get("cause"):
-            fault = {"cause": str(error.peer_answer["cause"]), "message": str(error.peer_answer.get("error", ""))}
+        elif isinstance(error, PeerError):
+            fault = StageFault.from_json(error.peer_answer)
         else:
             return  # unreachable, or a stale order: nothing to hold against the node
-        if fault:
-            self.faults[node_id] = NodeFault(fault["cause"], fault["message"], self._fingerprint(node_id, self.holdings()))
-            log.warning("node %s is left out of plans until it changes: %s (%s)", node_id, fault["cause"],
-                        fault["message"])
+        if fault is not None:
+            self.faults[node_id] = NodeFault(fault.cause, fault.message, self._fingerprint(node_id, self.holdings()))
+            log.warning("node %s is left out of plans until it changes: %s (%s)", node_id, fault.cause, fault.message)
 
     def clear_faults(self, members: frozenset[str]) -> bool:
         """Forget the faults of nodes that left, changed, or withdrew them; True if a live node
@@ -346,8 +347,6 @@ class Deployer:
 
     def _newest_worker_plan(self) -> int:
         versions = [self.worker.current.plan_version if self.worker.current else 0]
-        for extra in self.membership.peer_extras().values():
-            worker = extra.get("worker") or {}
-            if isinstance(worker.get("plan_version"), int):
-                versions.append(worker["plan_version"])
+        versions += [report.worker.plan_version for report in self.membership.peer_reports().values()
+                     if report.worker.plan_version is not None]
         return max(versions)

@@ -41,12 +41,15 @@ from agent.core.deployments import (
     orphaned_orders,
     replan_decision,
 )
-from agent.core.errors import ClusterError, NcmError, RoutingFailure
-from agent.core.model_registry import MIB
+from agent.core.errors import ClusterError, NcmError
+from agent.core.memory_ledger import MIB
+from agent.core.node_report import WorkerReport
 from agent.core.orders import RoutingOrder
 from agent.core.plan import ShardingPlan, plan_from_dict
 from agent.core.presets import ModelPreset, ModelSettings
+from agent.core.recovery import Fail, Failover, recovery_decision
 from agent.core.routing import Route, describe_layers, failover
+from agent.dataplane.links import Replies
 from agent.local.compat import timeout
 from agent.local.config import AgentConfig
 from agent.local.events import EventLog
@@ -87,8 +90,13 @@ class ModelHooks(Protocol):
 
 
 class Orchestrator:
+    """Carries out the deployment decisions of the models this node orchestrates.
+
+    Over 250 lines: load, unload, re-plan, failover and adoption all change the same
+    deployments under the same lock per model, and read best side by side."""
+
     def __init__(self, node_id: str, config: AgentConfig, membership: Membership, worker: Worker,
-                 client: PeerClient, store: ModelStore, events: EventLog, models: ModelHooks) -> None:
+                 client: PeerClient, store: ModelStore, events: EventLog, models: ModelHooks, results: Replies) -> None:
         self.node_id = node_id
         self.events = events
         self.models = models
@@ -96,7 +104,7 @@ class Orchestrator:
         self.membership = membership
         self.worker = worker
         self.deployer = Deployer(node_id, config, membership, worker, client, store, models.on_progress)
-        self.requests = TokenLoop(node_id, membership, worker, self.recover)
+        self.requests = TokenLoop(node_id, membership, worker, client, results, self.recover)
         self.deployments: dict[str, Deployment] = {}
         self.planned: dict[str, PlannedModel] = {}  # measured, and kept while a model sleeps
         self.state = ClusterState.STARTING
@@ -247,9 +255,14 @@ class Orchestrator:
 
     # --- failures ------------------------------------------------------------------------------
     async def recover(self, broken: Deployment, dead: set[str]) -> Deployment:
-        """Fail over from ``broken`` after ``dead`` nodes died (§6, §7); returns what to use now."""
+        """Fail over from ``broken`` after ``dead`` nodes died (§6, §7), as
+        :func:`agent.core.recovery.recovery_decision` decides; returns what to use now. The one
+        entry of a recovery: a request whose step failed calls it once, and the failure counts
+        as evidence against those nodes (the membership's own recovery then finds it done)."""
         name = broken.name
         started = time.monotonic()
+        for node_id in dead:
+            self.membership.mark_unreachable(node_id)
         async with self._lock(name):
             current = self.deployments.get(name)
             if current is not None and current is not broken and not (set(current.order.route.nodes) & dead):
@@ -260,23 +273,24 @@ class Orchestrator:
             scores = {n: s for n, s in self.membership.scores().items() if n in alive}
             telemetry = self.deployer.telemetry(scores)
             try:
-                try:
-                    decision = failover(base.order.route, dead, base.plan, alive, telemetry, allow_fallback=False)
+                decision = recovery_decision(base.order.route, dead, base.plan, alive, telemetry,
+                                             allow_fallback=self.config.allow_fallback)
+                if isinstance(decision, Fail):
+                    raise ClusterError(f"{name}: {decision.reason}")
+                if isinstance(decision, Failover):
                     plan, route, model = base.plan, decision.route, base.order.model
                     degraded = base.order.degraded
                     message = f"{name}: lost {', '.join(sorted(dead))}; replicas took over"
-                except RoutingFailure as failure:
-                    if not self.config.allow_fallback:
-                        raise ClusterError(f"{name}: {failure}") from None
+                else:  # Degrade: the fallback model over the survivors
                     model = self.deployer.fallback_model(holdings)
                     manifest = await self.deployer.fetch_manifest(model, holdings)
-                    decision = failover(base.order.route, dead, base.plan, alive, telemetry,
-                                        fallback_model=model, fallback_layers=manifest.n_layers,
-                                        survivor_scores=scores)
-                    assert decision.plan is not None
-                    plan, route, degraded = decision.plan, decision.route, True
+                    layout = failover(base.order.route, dead, base.plan, alive, telemetry,
+                                      fallback_model=model, fallback_layers=manifest.n_layers,
+                                      survivor_scores=scores)
+                    assert layout.plan is not None
+                    plan, route, degraded = layout.plan, layout.route, True
                     message = (f"{name}: lost {', '.join(sorted(dead))} and layers "
-                               f"{describe_layers(list(decision.lost_layers))}; serving {model}")
+                               f"{describe_layers(list(layout.lost_layers))}; serving {model}")
                 deployment = await self._deploy(name, plan, route, model, base.settings, degraded=degraded,
                                                 holdings=holdings, failover=True)
             except (NcmError, ShardsError) as error:
@@ -295,7 +309,8 @@ class Orchestrator:
 
     async def _adopt_after_election(self) -> None:
         """A new orchestrator rebuilds its view from the orders workers report (newest per model)."""
-        reports = [self.worker.status()] + [extra.get("worker") or {} for extra in self.membership.peer_extras().values()]
+        reports = [WorkerReport.from_json(self.worker.status())] + [
+            report.worker for report in self.membership.peer_reports().values()]
         for action in adoption_actions(reports, self.membership.alive_nodes()):
             order = action.order
             name = order.name
@@ -323,8 +338,8 @@ class Orchestrator:
     async def reconcile(self) -> None:
         """Drop the orders nodes hold that no deployment names: a node that was frozen or away
         during an unload, an eviction or a sleep keeps its fragments until told again."""
-        reports = {self.node_id: self.worker.status(),
-                   **{node: extra.get("worker") or {} for node, extra in self.membership.peer_extras().items()}}
+        reports = {self.node_id: WorkerReport.from_json(self.worker.status()),
+                   **{node: report.worker for node, report in self.membership.peer_reports().items()}}
         busy = [name for name, lock in self._locks.items() if lock.locked()]
         for action in orphaned_orders(reports, self.deployments, busy):
             for name in action.models:

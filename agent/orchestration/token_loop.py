@@ -19,11 +19,12 @@ from typing import Any
 import numpy as np
 
 from agent.cluster.membership import Membership
+from agent.cluster.peer_client import PeerClient
 from agent.core.errors import ClusterError, InvalidRequestError
 from agent.core.orders import RoutingOrder
 from agent.core.prompt_cache import KeptPrompt, PromptCache
 from agent.core.protocol import CloseFrame, ResultFrame, StepFrame
-from agent.dataplane.links import SILENCE_S, StageError, StageLink
+from agent.dataplane.links import SILENCE_S, Links, Replies, StageError, StageLink
 from agent.local.compat import timeout
 from agent.orchestration.deployer import Deployment
 from agent.stage.worker import Worker
@@ -52,13 +53,18 @@ class Completion:
 
 class TokenLoop:
     """Runs requests through the pipeline from this node. ``recover(deployment, dead)`` fails
-    over from a deployment whose ``dead`` nodes failed, and returns the one to go on with."""
+    over from a deployment whose ``dead`` nodes failed, and returns the one to go on with.
 
-    def __init__(self, node_id: str, membership: Membership, worker: Worker,
+    Over 250 lines: prefill, decode, embedding, the prompt cache and the replay after a
+    failover are one request's path, read in one place."""
+
+    def __init__(self, node_id: str, membership: Membership, worker: Worker, client: PeerClient, results: Replies,
                  recover: Callable[[Deployment, set[str]], Awaitable[Deployment]]) -> None:
         self.node_id = node_id
         self.membership = membership
-        self.worker = worker
+        self.worker = worker  # this node's own stage: runs a step whose head is here, frees its sessions
+        self.links = Links(client)  # this node's own links to the stages of its requests' routes
+        self.results = results  # the results tails send straight here (llama.cpp's response queue)
         self._recover = recover
         self._running = 0
         self._caches: dict[str, PromptCache] = {}  # per model: the KV caches its stages keep
@@ -76,6 +82,10 @@ class TokenLoop:
             self._running -= 1
             if not self._running:
                 self._none_running.set()
+
+    async def close(self) -> None:
+        """Close this node's links to the stages (the agent is stopping)."""
+        await self.links.close()
 
     async def drained(self, timeout_s: float) -> bool:
         """Wait until no request runs here (an agent that stops lets them finish); False when
@@ -99,12 +109,15 @@ class TokenLoop:
         url = order.addresses.get(self.node_id) or self.membership.peer_address_of(self.node_id)
         step = step.replying_to(self.node_id, url)
         loop = asyncio.get_running_loop()
-        result = self.worker.replies.expect(step.sid, step.seq)
-        lost = self.worker.links.loss()
+        result = self.results.expect(step.sid, step.seq)
+        lost = self.links.loss()
         sent_at = loop.time()
         deadline = sent_at + timeout_s
         try:
-            await self.worker.hand_on(order, head, step, tensor)
+            if head == self.node_id:
+                await self.worker.relay(step, tensor)
+            else:
+                await (await self.links.get(head, order.addresses[head])).post(step.header(), tensor)
             while not result.done():
                 await asyncio.wait((result, lost), timeout=max(min(SILENCE_S, deadline - loop.time()), 0.0),
                                    return_when=asyncio.FIRST_COMPLETED)
@@ -115,7 +128,7 @@ class TokenLoop:
                     if node_id != self.node_id and node_id in order.route.nodes:
                         raise StageError("stage_unreachable", f"the link to node {node_id} dropped while a step "
                                          "was on its way", node_id)
-                    lost = self.worker.links.loss()
+                    lost = self.links.loss()
                 elif loop.time() >= deadline:
                     raise StageError("stage_timeout", f"the pipeline did not answer within {timeout_s:g} s", head)
                 else:
@@ -123,11 +136,11 @@ class TokenLoop:
             self.worker.metrics.child(self.worker.metrics.step_latency, order.name).observe(loop.time() - sent_at)
             return result.result()
         finally:
-            self.worker.replies.forget(step.sid, step.seq)
+            self.results.forget(step.sid, step.seq)
 
     async def _links_to_stages(self, order: RoutingOrder) -> list[StageLink]:
         """This node's links to the other stages of ``order``'s route, in route order."""
-        return [await self.worker.links.get(node_id, order.addresses[node_id])
+        return [await self.links.get(node_id, order.addresses[node_id])
                 for node_id in order.route.nodes if node_id != self.node_id]
 
     async def _probe(self, order: RoutingOrder) -> None:
@@ -184,7 +197,6 @@ class TokenLoop:
                         raise
                     recoveries += 1
                     log.warning("embedding %s: stage %s failed (%s); failing over", sid[:8], error.node, error.code)
-                    self.membership.mark_unreachable(error.node)
                     deployment = await self._recover(deployment, {error.node})
                 finally:
                     await self._close(order, sid)
@@ -265,12 +277,13 @@ class TokenLoop:
                             raise
                         recoveries += 1
                         log.warning("request %s: stage %s failed (%s); failing over", sid[:8], error.node, error.code)
-                        self.membership.mark_unreachable(error.node)
-                        await self._close(order, sid)
-                        if kept is not None:  # what the other stages still keep of the cache it started from
-                            await self._close(order, kept.sid)
                         previous = deployment
-                        deployment = await self._recover(deployment, {error.node})
+                        try:
+                            deployment = await self._recover(deployment, {error.node})
+                        finally:  # the stages still up free this try's session (the failed one counts as dead now)
+                            await self._close(order, sid)
+                            if kept is not None:  # and what they still keep of the cache it started from
+                                await self._close(order, kept.sid)
                         if deployment.order.model != previous.order.model \
                                 and deployment.tokenizer.vocab_size != previous.tokenizer.vocab_size:
                             raise ClusterError("the fallback model uses another tokenizer; the request cannot "
@@ -310,6 +323,6 @@ class TokenLoop:
             if node_id == self.node_id:
                 self.worker.close_session(sid, keep=keep)
             elif node_id in alive:
-                link = await self.worker.links.get(node_id, order.addresses[node_id])
+                link = await self.links.get(node_id, order.addresses[node_id])
                 layer = order.hops_of(node_id)[0].layers.first
                 await link.send(CloseFrame(sid, layer, order.plan_version, keep).header())

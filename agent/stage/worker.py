@@ -32,6 +32,7 @@ import psutil
 
 from agent.cluster.peer_client import PeerClient
 from agent.core.errors import NcmError
+from agent.core.node_report import StageFault
 from agent.core.orders import RoutingOrder
 from agent.core.protocol import ResultFrame, StepFrame
 from agent.core.routing import Hop
@@ -130,12 +131,10 @@ def _kv_budget_bytes(store: ModelStore, order: RoutingOrder, keys: set[RunnerKey
     return manifest.kv_bytes_per_token(len(layers)) * (order.max_context or max_context)
 
 
-def _stage_fault(order: RoutingOrder, error: BaseException) -> dict[str, Any]:
+def _stage_fault(order: RoutingOrder, error: BaseException) -> StageFault:
     """Why ``order`` could not be staged (the worker's :attr:`~Worker.fault`), logged."""
-    cause = failure_cause(error)
-    fault = {"cause": cause, "message": f"{type(error).__name__}: {error}",
-             "model": order.model, "plan_version": order.plan_version}
-    log.error("cannot stage plan %d (%s): %s", order.plan_version, cause, fault["message"])
+    fault = StageFault(failure_cause(error), f"{type(error).__name__}: {error}", order.model, order.plan_version)
+    log.error("cannot stage plan %d (%s): %s", order.plan_version, fault.cause, fault.message)
     return fault
 
 
@@ -168,31 +167,34 @@ class WorkerState(StateEnum):
 
 class Worker:
     """Runs the fragments of this node. Compute runs on one thread (decode steps that queue for
-    it together run as one batch) and fragment builds on another, both off the event loop."""
+    it together run as one batch) and fragment builds on another, both off the event loop.
+
+    Over 250 lines: it is this node's order book and its step handler, which share the orders
+    and the sessions that keep each other's fragments alive."""
 
     def __init__(self, node_id: str, config: AgentConfig, store: ModelStore, client: PeerClient, links: Links,
-                 metrics: Metrics | None = None, agents_on_host: Callable[[], int] = lambda: 1,
+                 results: Replies, metrics: Metrics | None = None, agents_on_host: Callable[[], int] = lambda: 1,
                  beside_bytes: Callable[[], int] = lambda: 0) -> None:
         self.node_id = node_id
         self.beside_bytes = beside_bytes  # what the agent holds beside the fragments (its embedding models)
         self.metrics = metrics or Metrics()
         self.config = config
         self.store = store
-        self.links = links
+        self.links = links  # to the next stages of the routes this node serves
+        self._results = results  # where this node's own requests' results go when it is their tail
         self.fragments = FragmentCache(config, store, client, agents_on_host)
         self.copies = WholeCopies(store, client)
         self.orders: dict[int, RoutingOrder] = {}
         self.serving: dict[str, RoutingOrder] = {}  # router name -> the order it serves
         self.staged: dict[str, RoutingOrder] = {}  # router name -> an order built, not yet committed
         self.retiring: dict[int, float] = {}  # plan version -> monotonic time it may be freed after
-        self.fault: dict[str, Any] | None = None  # why the last order could not be staged
+        self.fault: StageFault | None = None  # why the last order could not be staged
         self._standby_builds: set[asyncio.Task[None]] = set()  # owned here; cancelled by close()
         self.memory_bytes: dict[str, int] = {}  # router name -> what loading it took (effective)
         self.newest_epoch = 0
         self.state = WorkerState.IDLE
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ncm-compute")
         self.batcher = StepBatcher(self.executor)  # decode steps that meet in its queue run as one batch
-        self.replies = Replies()  # results tails send straight here, for the requests this node orchestrates
         self.sessions: dict[str, _SessionInfo] = {}
         self._grammar_tokenizers: dict[str, Any] = {}  # model -> llguidance's view of its tokenizer
         self._apply_lock = asyncio.Lock()
@@ -358,7 +360,7 @@ class Worker:
             }
         return {
             "state": self.state,
-            "fault": self.fault,
+            "fault": self.fault.to_json() if self.fault else None,
             "repairs": self.fragments.repairs,
             "copying": self.copies.copying,
             "staged": {name: {"plan_version": order.plan_version, "memory_bytes": self.memory_bytes.get(name, 0)}
@@ -423,7 +425,7 @@ class Worker:
             if next_node is None:
                 await self._to_reply(step, (await self._sample(order, info, step, output)).header())
                 return
-            await self.hand_on(order, next_node, step.at_layer(hop.layers.last + 1), output)
+            await self._hand_on(order, next_node, step.at_layer(hop.layers.last + 1), output)
         except StageError as error:
             await self._to_reply(step, error.frame(step).header())
         except Exception as error:  # noqa: BLE001 - reported: the request fails with it, the agent goes on
@@ -431,9 +433,9 @@ class Worker:
             await self._to_reply(step, StageError("internal", f"{type(error).__name__}: {error}", None)
                                  .frame(step).header())
 
-    async def hand_on(self, order: RoutingOrder, node_id: str, step: StepFrame, tensor: np.ndarray) -> None:
-        """Give ``step`` (one naming its reply node) to the stage on ``node_id``; this node's
-        own runs here. A :class:`StageError` when that node does not take it."""
+    async def _hand_on(self, order: RoutingOrder, node_id: str, step: StepFrame, tensor: np.ndarray) -> None:
+        """Give ``step`` (one naming its reply node) to the next stage, on ``node_id``; this
+        node's own runs here. A :class:`StageError` when that node does not take it."""
         if node_id == self.node_id:
             await self.relay(step, tensor)
             return
@@ -444,7 +446,7 @@ class Worker:
         """Send a step's result or error frame to its reply node (on my own link to it)."""
         assert step.reply is not None and step.reply_url is not None
         if step.reply == self.node_id:
-            self.replies.deliver(header)
+            self._results.deliver(header)
             return
         try:
             link = await self.links.get(step.reply, step.reply_url)

@@ -145,7 +145,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
                 final = event
         sys.stdout.write("\n")
         sys.stdout.flush()
-    if final is not None and final.usage is not None and args.verbose:
+    if final is not None and final.usage is not None and args.counts:
         u = final.usage
         decode_rate = (u.completion_tokens - 1) / u.decode_seconds if u.decode_seconds > 0 else 0.0
         print(f"[{final.finish_reason}: {u.prompt_tokens} prompt + {u.completion_tokens} completion tokens, "
@@ -195,7 +195,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--stop", action="append", help="stop string (repeatable); never printed")
     p.add_argument("--threads", type=int, default=None, help="CPU threads for the runtime")
     p.add_argument("--home", help=home_help)
-    p.add_argument("-v", "--verbose", action="store_true", help="print token counts and speed to stderr")
+    p.add_argument("-v", "--verbose", dest="counts", action="store_true", help="print token counts and speed to stderr")
     p.set_defaults(func=cmd_generate, command="generate")
 
 

@@ -13,13 +13,11 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-
-from fragment_helpers import PROMPT_IDS, greedy  # noqa: E402
 
 from shards.runtime.chain import chain_forward  # noqa: E402
 from shards.runtime.ort_runner import OrtFragmentRunner  # noqa: E402
+from tests.shards.fragment_helpers import PROMPT_IDS, greedy  # noqa: E402
 
 
 def main() -> None:

@@ -1,0 +1,63 @@
+"""`ncm plan` through the real console entry point."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from agent.cli.main import main
+
+EXAMPLE = Path(__file__).resolve().parents[3] / "docs" / "examples" / "home-cluster.json"
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "agent.cli", *args], capture_output=True, text=True, timeout=60)
+
+
+def test_plan_table_on_the_example_cluster():
+    result = run_cli("plan", "--nodes", str(EXAMPLE), "--layers", "30")
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert lines[0].split() == ["node", "score", "primary", "replicas", "layers", "pipeline"]
+    assert "pipeline:" in result.stdout and "(30 layers)" in result.stdout
+
+
+def test_plan_json_is_the_core_plan(capsys):
+    assert main(["plan", "--nodes", str(EXAMPLE), "--layers", "30", "--json", "--replicas", "2", "--head-ratio", "0.5"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["total_layers"] == 30
+    assert sum(1 for node in plan["nodes"] if node["replicas"]) == 2
+    covered = sorted(layer for node in plan["nodes"] if node["primary"] for layer in range(node["primary"][0], node["primary"][1] + 1))
+    assert covered == list(range(30))
+
+
+@pytest.mark.parametrize(
+    "content, layers, message",
+    [
+        ('[{"id": "a", "vram_gib": 1, "ram_gib": 1, "npu_tops": 0, "latency_ms": 1}]', "4", "missing the field(s) load"),
+        ('[{"id": "a", "vram_gib": -2, "ram_gib": 1, "npu_tops": 0, "latency_ms": 1, "load": 0}]', "4", "vram_gib must be finite and >= 0"),
+        ('[{"id": "a", "vram_gib": 1, "ram_gib": 1, "npu_tops": 0, "latency_ms": 1, "load": 0},'
+         ' {"id": "b", "vram_gib": 1, "ram_gib": 1, "npu_tops": 0, "latency_ms": 1, "load": 0}]', "1", "need at least 2 layers"),
+        ("[{not json", "4", "is not valid JSON"),
+        ("[]", "4", "non-empty JSON list"),
+    ],
+)
+def test_bad_input_is_one_line_and_exit_2(tmp_path, content, layers, message):
+    nodes = tmp_path / "nodes.json"
+    nodes.write_text(content)
+    result = run_cli("plan", "--nodes", str(nodes), "--layers", layers)
+    assert result.returncode == 2
+    assert result.stdout == ""
+    assert len(result.stderr.strip().splitlines()) == 1 and message in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_missing_file_and_bad_layers(tmp_path):
+    result = run_cli("plan", "--nodes", str(tmp_path / "nope.json"), "--layers", "4")
+    assert result.returncode == 2 and "does not exist" in result.stderr
+    result = run_cli("plan", "--nodes", str(EXAMPLE), "--layers", "0")
+    assert result.returncode == 2 and "total_layers must be an integer >= 1" in result.stderr
+    result = run_cli("plan", "--nodes", str(EXAMPLE), "--layers", "30", "--head-ratio", "2")
+    assert result.returncode == 2 and "replicate_head_ratio" in result.stderr

@@ -1,0 +1,92 @@
+"""The router's capacity ledgers (agent/core/memory_ledger.py): what each device has for models,
+what a need lacks, which idle models to evict for it, and a refusal that says why."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from agent.core.errors import CapacityError, RouterError
+from agent.core.memory_ledger import MIB, DeviceMemory, MemoryLedger
+
+
+@dataclass
+class Model:
+    name: str
+    held: dict[str, int] = field(default_factory=dict)
+    loaded: bool = True
+
+    def held_bytes(self) -> dict[str, int]:
+        return self.held if self.loaded else {}
+
+    def counted(self) -> bool:
+        return self.loaded
+
+
+def ledger_of(*models: Model, models_max: int = 0, margin: int = 0, **totals: int) -> MemoryLedger:
+    ledger = MemoryLedger({m.name: m for m in models}, models_max, margin)
+    ledger.devices = {node: DeviceMemory(total) for node, total in totals.items()}
+    return ledger
+
+
+def test_bad_figures_are_refused():
+    with pytest.raises(RouterError, match="must be >= 0"):
+        MemoryLedger({}, models_max=-1)
+    with pytest.raises(RouterError, match="total_bytes must be an integer"):
+        DeviceMemory(True)
+    with pytest.raises(RouterError, match="external_bytes"):
+        DeviceMemory(10, -1)
+
+
+def test_the_budget_is_total_less_external_less_margin_and_unknown_nodes_have_no_limit():
+    ledger = ledger_of(margin=5)
+    ledger.devices = {"n1": DeviceMemory(100, 20)}
+    assert ledger.budget_bytes("n1") == 75 and ledger.budget_bytes("n2") is None
+    assert ledger.shortfall({"n2": 10**12}) == {}
+
+
+@given(st.lists(st.integers(0, 50), min_size=1, max_size=6), st.integers(0, 200), st.integers(0, 200))
+def test_a_need_fits_exactly_when_no_node_lacks_bytes(helds, total, need):
+    models = [Model(f"m{i}", {"n1": held}) for i, held in enumerate(helds)]
+    ledger = ledger_of(*models, n1=total)
+    free = total - sum(helds)
+    assert ledger.shortfall({"n1": need}) == ({} if need <= free else {"n1": need - free})
+    assert ledger.fits({"n1": need}, []) == (need <= free)
+    everyone = [m.name for m in models]
+    assert ledger.fits({"n1": need}, everyone) == (need <= total)
+
+
+def test_models_max_counts_loaded_models_only():
+    ledger = ledger_of(Model("a"), Model("b", loaded=False), models_max=2)
+    assert ledger.loaded_count() == 1 and not ledger.over_count()
+    ledger.models["c"] = Model("c")
+    assert ledger.over_count() and not ledger.over_count(["c"])
+
+
+def test_victims_are_the_fewest_least_recently_used_models_that_make_room():
+    old, middle, new = Model("old", {"n1": 30}), Model("middle", {"n2": 50}), Model("new", {"n1": 40})
+    ledger = ledger_of(old, middle, new, n1=100, n2=100)
+    # n1 has 30 free; 60 needs 30 more: the oldest holder on n1 is enough, the one on n2 is no help.
+    assert ledger.victims({"n1": 60}, [old, middle, new]) == ["old"]
+    assert ledger.victims({"n1": 95}, [old, middle, new]) == ["old", "new"]
+    assert ledger.victims({"n1": 101}, [old, middle, new]) == []
+
+
+def test_a_refusal_names_the_device_the_idle_models_and_why_the_rest_is_kept():
+    idle, busy = Model("idle", {"n1": 20 * MIB}), Model("busy", {"n1": 60 * MIB})
+    ledger = ledger_of(idle, busy, n1=100 * MIB)
+    error = ledger.refusal("new", {"n1": 50 * MIB}, ["idle"], lambda m: "serving 1 request")
+    assert isinstance(error, CapacityError) and error.retry_after_s == 10.0
+    text = str(error)
+    assert "it needs 50 MiB on node n1, which has 20 MiB free" in text
+    assert "evicting the idle model idle would free only 20 MiB more" in text
+    assert "the rest is held by busy (60 MiB, serving 1 request)" in text
+
+
+def test_a_need_larger_than_the_device_is_refused_for_good():
+    ledger = ledger_of(n1=100 * MIB)
+    error = ledger.refusal("huge", {"n1": 200 * MIB}, [], lambda m: "")
+    assert error.retry_after_s is None and "even with nothing else loaded" in str(error)
