@@ -25,7 +25,7 @@ class RateLimiter:
         the next token (a Retry-After)."""
         tokens, at = self._buckets.pop(key, (float(self.burst), now))
         tokens = min(float(self.burst), tokens + (now - at) * self.rate_per_s)
-        allowed = tokens >= 1.0
+        allowed = tokens >= 1.0 - 1e-9  # a request made exactly when Retry-After said (float rounding)
         self._buckets[key] = (tokens - 1.0 if allowed else tokens, now)
         while len(self._buckets) > self.max_keys:
             self._buckets.popitem(last=False)

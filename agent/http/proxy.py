@@ -117,6 +117,12 @@ async def ask_orchestrator(request: web.Request, membership: Membership, client:
     except (aiohttp.ClientError, asyncio.TimeoutError) as error:
         if response is None:
             raise ClusterError(f"the orchestrator stopped answering ({type(error).__name__}); retry the request") from None
+        # Its status went out already: the client must see the answer cut, not ended. Dropping
+        # the connection without the body's end tells it so (an incomplete chunked body).
+        log.warning("the orchestrator's answer to %s %s was cut: %s", request.method, request.path, error)
+        if request.transport is not None:
+            request.transport.close()
+        return response
     await response.write_eof()
     return response
 

@@ -37,6 +37,8 @@ def load_or_create_node_id(state_dir: Path) -> str:
         text = ""
     except OSError as error:
         raise ConfigError(f"cannot read node id from {str(path)!r}: {error.strerror}") from None
+    except UnicodeDecodeError:
+        raise ConfigError(f"{str(path)!r} does not hold text; delete the file to create a new one") from None
     if text.strip():
         try:
             return node_id(text)

@@ -313,9 +313,12 @@ class Deployer:
 
     # --- nodes that could not stage a plan ----------------------------------------------------
     def _fingerprint(self, node_id: str, holdings: dict[str, dict[str, int]]) -> str:
+        """What must change for a faulty node to be planned again: its devices, its memory in
+        whole GiB, the models it stores. Not its latency or load, which move every round."""
         advert = self.membership.alive_nodes().get(node_id)
-        capacity = advert.capacity.to_dict() if advert else None
-        return json.dumps([capacity, holdings.get(node_id)], sort_keys=True)
+        capacity = advert.capacity if advert else None
+        devices = None if capacity is None else [capacity.vram_gib, capacity.npu_tops, round(capacity.ram_gib)]
+        return json.dumps([devices, holdings.get(node_id)], sort_keys=True)
 
     def _reports_fault(self, node_id: str) -> bool:
         if node_id == self.node_id:

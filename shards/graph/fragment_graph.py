@@ -128,7 +128,10 @@ class _Graph:
 
 
 class _Builder:
-    """Emits one fragment graph for a manifest, a layer range and a flavour."""
+    """Emits one fragment graph for a manifest, a layer range and a flavour.
+
+    Over 250 lines: one method per part of a layer (norms, attention, rotary, MLP, experts,
+    output) in every flavour, each emitting into the one graph being built."""
 
     def __init__(self, model_dir: Path, m: Manifest, spec: FragmentSpec, g: _Graph, q4_level: int,
                  q8_level: int) -> None:

@@ -92,7 +92,10 @@ def llama3_freq_factors(head_dim: int, theta: float, scaling: dict[str, Any]) ->
 
 
 class HfSource:
-    """A Hugging Face checkpoint folder opened for import."""
+    """A Hugging Face checkpoint folder opened for import.
+
+    Over 250 lines: one reader of the config and tensor names per architecture family, all
+    over the same opened safetensors files."""
 
     def __init__(self, folder: Path) -> None:
         self.path = Path(folder)

@@ -24,7 +24,7 @@ _SHA_RE = re.compile(r"^[0-9a-f]{64}$")
 
 def valid_model_name(name: str) -> bool:
     """True when ``name`` is usable as a model name (and a directory name)."""
-    return isinstance(name, str) and bool(_NAME_RE.match(name)) and ".." not in name
+    return isinstance(name, str) and bool(_NAME_RE.fullmatch(name)) and ".." not in name
 
 
 def layer_key(i: int) -> str:
@@ -295,7 +295,7 @@ class Manifest:
             files = {k: WeightFile(**v) for k, v in dict(d.pop("files")).items()}
             ff = d.pop("rope_freq_factors", None)
             return cls(files=files, rope_freq_factors=tuple(ff) if ff else None, **d)
-        except (TypeError, KeyError, ValueError, AttributeError) as e:
+        except (TypeError, KeyError, ValueError, AttributeError, OverflowError) as e:
             raise ModelFormatError(f"manifest: malformed ({e})") from e
 
     @classmethod

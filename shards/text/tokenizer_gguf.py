@@ -69,8 +69,12 @@ _QWEN2_SPLIT = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
     r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
+# llama.cpp's default (a file naming no pre-tokenizer): punctuation runs first, then GPT-2's
+# split, then digit runs, cut in threes.
+_DEFAULT_SPLITS = (r"[\p{P}\$\+<=>\^~\|]+", r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)",
+                   r"\p{N}+", r"[0-9][0-9][0-9]")
 PRE_TOKENIZER_SPLITS: dict[str, tuple[str, ...]] = {
-    "default": (_GPT2_SPLIT,),
+    "default": _DEFAULT_SPLITS,
     "gpt2": (_GPT2_SPLIT,),
     "gpt-2": (_GPT2_SPLIT,),
     # SmolLM and the StarCoder family isolate every digit first.
@@ -156,9 +160,12 @@ def _gguf_backend(model: str, pre: str, tokens: list[str], token_types: list[int
         splits = PRE_TOKENIZER_SPLITS.get(pre)
         if splits is None:
             logger.warning("unknown tokenizer.ggml.pre %r: using the GPT-2 split", pre)
-            splits = PRE_TOKENIZER_SPLITS["default"]
-        backend = Tokenizer(models.BPE(vocab=vocab, merges=pairs, fuse_unk=False,
-                                       ignore_merges=pre in _IGNORE_MERGES_PRE))
+            splits = PRE_TOKENIZER_SPLITS["gpt2"]
+        try:
+            bpe = models.BPE(vocab=vocab, merges=pairs, fuse_unk=False, ignore_merges=pre in _IGNORE_MERGES_PRE)
+        except Exception as error:  # noqa: BLE001 - the tokenizers library raises a plain Exception
+            raise TokenizerError(f"GGUF BPE tokenizer cannot be built: {error}") from None
+        backend = Tokenizer(bpe)
         backend.pre_tokenizer = pre_tokenizers.Sequence(
             [pre_tokenizers.Split(Regex(expr), behavior="isolated") for expr in splits]
             + [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]

@@ -74,8 +74,8 @@ def tokenizer_spec_from_hf(folder: Path) -> TokenizerSpec:
     for value in (generation_eos if isinstance(generation_eos, list) else [generation_eos]):
         if isinstance(value, int) and value not in end_ids:
             end_ids.append(value)
-    if eos is not None and eos not in end_ids:
-        end_ids.insert(0, eos)
+    if eos is not None:  # the config's own EOS first: the one add_eos appends
+        end_ids = [eos, *(i for i in end_ids if i != eos)]
     if not end_ids:
         raise TokenizerError(f"{folder} names no EOS token (tokenizer_config.json / generation_config.json)")
 

@@ -23,6 +23,8 @@ TOKENIZER_JSON = "tokenizer.json"
 TOKENIZER_CONFIG_JSON = "tokenizer_config.json"
 SPACE_MARK = "\u2581"  # sentencepiece's visible space
 
+SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "pad_token")  # what a spec names and stores
+
 
 @dataclass(frozen=True)
 class TokenizerSpec:
@@ -71,8 +73,9 @@ class TokenizerSpec:
         if self.add_eos and not self.eos_token_ids:
             raise TokenizerError("add_eos is set but there is no EOS id")
         names = dict(self.special_tokens)
-        if not all(isinstance(k, str) and isinstance(v, str) for k, v in names.items()):
-            raise TokenizerError("special_tokens must map names (bos_token...) to token strings")
+        if not all(k in SPECIAL_TOKEN_NAMES and isinstance(v, str) for k, v in names.items()):
+            raise TokenizerError(f"special_tokens must map names ({', '.join(SPECIAL_TOKEN_NAMES)}) to token strings, "
+                                 f"got {sorted(map(str, names))}")
         object.__setattr__(self, "special_tokens", MappingProxyType(names))
 
 
@@ -131,8 +134,7 @@ def load_tokenizer_spec(model_dir: Path) -> TokenizerSpec:
             add_eos=bool(config.get("add_eos_token", False)),
             pad_token_id=ids.get("pad_token_id"),
             unk_token_id=ids.get("unk_token_id"),
-            special_tokens={name: config[name] for name in ("bos_token", "eos_token", "unk_token", "pad_token")
-                            if isinstance(config.get(name), str)},
+            special_tokens={name: config[name] for name in SPECIAL_TOKEN_NAMES if isinstance(config.get(name), str)},
         )
     except TypeError as exc:
         raise TokenizerError(f"{config_path.name} in {model_dir} is malformed: {exc}") from exc

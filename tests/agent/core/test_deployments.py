@@ -23,6 +23,7 @@ from agent.core.deployments import (
     weight_sources,
 )
 from agent.core.errors import ClusterError
+from agent.core.node_report import WorkerReport
 from agent.core.orders import RoutingOrder
 from agent.core.plan import LayerRange
 from agent.core.routing import Hop, Route
@@ -95,12 +96,12 @@ def test_a_fault_is_kept_or_cleared_never_both_and_only_for_live_nodes(faults, m
 
 
 def test_the_newest_valid_order_per_model_is_adopted_and_dead_routes_fail_over():
-    reports = [
+    reports = [WorkerReport.from_json(report) for report in [
         {"orders": [order("a", 3, ["n0", "n1"]).to_json(), {"not": "an order"}]},
         {"orders": [order("a", 5, ["n1", "n2"]).to_json(), order("b", 2, ["n0"]).to_json()]},
         {"orders": "garbage"},
         {},
-    ]
+    ]]
     assert {n: o.plan_version for n, o in newest_orders(reports).items()} == {"a": 5, "b": 2}
     actions = adoption_actions(reports, alive={"n0", "n1"})
     assert actions == [AdoptAndRecover(order("a", 5, ["n1", "n2"]), frozenset({"n2"})), Redeploy(order("b", 2, ["n0"]))]
@@ -123,12 +124,12 @@ def test_weights_come_from_whole_holders_this_node_first_then_the_others():
 def test_orphaned_orders_are_what_nodes_hold_and_no_deployment_names():
     from agent.core.deployments import DropOrphans, orphaned_orders
 
-    reports = {
+    reports = {node: WorkerReport.from_json(report) for node, report in {
         "a": {"models": {"main": {}, "old": {}}, "staged": {}},
         "b": {"models": {"main": {}}, "staged": {"loading": {}, "gone": {}}},
         "c": {"models": "garbage", "staged": None},  # a peer's report is not trusted to be well formed
         "d": {},
-    }
+    }.items()}
     assert orphaned_orders(reports, deployed={"main"}, busy={"loading"}) == [
         DropOrphans("a", ("old",)), DropOrphans("b", ("gone",))]
     assert orphaned_orders(reports, deployed={"main", "old", "gone"}, busy={"loading"}) == []

@@ -1,6 +1,6 @@
 """The public API's errors on a live model, in the OpenAI shape ({"error": {"message", "type",
 "param", "code"}}), on two in-process agents serving the tiny model: on the orchestrator and
-through the agent that passes requests on to it. What `test_api_bad_input.py` (unreadable bodies),
+through the agent that passes requests on to it. What `test_bodies.py` (unreadable bodies),
 `test_app_keys.py` (401), `models/test_admission_gate.py` (429), the router tests (503 model_capacity, 409
 model_busy) and the orchestrator tests (an error inside a stream) leave out: unknown models,
 requests a loaded model cannot take, the model management endpoints' refusals; and the agents
