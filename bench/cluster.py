@@ -3,6 +3,7 @@
     python bench/cluster.py [--tokens 96] [--threads 1] [--spin auto|on|off] [--rounds 3]
     python bench/cluster.py --streams 8 [--shape llama-1b] [--nodes 1,3]
     python bench/cluster.py --delays 0,1,2,5
+    python bench/cluster.py --delays 0,5 --speculative
 
 Both clusters serve side by side and take turns (``--rounds`` streams each, the best kept), so
 a busy moment of a shared machine does not land on one of them alone. Prints decode tokens/s
@@ -16,6 +17,11 @@ the given one-way delay in milliseconds, in each direction. Per delay it prints 
 ms/token, what it would be if each token crossed each link once (the 0 ms figure plus one
 delay per crossing: orchestrator to head, stage to stage, tail back to the orchestrator) and
 what it would be if the answer came back through every stage (two crossings per link).
+
+With ``--speculative`` (and ``--delays``): per delay, a greedy summary of a text (the answer
+quotes it) with speculative decoding by prompt lookup and without (``speculative.n_max`` 0),
+taking turns; prints tokens/s of both, their ratio (aim >= 1.3) and the share of drafted
+tokens kept, and whether both answers were the same text.
 
 With ``--streams N``: per cluster size, N greedy streams (each its own prompt) one after the
 other and then all at once; prints one stream's decode tokens/s, the aggregate of the N
@@ -112,17 +118,67 @@ def bench_home(shape: str) -> tuple[str, Path]:
     return name, home
 
 
-def stream_timings(url: str, tokens: int) -> tuple[int, float]:
-    """(tokens received, seconds between the first and the last token) of one streamed request."""
-    body = json.dumps({"messages": [{"role": "user", "content": PROMPT}], "temperature": 0,
-                       "max_tokens": tokens, "stream": True}).encode()
+# A text to summarise: the summary quotes it, as summaries and answers about documents do.
+ARTICLE = ("The lighthouse on Gull Rock was built in 1871 to guard the narrow channel between the island "
+           "and the mainland. Its keeper, Ada Morrow, kept the lamp lit for thirty-one years. She logged "
+           "every ship that passed, every storm and every rescue. In the winter of 1893 she rowed out alone "
+           "to the schooner Mary Ellen, which had struck the reef, and brought back four sailors. The "
+           "lighthouse was automated in 1962, and Ada Morrow's logbooks are kept in the town museum.")
+SUMMARY_PROMPT = f"Summarise this text in a few sentences, keeping its names and dates:\n\n{ARTICLE}"
+
+
+def stream_timings(url: str, tokens: int, prompt: str = PROMPT, **fields) -> tuple[int, float, str]:
+    """(tokens received, seconds between the first and the last token, the text) of one streamed request."""
+    body = json.dumps({"messages": [{"role": "user", "content": prompt}], "temperature": 0,
+                       "max_tokens": tokens, "stream": True, "stream_options": {"include_usage": True},
+                       **fields}).encode()
     request = urllib.request.Request(url + "/v1/chat/completions", data=body, headers={"Content-Type": "application/json"})
-    stamps = []
+    stamps, pieces, count = [], [], 0
     with urllib.request.urlopen(request, timeout=600) as response:
         for line in response:
-            if line.startswith(b"data: {") and b'"content"' in line and b'"content": ""' not in line:
+            if not line.startswith(b"data: {"):
+                continue
+            event = json.loads(line[len(b"data: "):])
+            if event.get("usage"):
+                count = event["usage"]["completion_tokens"]
+            content = (event.get("choices") or [{}])[0].get("delta", {}).get("content")
+            if content:
                 stamps.append(time.perf_counter())
-    return len(stamps), stamps[-1] - stamps[0]
+                pieces.append(content)
+    return count or len(stamps), stamps[-1] - stamps[0], "".join(pieces)
+
+
+def draft_counts(url: str) -> tuple[float, float]:
+    """(tokens drafted, tokens kept) the orchestrator counted so far."""
+    with urllib.request.urlopen(url + "/metrics", timeout=30) as response:
+        text = response.read().decode()
+    counts = {"drafted": 0.0, "kept": 0.0}
+    for line in text.splitlines():
+        if line.startswith("ncm_draft_tokens_total{"):
+            for outcome in counts:
+                if f'outcome="{outcome}"' in line:
+                    counts[outcome] += float(line.rsplit(" ", 1)[1])
+    return counts["drafted"], counts["kept"]
+
+
+def measure_speculative(status: dict, port: int, tokens: int, rounds: int) -> dict:
+    """Greedy summaries with and without prompt-lookup drafts, taking turns, the best of each kept."""
+    url = f"http://127.0.0.1:{port}"
+    best = {0: 0.0, 1: 0.0}
+    texts = {}
+    drafted = kept = 0.0
+    for _ in range(rounds):
+        for speculative in (0, 1):
+            before = draft_counts(url)
+            count, seconds, text = stream_timings(url, tokens, SUMMARY_PROMPT,
+                                                  **({} if speculative else {"speculative.n_max": 0}))
+            after = draft_counts(url)
+            best[speculative] = max(best[speculative], count / seconds)
+            texts[speculative] = text
+            if speculative:
+                drafted, kept = drafted + after[0] - before[0], kept + after[1] - before[1]
+    return {"plain_tok_per_s": best[0], "speculative_tok_per_s": best[1], "kept_share": kept / drafted if drafted else 0.0,
+            "same_text": texts[0] == texts[1]}
 
 
 class SimulatedLan:
@@ -210,7 +266,7 @@ def serving(nodes: int, port: int, threads: int, spin: str = "auto", delay_ms: f
 
 def measure(status: dict, port: int, tokens: int) -> dict:
     """Decode speed of one stream on the cluster ``status`` describes (serving on ``port``)."""
-    count, seconds = stream_timings(f"http://127.0.0.1:{port}", tokens)
+    count, seconds, _ = stream_timings(f"http://127.0.0.1:{port}", tokens)
     hops = len(status["route"]) - 1 + (status["orchestrator"] != status["route"][0]["node"])
     back = int(status["orchestrator"] != status["route"][-1]["node"])  # the tail's result to the orchestrator
     return {"nodes": len(status["nodes_alive"]), "tokens": count, "tok_per_s": (count - 1) / seconds,
@@ -279,7 +335,18 @@ def main() -> None:
     parser.add_argument("--shape", help="with --streams: serve the random-weight model of this shape")
     parser.add_argument("--nodes", default="1,3", help="with --streams: the cluster sizes (comma separated)")
     parser.add_argument("--delays", help="one-way delays in ms of a simulated LAN between 3 agents (e.g. 0,1,2,5)")
+    parser.add_argument("--speculative", action="store_true",
+                        help="with --delays: speculative decoding by prompt lookup against plain steps, on a summary")
     args = parser.parse_args()
+    if args.delays and args.speculative:
+        _ensure_model("smollm2-135m")
+        for i, d in enumerate(args.delays.split(",")):
+            with serving(3, args.port + 10 * i, args.threads, args.spin, float(d)) as status:
+                row = measure_speculative(status, args.port + 10 * i, args.tokens, args.rounds)
+            print(f"{float(d):4g} ms per link: plain {row['plain_tok_per_s']:6.1f} tok/s, speculative "
+                  f"{row['speculative_tok_per_s']:6.1f} tok/s: {row['speculative_tok_per_s'] / row['plain_tok_per_s']:.2f}x "
+                  f"(aim >= 1.3); drafted tokens kept: {100 * row['kept_share']:.0f} %; same text: {row['same_text']}")
+        return
     if args.delays:
         _ensure_model("smollm2-135m")
         rows = []

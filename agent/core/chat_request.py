@@ -16,6 +16,7 @@ from typing import Any
 
 from agent.core.errors import InvalidRequestError
 from agent.core.request_fields import integer
+from agent.core.wire import MAX_DRAFT_TOKENS
 
 MAX_MESSAGES = 1024
 MAX_CONTENT_CHARS = 1_000_000
@@ -78,6 +79,7 @@ class ChatRequest:
     template_variables: tuple[tuple[str, Any], ...] = ()  # more variables of the chat template
     think_field: str = "think"  # the field that said whether to think, for errors to name
     cache_prompt: bool = True  # start from a kept KV cache of a request that began the same way
+    draft_tokens: int | None = None  # most tokens a speculative step drafts (None: the agent's setting)
 
     @property
     def calls_tools(self) -> bool:
@@ -209,6 +211,7 @@ def parse_request(body: Any, *, chat: bool) -> ChatRequest:
         json_schema=response_schema(body.get("response_format")),
         logprobs=_logprobs(body, chat=chat),
         cache_prompt=_flag(body, "cache_prompt", True),
+        draft_tokens=_integer(body, "speculative.n_max", 0, MAX_DRAFT_TOKENS),
         **_reasoning(body),
     )
 

@@ -28,6 +28,7 @@ from typing import Any, ClassVar
 import numpy as np
 
 from agent.core.errors import WireError
+from agent.core.wire import MAX_DRAFT_TOKENS
 
 INTERNAL_PREFIX = "/internal/"
 DESCRIBE_PATH = "/internal/describe"  # membership: a node's advert, extras and the peers it knows
@@ -74,6 +75,11 @@ class StepFrame:
     reply_url: str | None = None
     reuse: str | None = None  # a kept session whose cache, cut to ``start`` positions, this one takes over
     embed: bool = False
+    draft: tuple[int, ...] = ()  # tokens drafted after the step's last input one: the tail verifies them
+
+    def __post_init__(self) -> None:
+        if len(self.draft) > MAX_DRAFT_TOKENS:
+            raise WireError(f"step frame: at most {MAX_DRAFT_TOKENS} drafted tokens, got {len(self.draft)}")
 
     def header(self) -> dict[str, Any]:
         header = {"kind": "step", "sid": self.sid, "seq": self.seq, "layer": self.layer, "start": self.start,
@@ -84,6 +90,8 @@ class StepFrame:
             header["params"] = dict(self.params)
         if self.reuse is not None:
             header["reuse"] = self.reuse
+        if self.draft:
+            header["draft"] = list(self.draft)
         if self.reply is not None and self.reply_url is not None:
             header["reply"], header["reply_url"] = self.reply, self.reply_url
         return header
@@ -93,7 +101,7 @@ class StepFrame:
         """The step of a decoded (so validated) header."""
         return cls(header["sid"], header["seq"], header["layer"], header["start"], header["epoch"], header["plan"],
                    header["sample"], header.get("params"), header.get("reply"), header.get("reply_url"),
-                   header.get("reuse"), header.get("embed", False))
+                   header.get("reuse"), header.get("embed", False), tuple(header.get("draft", ())))
 
     def replying_to(self, node_id: str, url: str) -> StepFrame:
         """The same step, its outcome sent straight to ``node_id`` (at ``url``)."""
@@ -116,9 +124,17 @@ class ResultFrame:
     token: int | None
     logprobs: tuple[float, tuple[tuple[int, float], ...]] | None = None
     embedding: np.ndarray | None = None
+    more: tuple[int, ...] = ()  # a speculative step's: the tokens accepted after ``token``, in order
+
+    @property
+    def tokens(self) -> tuple[int, ...]:
+        """Every token the step chose, in order."""
+        return () if self.token is None else (self.token, *self.more)
 
     def header(self) -> dict[str, Any]:
         header = {"kind": "result", "sid": self.sid, "seq": self.seq, "token": self.token}
+        if self.more:
+            header["more"] = list(self.more)
         if self.logprobs is not None:
             header["logprobs"] = {"logprob": self.logprobs[0], "top": [list(pair) for pair in self.logprobs[1]]}
         if self.embedding is not None:
@@ -135,7 +151,7 @@ class ResultFrame:
                 raise WireError("result frame: 'logprobs' must be {\"logprob\", \"top\": [[id, logprob], ...]}") from None
         embedding = header.get("embedding")
         return cls(header["sid"], header["seq"], header["token"], logprobs,
-                   None if embedding is None else np.frombuffer(embedding, "<f4"))
+                   None if embedding is None else np.frombuffer(embedding, "<f4"), tuple(header.get("more", ())))
 
 
 @dataclass(frozen=True)

@@ -65,6 +65,9 @@ _SAMPLING_OPENAI = (
     Field("logit_bias", HONOURED, "adds to the logits of the token ids named (-100 bans one)"),
     Field("cache_prompt", HONOURED, "false: read the whole prompt, and keep nothing for the next request (llama.cpp's "
                                     "extension; default true: start from the KV cache of one that began the same way)"),
+    Field("speculative.n_max", HONOURED, "most tokens a step drafts from the context and verifies in one trip "
+                                         "(llama.cpp's extension; 0-16, 0: no speculative decoding; default: the "
+                                         "agent's draft_tokens, 8); the answer is the same either way"),
     Field("n", REFUSED, "one choice per request", (1,)),
     Field("user", NO_EFFECT, "an end-user id for the app's own records"),
 )

@@ -23,8 +23,9 @@ MAX_HEADER_BYTES = 1 << 20  # a sampling step carries its grammar (tools, a JSON
 MAX_TENSOR_DIMS = 4
 ALLOWED_DTYPES = frozenset({"float32", "float16", "int64", "int32"})
 
-_STR, _INT, _BOOL, _MAP, _BYTES, _OPT_INT, _OPT_STR = "str", "int", "bool", "map", "bytes", "int?", "str?"
+_STR, _INT, _BOOL, _MAP, _BYTES, _OPT_INT, _OPT_STR, _IDS = "str", "int", "bool", "map", "bytes", "int?", "str?", "ids"
 MAX_VECTOR_BYTES = 1 << 18  # a result's embedding: float32, up to 65,536 dimensions
+MAX_DRAFT_TOKENS = 16  # a speculative step's drafted tokens, and the tokens its result accepts after the first
 # kind -> required fields and their types; "tensor" marks kinds that carry a tensor.
 SCHEMAS: dict[str, dict[str, str]] = {
     "step": {"sid": _STR, "seq": _INT, "layer": _INT, "start": _INT, "sample": _BOOL, "epoch": _INT, "plan": _INT,
@@ -40,9 +41,9 @@ SCHEMAS: dict[str, dict[str, str]] = {
 TENSOR_KINDS = frozenset({"step"})
 # "cid" pairs a pong with its ping on one link.
 OPTIONAL_FIELDS: dict[str, dict[str, str]] = {
-    "step": {"params": _MAP, "reuse": _STR, "embed": _BOOL},
+    "step": {"params": _MAP, "reuse": _STR, "embed": _BOOL, "draft": _IDS},
     "close": {"plan": _INT, "keep": _BOOL},
-    "result": {"logprobs": _MAP, "embedding": _BYTES},
+    "result": {"logprobs": _MAP, "embedding": _BYTES, "more": _IDS},
     "ping": {"cid": _INT},
     "pong": {"cid": _INT},
 }
@@ -54,6 +55,8 @@ _TYPE_CHECKS = {
     _BOOL: lambda value: isinstance(value, bool),
     _MAP: lambda value: isinstance(value, dict),
     _BYTES: lambda value: isinstance(value, bytes) and len(value) <= MAX_VECTOR_BYTES and len(value) % 4 == 0,
+    _IDS: lambda value: isinstance(value, list) and len(value) <= MAX_DRAFT_TOKENS
+    and all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i < 1 << 31 for i in value),
 }
 # kind -> (name, type, its check, None allowed, required) per field: what a frame is checked against
 _FIELDS: dict[str, tuple[tuple[str, str, Any, bool, bool], ...]] = {

@@ -146,7 +146,8 @@ def start_generation(request: web.Request, parsed: ChatRequest, deployment: Depl
             reader.push(decoder.push(token))
     events = request.app[METRICS].observe_generation(
         deployment.name, request.app[ORCHESTRATOR].complete(deployment, prompt_ids, params, resume,
-                                                            cache_prompt=parsed.cache_prompt))
+                                                            cache_prompt=parsed.cache_prompt,
+                                                            draft_tokens=parsed.draft_tokens))
     return Generation(events, reader)
 
 

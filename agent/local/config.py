@@ -15,6 +15,7 @@ import tomli_w
 
 from agent.core.errors import NcmError
 from agent.core.threads import SPIN_CHOICES
+from agent.core.wire import MAX_DRAFT_TOKENS
 from agent.local import settings
 from agent.local.compat import tomllib
 from agent.local.files import write_atomic
@@ -86,6 +87,7 @@ class AgentConfig:
     session_idle_timeout_s: float = 300.0  # a stage frees a session unused this long (its request is gone)
     prompt_cache_entries: int = 2  # per model: finished requests whose KV the stages keep for the next; 0 = off
     prompt_cache_idle_s: float = 1800.0  # a kept KV cache unused this long is freed
+    draft_tokens: int = 8  # speculative decoding: most tokens drafted per step from the context itself; 0 = off
     fallback_copies: int = 0  # nodes asked to hold the fallback model whole; 0 = every node with room
     replan_min_interval_s: float = 10.0
     models_preset: Path | None = None
@@ -165,6 +167,8 @@ class AgentConfig:
         if self.max_requests_in_flight < 1 or self.max_queued_requests < 0:
             raise ConfigError(f"max_requests_in_flight must be >= 1 and max_queued_requests >= 0 (0 = no queue), "
                               f"got {self.max_requests_in_flight} and {self.max_queued_requests}")
+        if not 0 <= self.draft_tokens <= MAX_DRAFT_TOKENS:
+            raise ConfigError(f"draft_tokens must be 0 (off) to {MAX_DRAFT_TOKENS}, got {self.draft_tokens}")
         if self.max_context < 16 or self.prefill_chunk < 1 or self.prefill_chunk > self.max_context:
             raise ConfigError("max_context must be >= 16 and prefill_chunk in 1..max_context")
 
@@ -189,7 +193,7 @@ _FIELD_TYPES: dict[str, str] = {
     "discovery_grace_s": "float", "replicate_head_ratio": "float", "replica_count": "int?",
     "min_layers_per_node": "int", "max_context": "int", "prefill_chunk": "int",
     "fallback_model": "str", "allow_fallback": "bool", "fallback_copies": "int", "session_idle_timeout_s": "float", "replan_min_interval_s": "float",
-    "prompt_cache_entries": "int", "prompt_cache_idle_s": "float",
+    "prompt_cache_entries": "int", "prompt_cache_idle_s": "float", "draft_tokens": "int",
     "models_preset": "path?", "models_max": "int", "models_memory_margin_mib": "int", "models_autoload": "bool",
     "models_load_timeout_s": "float", "sleep_idle_s": "float",
     "max_requests_in_flight": "int", "max_queued_requests": "int", "max_requests_in_flight_per_client": "int",

@@ -411,9 +411,11 @@ class Orchestrator:
 
     # --- requests ---------------------------------------------------------------------------
     def complete(self, deployment: Deployment, prompt_ids: list[int], params: SamplingParams,
-                 generated: Sequence[int] = (), *, cache_prompt: bool = True) -> AsyncIterator[Completion]:
+                 generated: Sequence[int] = (), *, cache_prompt: bool = True,
+                 draft_tokens: int | None = None) -> AsyncIterator[Completion]:
         """Generate from ``prompt_ids`` (see :meth:`agent.orchestration.token_loop.TokenLoop.complete`)."""
-        return self.requests.complete(deployment, prompt_ids, params, generated, cache_prompt=cache_prompt)
+        return self.requests.complete(deployment, prompt_ids, params, generated, cache_prompt=cache_prompt,
+                                      draft_tokens=draft_tokens)
 
     async def embed(self, deployment: Deployment, ids: list[int]) -> np.ndarray:
         """The embedding of ``ids`` (see :meth:`agent.orchestration.token_loop.TokenLoop.embed`)."""

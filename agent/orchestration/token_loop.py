@@ -30,6 +30,7 @@ from agent.orchestration.deployer import Deployment
 from agent.stage.worker import Worker
 from shards.runtime.generate import FINISH_LENGTH, TextStream
 from shards.runtime.sampling import SamplingParams, TokenLogprobs
+from shards.runtime.speculation import DraftLength, PromptLookup
 
 log = logging.getLogger(__name__)
 PREFILL_STEP_TIMEOUT_S = 300.0
@@ -202,13 +203,16 @@ class TokenLoop:
                     await self._close(order, sid)
 
     async def complete(self, deployment: Deployment, prompt_ids: list[int], params: SamplingParams,
-                       generated: Sequence[int] = (), *, cache_prompt: bool = True) -> AsyncIterator[Completion]:
+                       generated: Sequence[int] = (), *, cache_prompt: bool = True,
+                       draft_tokens: int | None = None) -> AsyncIterator[Completion]:
         """Generate from ``prompt_ids``: yields text pieces, the last event has the finish reason.
 
         ``generated``: the ids an earlier orchestrator sampled for this request before it was
         lost (their text was sent already): the request goes on after them. ``cache_prompt``:
         start from the KV cache of an earlier request that began the same way, where the
         stages keep one, and keep this one's for the next (:mod:`agent.core.prompt_cache`).
+        ``draft_tokens``: most tokens a step drafts by prompt lookup and verifies in one trip
+        (:mod:`shards.runtime.speculation`; None: the agent's ``draft_tokens``, 0: none).
         """
         max_context = deployment.settings.max_context
         if len(prompt_ids) + len(generated) + 1 > max_context:
@@ -229,6 +233,11 @@ class TokenLoop:
             for old in expired:
                 await self._close(deployment.order, old.sid)
         finished = False  # the stages hold the KV of every token of context: it may be kept
+        # Prompt-lookup drafts (shards/runtime/speculation.py), unless the request reads log-probabilities
+        most = self.worker.config.draft_tokens if draft_tokens is None else draft_tokens
+        lookup = PromptLookup(context) if most and params.logprobs is None else None
+        draft_length = DraftLength(most)
+        draft: tuple[int, ...] = ()  # what the step under way drafted
         unsent: list[int] = []  # sampled ids whose text has not gone out yet
         unsent_logprobs: list[TokenLogprobs] = []
         recoveries = 0
@@ -244,28 +253,42 @@ class TokenLoop:
                             result = await self._prefill(deployment, order, sid, context,
                                                          {**sampling, "generated": context[len(prompt_ids):]},
                                                          kept, reused)
-                        token = result.token
-                        assert token is not None
-                        text = stream.push(token)
-                        unsent.append(token)
-                        if result.logprobs is not None:
-                            unsent_logprobs.append(TokenLogprobs(token, *result.logprobs))
-                        if stream.done or len(context) + 1 >= max_context:
-                            finished = True
-                            if not stream.done:
-                                text += stream.finish(FINISH_LENGTH)
-                            yield Completion(text, served, stream.finish_reason, len(prompt_ids),
-                                             stream.completion_tokens, tuple(unsent), tuple(unsent_logprobs),
-                                             min(reused, len(prompt_ids)))
-                            return
-                        if text:
-                            yield Completion(text, served, tokens=tuple(unsent), logprobs=tuple(unsent_logprobs))
-                            unsent.clear()
-                            unsent_logprobs.clear()
-                        context.append(token)
-                        step = StepFrame(sid, len(context), 0, len(context) - 1, order.epoch, order.plan_version, True)
+                            draft = ()
+                        if not result.tokens:
+                            raise StageError("bad_result", f"the tail answered step {result.seq} without its token",
+                                             None)
+                        if draft:
+                            metrics = self.worker.metrics
+                            metrics.child(metrics.draft_tokens, deployment.name, "drafted").inc(len(draft))
+                            metrics.child(metrics.draft_tokens, deployment.name, "kept").inc(len(result.tokens) - 1)
+                            draft_length.kept_of(len(draft), len(result.tokens) - 1)
+                        for token in result.tokens:  # one, or a speculative step's drafted ones kept and the next
+                            text = stream.push(token)
+                            unsent.append(token)
+                            if result.logprobs is not None:
+                                unsent_logprobs.append(TokenLogprobs(token, *result.logprobs))
+                            if stream.done or len(context) + 1 >= max_context:
+                                finished = True
+                                if not stream.done:
+                                    text += stream.finish(FINISH_LENGTH)
+                                yield Completion(text, served, stream.finish_reason, len(prompt_ids),
+                                                 stream.completion_tokens, tuple(unsent), tuple(unsent_logprobs),
+                                                 min(reused, len(prompt_ids)))
+                                return
+                            if text:
+                                yield Completion(text, served, tokens=tuple(unsent), logprobs=tuple(unsent_logprobs))
+                                unsent.clear()
+                                unsent_logprobs.clear()
+                            context.append(token)
+                        draft = ()
+                        if lookup is not None:
+                            lookup.extend(result.tokens)
+                            if self._running == 1:  # alone: with other requests, plain steps batch instead
+                                draft = lookup.draft(min(draft_length.next(), max_context - len(context) - 1))
+                        step = StepFrame(sid, len(context), 0, len(context) - 1, order.epoch, order.plan_version, True,
+                                         draft=draft)
                         result = None
-                        result = await self._step(order, step, np.asarray([[context[-1]]], dtype=np.int64),
+                        result = await self._step(order, step, np.asarray([[context[-1], *draft]], dtype=np.int64),
                                                   DECODE_STEP_TIMEOUT_S)
                     except StageError as error:
                         if error.code == "cache_miss" and kept is not None:  # not kept there any more: read it all

@@ -45,6 +45,7 @@ class _Pending:
     arrived_s: float = 0.0  # event-loop time
     reuse: str | None = None  # a kept session whose cache this one takes over (see _prepare)
     hidden: bool = False  # a tail's step that returns the final hidden states (an embedding), never batched
+    rows: int = 1  # a tail's rows of logits wanted, the last ones (a speculative step's: one per drafted token, +1)
 
     @property
     def decode(self) -> bool:
@@ -54,8 +55,9 @@ class _Pending:
 def _prepare(runner: FragmentRunner, sid: str, start: int, reuse: str | None = None) -> None:
     """Open ``sid`` on ``runner`` where needed; a step from position 0 (a replay) starts its
     cache anew, one that ``reuse``s a kept session takes its cache over, cut to ``start``
-    positions. StageError if the cache does not end where the step starts, ``cache_miss``
-    when the kept session is not here (any more)."""
+    positions, and one that starts before the cache ends cuts it back there (positions a
+    speculative step drafted and did not keep). StageError if the cache ends before the step
+    starts, ``cache_miss`` when the kept session is not here (any more)."""
     if reuse is not None:
         if sid in runner.sessions():
             runner.close_session(sid)
@@ -72,18 +74,21 @@ def _prepare(runner: FragmentRunner, sid: str, start: int, reuse: str | None = N
     if sid not in runner.sessions():
         runner.open_session(sid)
     length = runner.session_length(sid)
+    if 0 < start < length:
+        runner.adopt_session(sid, sid, start)
+        length = start
     if length != start:
         raise StageError("session_out_of_sync", f"session {sid} holds {length} positions, step starts at {start}", None)
 
 
-def run_batch(runner: FragmentRunner, steps: list[tuple[str, int, np.ndarray, str | None, bool]]
+def run_batch(runner: FragmentRunner, steps: list[tuple[str, int, np.ndarray, str | None, bool, int]]
               ) -> list[np.ndarray | BaseException]:
-    """Run ``steps`` ((session, start, input, reused session, final hidden states wanted)
-    each) on ``runner``: one batched call for the rows that are ready, each row alone if that
-    call fails. Per step its output or its error."""
+    """Run ``steps`` ((session, start, input, reused session, final hidden states wanted, rows
+    of logits wanted) each) on ``runner``: one batched call for the rows that are ready, each
+    row alone if that call fails. Per step its output or its error."""
     results: list[np.ndarray | BaseException | None] = [None] * len(steps)
     ready = []
-    for index, (sid, start, _, reuse, _) in enumerate(steps):
+    for index, (sid, start, _, reuse, _, _) in enumerate(steps):
         try:
             _prepare(runner, sid, start, reuse)
             ready.append(index)
@@ -98,9 +103,10 @@ def run_batch(runner: FragmentRunner, steps: list[tuple[str, int, np.ndarray, st
         except ShardsError as error:
             log.warning("a batch of %d steps failed, running them one by one: %s", len(ready), error)
     for index in ready:
-        sid, _, x, _, hidden = steps[index]
-        try:  # a tail's step samples (or embeds) its last row
-            results[index] = runner.forward(sid, x, last_only=True, hidden=hidden)
+        sid, _, x, _, hidden, rows = steps[index]
+        try:  # a tail's step samples (or embeds) its last row, a speculative one its last ``rows``
+            out = runner.forward(sid, x, last_only=rows == 1, hidden=hidden)
+            results[index] = out[:, -rows:] if runner.is_tail and rows > 1 else out
         except (StageError, ShardsError) as error:
             results[index] = error
     return results  # type: ignore[return-value]
@@ -121,13 +127,14 @@ class StepBatcher:
         self.batched_steps = 0  # steps that ran in those calls
 
     async def compute(self, runner: FragmentRunner, sid: str, start: int, x: np.ndarray,
-                      reuse: str | None = None, *, hidden: bool = False) -> np.ndarray:
+                      reuse: str | None = None, *, hidden: bool = False, rows: int = 1) -> np.ndarray:
         """Run ``x`` (positions from ``start`` on) through ``runner`` for session ``sid``
         (which takes over the cache of the kept session ``reuse`` first, when given); a tail
-        with ``hidden`` returns the last row's final hidden states instead of its logits."""
+        returns the logits of the last ``rows`` positions, or with ``hidden`` the last row's
+        final hidden states instead."""
         loop = asyncio.get_running_loop()
         future: asyncio.Future[np.ndarray] = loop.create_future()
-        self._queue.append(_Pending(runner, sid, start, x, future, loop.time(), reuse, hidden))
+        self._queue.append(_Pending(runner, sid, start, x, future, loop.time(), reuse, hidden, rows))
         self._next()
         return await future
 
@@ -183,7 +190,7 @@ class StepBatcher:
             self.batches += 1
             self.batched_steps += len(batch)
         started_s = loop.time()
-        steps = [(p.sid, p.start, p.x, p.reuse, p.hidden) for p in batch]
+        steps = [(p.sid, p.start, p.x, p.reuse, p.hidden, p.rows) for p in batch]
         if self._inline(batch):
             try:
                 results: list[np.ndarray | BaseException | None] = list(run_batch(batch[0].runner, steps))

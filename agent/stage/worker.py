@@ -48,6 +48,7 @@ from agent.stage.whole_copies import WholeCopies
 from shards.errors import CorruptWeightsError, ShardsError
 from shards.runtime.grammar import TokenMask, grammar_tokenizer
 from shards.runtime.sampling import Sampler, SamplingParams
+from shards.runtime.speculation import verify
 from shards.store.model_store import ModelStore
 from shards.text.tokenizer import Tokenizer
 
@@ -399,8 +400,11 @@ class Worker:
             info = self.sessions[sid] = _SessionInfo(order.plan_version, time.monotonic())
         info.last_used = started = time.monotonic()
         try:
+            if step.draft and tensor.shape[1] <= len(step.draft):
+                raise StageError("bad_request", f"a step drafting {len(step.draft)} tokens reads "
+                                 f"{len(step.draft) + 1} positions, not {tensor.shape[1]}", None)
             output = await self.batcher.compute(runner, sid, step.start, tensor, step.reuse,
-                                                hidden=step.embed and runner.is_tail)
+                                                hidden=step.embed and runner.is_tail, rows=len(step.draft) + 1)
             self.metrics.child(self.metrics.stage_compute, order.name).observe(time.monotonic() - started)
         except (StageError, ShardsError) as error:
             if fresh:  # a step of a session this node does not hold (a late one, after its close)
@@ -474,12 +478,13 @@ class Worker:
                 except ShardsError as error:
                     raise StageError("bad_request", str(error), None) from None
             info.sampler = Sampler(params, mask, [*history, *generated])
-        try:
-            token = int(info.sampler.sample(output[0, -1]))
+        try:  # a speculative step's rows: the drafted tokens kept, then the first one that differs
+            chosen = verify(info.sampler.sample, output[0, -len(step.draft) - 1:], step.draft)
         except ShardsError as error:  # the grammar allows nothing more that the model can say
             raise StageError("bad_request", str(error), None) from None
-        chosen = info.sampler.last_logprobs
-        return ResultFrame(step.sid, step.seq, token, None if chosen is None else (chosen.logprob, chosen.top))
+        logprobs = info.sampler.last_logprobs
+        return ResultFrame(step.sid, step.seq, chosen[0], None if logprobs is None else (logprobs.logprob, logprobs.top),
+                           more=tuple(chosen[1:]))
 
     async def _grammar_tokenizer(self, model: str) -> Any:
         """llguidance's view of ``model``'s tokenizer, made once (in a thread: ~0.3 s)."""

@@ -49,6 +49,9 @@ class _Session:
 class OrtFragmentRunner(FragmentRunner):
     """An onnxruntime session over one fragment, with a KV cache per session.
 
+    Over 250 lines: opening on a backend chain, the KV pool's sessions and the batched step
+    all act on one onnxruntime session and its bound buffers.
+
     The fragment runs on the first of ``backends`` (default: :func:`backend_chain` of this
     machine, restricted to ``providers`` when given) that loads it; each one that cannot is
     logged as a warning and kept in :attr:`fallbacks`. The flavour is the backend's unless
@@ -188,7 +191,7 @@ class OrtFragmentRunner(FragmentRunner):
     def adopt_session(self, cached_id: str, session_id: str, length: int) -> None:
         with self._lock:
             s = self._get(cached_id)
-            if session_id in self._sessions:
+            if session_id in self._sessions and session_id != cached_id:
                 raise RunnerError(f"session {session_id!r} is already open")
             if not 0 <= length <= s.length:
                 raise RunnerError(f"session {cached_id!r} holds {s.length} positions, not {length}")
@@ -199,7 +202,7 @@ class OrtFragmentRunner(FragmentRunner):
             s.length = length  # the pooled and static caches: positions past it are written over
             del self._sessions[cached_id]
             self._sessions[session_id] = s
-            if self._pool is not None:
+            if self._pool is not None and session_id != cached_id:
                 self._pool.rename(cached_id, session_id)
 
     def close_session(self, session_id: str) -> None:

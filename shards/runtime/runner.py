@@ -50,9 +50,13 @@ class FragmentRunner(abc.ABC):
         """One decode step of several sessions: row i of ``x`` ([B, 1] token ids or [B, 1,
         hidden] hidden states) belongs to ``session_ids[i]``; returns the rows' outputs. Runners
         that cannot batch run the rows one by one."""
-        if len(set(session_ids)) != len(session_ids) or len(session_ids) != len(x):
+        if not session_ids or len(set(session_ids)) != len(session_ids) or len(session_ids) != len(x):
             raise RunnerError(f"a batch needs one row per distinct session, got {len(x)} rows "
                               f"for {len(session_ids)} sessions")
+        for sid in session_ids:  # every row fits before any runs: a refused batch moves no session on
+            if self.session_length(sid) + x.shape[1] > self.max_context:
+                raise RunnerError(f"context overflow: session {sid!r} holds {self.session_length(sid)} positions "
+                                  f"of max_context {self.max_context}")
         return np.concatenate([self.forward(sid, x[i:i + 1]) for i, sid in enumerate(session_ids)])
 
     @abc.abstractmethod
@@ -62,7 +66,9 @@ class FragmentRunner(abc.ABC):
     def adopt_session(self, cached_id: str, session_id: str, length: int) -> None:
         """``session_id`` (not open) takes over the cache of ``cached_id`` (which is gone
         then), cut to its first ``length`` positions: a prompt cache's reuse, or its keeping
-        under a new name. RunnerError where the runner cannot."""
+        under a new name; with ``session_id`` == ``cached_id``, the session cut back in place
+        (the drafted positions a speculative step did not keep). RunnerError where the
+        runner cannot."""
         raise RunnerError(f"{type(self).__name__} cannot hand a session's cache over")
 
     @abc.abstractmethod

@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from agent.http.app_keys import ORCHESTRATOR, WORKER
+from agent.http.app_keys import METRICS, ORCHESTRATOR, WORKER
 from tests.agent.inprocess import call
 from tests.agent.tiny import TINY, tiny_cluster
 
@@ -65,5 +65,38 @@ def test_a_prompt_that_begins_like_a_finished_one_reads_only_the_rest(tmp_path):
             status, again = await call("POST", url + "/api/generate", {
                 "model": TINY, "prompt": fresh + " w5", "raw": True, "stream": False, "options": {"num_predict": 2}})
             assert status == 200 and first["prompt_eval_count"] == 41 and again["prompt_eval_count"] == 1, again
+
+    asyncio.run(scenario())
+
+
+def drafted_and_kept(agent) -> tuple[float, float]:
+    metrics = agent.app[METRICS].registry
+    return tuple(metrics.get_sample_value("ncm_draft_tokens_total", {"model": TINY, "outcome": outcome}) or 0.0
+                 for outcome in ("drafted", "kept"))
+
+
+def test_speculative_steps_answer_what_plain_steps_answer(tmp_path):
+    """Drafts from the context, verified by the tail in one trip: the greedy and the seeded
+    sampled answers are token for token those of plain steps (``speculative.n_max`` 0), and
+    some drafts were kept. Two stages, so that a rejected draft is cut back on both."""
+    repeating = " ".join(f"w{10 + i % 7}" for i in range(40))  # a text that repeats itself: drafts to copy
+
+    async def scenario() -> None:
+        async with tiny_cluster(tmp_path, 2, layers=4, max_context=256) as (leader, _):
+            url = leader.url
+            for sampling in ({"temperature": 0}, {"temperature": 0.8, "seed": 7, "top_k": 5}):
+                answers = []
+                for n_max in (0, 8, 3):
+                    status, answer = await call("POST", url + "/v1/completions", {
+                        "model": TINY, "prompt": repeating, "max_tokens": 48, "cache_prompt": False,
+                        "speculative.n_max": n_max, **sampling})
+                    assert status == 200, answer
+                    answers.append((answer["choices"][0]["text"], answer["usage"]["completion_tokens"]))
+                assert answers[1] == answers[0] and answers[2] == answers[0], (sampling, answers)
+            drafted, kept = drafted_and_kept(leader)
+            assert drafted > 0 and 0 < kept <= drafted, (drafted, kept)
+            status, answer = await call("POST", url + "/v1/completions", {
+                "model": TINY, "prompt": "w1", "speculative.n_max": 17})
+            assert status == 400 and answer["error"]["param"] == "speculative.n_max", answer
 
     asyncio.run(scenario())

@@ -167,7 +167,7 @@ def test_a_step_reusing_a_kept_session_takes_its_cache_or_misses_by_name(model_d
     runner.open_session("kept")
     expected = runner.forward("kept", ids)
     runner.open_session("late")  # a session of the reusing request that exists already goes
-    results = run_batch(runner, [("new", 6, ids[:, 6:], "kept", False), ("other", 0, ids[:, :2], "gone", False)])
+    results = run_batch(runner, [("new", 6, ids[:, 6:], "kept", False, 1), ("other", 0, ids[:, :2], "gone", False, 1)])
     np.testing.assert_allclose(results[0], expected[:, -1:], atol=1e-4, rtol=0)  # a tail: its last row
     assert isinstance(results[1], StageError) and results[1].code == "cache_miss"
     assert sorted(runner.sessions()) == ["late", "new"] and runner.session_length("new") == 11
