@@ -23,7 +23,7 @@ import socket
 import statistics
 import threading
 import time
-from typing import Any, Callable
+from typing import Callable
 from urllib.parse import urlsplit
 
 import aiohttp
@@ -40,7 +40,7 @@ from agent.core.election import Election, elect, newest
 from agent.core.errors import NcmError, WireError
 from agent.core.node_report import NodeReport
 from agent.core.peers import PeerTable
-from agent.core.protocol import DESCRIBE_PATH
+from agent.core.protocol import DESCRIBE_PATH, Description, Introduction
 from agent.local.config import AgentConfig
 from agent.local.events import EventLog
 from agent.local.probe import CPU_ONLY, detect_capacity, find_accelerators
@@ -113,25 +113,22 @@ class Membership:
         return [url for url, e in self.table.entries.items()
                 if e.alive and not (without is not None and e.advert is not None and e.advert.node_id == without)]
 
-    def describe(self, caller_host: str | None = None) -> dict[str, Any]:
-        """The answer to a peer's describe: my advert, my live peers, and how I see the caller."""
-        return {"advert": self.advert().to_json(), "peers": self.live_peer_urls(), "you": caller_host,
-                "detected": self.detected.to_dict(), "accelerators": self.accelerators.to_dict(), **self._describe_extra().to_json()}
+    def describe(self, caller_host: str | None = None) -> Description:
+        """The answer to a peer's describe: my advert, my live peers, how I see the caller, and
+        what I report of myself (detected devices, then :class:`NodeReport`)."""
+        report = {"detected": self.detected.to_dict(), "accelerators": self.accelerators.to_dict(),
+                  **self._describe_extra().to_json()}
+        return Description(self.advert().to_json(), tuple(self.live_peer_urls()), caller_host, report)
 
-    def introduction(self) -> dict[str, Any]:
+    def introduction(self) -> Introduction:
         """What a describe request says about the caller: its API port, and its URL if configured."""
-        return {"api_port": self.api_port, "url": self.self_url() if self.config.advertise_host else None}
+        return Introduction(self.api_port, self.self_url() if self.config.advertise_host else None)
 
-    def introduced(self, body: Any, remote: str | None) -> None:
+    def introduced(self, introduction: Introduction, remote: str | None) -> None:
         """A peer contacted us: learn its URL (given, or its address and API port)."""
-        if not isinstance(body, dict):
-            return
-        url, port = body.get("url"), body.get("api_port")
-        if not (isinstance(url, str) and url.startswith(("http://", "https://")) and len(url) < 256):
-            if not (isinstance(port, int) and 0 < port < 65536 and remote):
-                return
-            url = f"http://[{remote}]:{port}" if ":" in remote else f"http://{remote}:{port}"
-        self.discovered(url, "inbound")
+        url = introduction.address(remote)
+        if url is not None:
+            self.discovered(url, "inbound")
 
     def reachable_url(self) -> str:
         """A URL other devices can reach this node at, for a join string: :meth:`self_url` when
@@ -272,9 +269,10 @@ class Membership:
             fresh = known is not None and known.peer_port and entry is not None and entry.alive and not entry.failures
             peer_port = known.peer_port if fresh else await self._peer_port(url)
             answer, responder = await self.client.request_json_from(
-                "POST", peer_url(url, peer_port), DESCRIBE_PATH, self.introduction(), target=target,
+                "POST", peer_url(url, peer_port), DESCRIBE_PATH, self.introduction().to_json(), target=target,
                 timeout_s=self.config.peer_timeout_s)
-            advert = NodeAdvert.from_json(answer.get("advert") if isinstance(answer, dict) else None)
+            description = Description.from_json(answer)
+            advert = NodeAdvert.from_json(description.advert)
             if advert.node_id != responder:
                 raise WireError(f"node {responder} describes itself as {advert.node_id}")
         except PeerAuthError as error:
@@ -289,14 +287,13 @@ class Membership:
             return
         latency_ms = (time.monotonic() - started) * 1000.0
         self._refused_as_stale.discard(url)
-        self._reports[url] = NodeReport.from_json({k: v for k, v in answer.items() if k not in ("advert", "peers", "you")})
-        if isinstance(answer.get("you"), str) and not self._seen_as and len(answer["you"]) < 64:
-            self._seen_as = answer["you"]
+        self._reports[url] = NodeReport.from_json(description.report)
+        if description.you is not None and not self._seen_as:
+            self._seen_as = description.you
         if self.table.contact_succeeded(url, advert, latency_ms, time.monotonic()):
             self._notify(f"peer {advert.node_id} at {url} is alive", "join", advert.node_id)
-        for gossiped in answer.get("peers", []) if isinstance(answer.get("peers"), list) else []:
-            if isinstance(gossiped, str) and gossiped.startswith(("http://", "https://")) and len(gossiped) < 256:
-                self.discovered(gossiped, "gossip")
+        for gossiped in description.peers:
+            self.discovered(gossiped, "gossip")
 
     async def round(self) -> None:
         """Contact every known peer once, then update capacity and the election."""

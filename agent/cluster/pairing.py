@@ -22,9 +22,9 @@ from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
-from agent.core.errors import InviteError, KeyChangeRefusedError, MemberUnreachable
+from agent.core.errors import InviteError, KeyChangeRefusedError, MemberUnreachable, WireError
 from agent.core.invites import Invite, InviteBook, JoinString, fingerprint, pairing_proof
-from agent.core.protocol import PAIR_PATH, REKEY_PATH, PairRequest, RekeyOrder
+from agent.core.protocol import PAIR_PATH, REKEY_PATH, PairAnswer, PairRequest, RekeyOrder
 from agent.local.config import JOINED_FILE, PENDING_JOIN_FILE, AgentConfig, write_config_file
 from agent.local.files import write_private
 from agent.local.lifecycle import Lifecycle
@@ -43,14 +43,15 @@ def _sealing_key(secret: bytes, nonce: str) -> AESGCM:
     return AESGCM(HKDF(algorithm=hashes.SHA256(), length=32, salt=nonce.encode(), info=b"ncm pairing").derive(secret))
 
 
-def seal(secret: bytes, nonce: str, invite_id: str, cluster_key: bytes) -> dict[str, str]:
+def seal(secret: bytes, nonce: str, invite_id: str, cluster_key: bytes) -> tuple[str, str]:
+    """The cluster key sealed with an invite's secret: (iv, sealed key), hex."""
     iv = secrets.token_bytes(12)
-    return {"iv": iv.hex(), "sealed_key": _sealing_key(secret, nonce).encrypt(iv, cluster_key, invite_id.encode()).hex()}
+    return iv.hex(), _sealing_key(secret, nonce).encrypt(iv, cluster_key, invite_id.encode()).hex()
 
 
-def unseal(secret: bytes, nonce: str, invite_id: str, answer: dict[str, Any]) -> bytes:
+def unseal(secret: bytes, nonce: str, invite_id: str, answer: PairAnswer) -> bytes:
     try:
-        return _sealing_key(secret, nonce).decrypt(bytes.fromhex(answer["iv"]), bytes.fromhex(answer["sealed_key"]),
+        return _sealing_key(secret, nonce).decrypt(bytes.fromhex(answer.iv), bytes.fromhex(answer.sealed_key),
                                                    invite_id.encode())
     except Exception:  # noqa: BLE001 - InvalidTag, bad hex, missing fields: all the same to the user
         raise InviteError("the member's answer does not open with this invite's secret") from None
@@ -112,14 +113,19 @@ async def redeem(session: aiohttp.ClientSession, join: JoinString) -> tuple[byte
             answer = await response.json(content_type=None)
     except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, OSError) as error:
         raise MemberUnreachable(f"cannot reach the member at {join.url}: {type(error).__name__}: {error}") from None
-    if response.status != 200 or not isinstance(answer, dict):
-        message = answer.get("error", {}).get("message") if isinstance(answer, dict) else None
-        raise InviteError(f"the member at {join.url} refused the invite: {message or f'HTTP {response.status}'}")
-    key = unseal(join.secret, nonce, join.invite_id, answer)
-    if fingerprint(key) != join.fingerprint or answer.get("cluster") != join.cluster:
+    if response.status != 200:  # the OpenAI error shape of the public port
+        error = answer.get("error") if isinstance(answer, dict) else None
+        message = error.get("message") if isinstance(error, dict) else None
+        raise InviteError(f"the member at {join.url} refused the invite: "
+                          f"{message if isinstance(message, str) else f'HTTP {response.status}'}")
+    try:
+        sealed = PairAnswer.from_json(answer)
+    except WireError as error:
+        raise InviteError(f"the member at {join.url} answered the invite with {error}") from None
+    key = unseal(join.secret, nonce, join.invite_id, sealed)
+    if fingerprint(key) != join.fingerprint or sealed.cluster != join.cluster:
         raise InviteError(f"the member at {join.url} is not of the cluster the join string names")
-    peers = [u for u in answer.get("peers", []) if isinstance(u, str) and u.startswith(("http://", "https://"))]
-    return key, [join.url, *peers][:16]
+    return key, [join.url, *sealed.peers][:16]
 
 
 def keep_membership(config: AgentConfig, cluster: str, key: bytes, peers: list[str]) -> None:

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import base64
 from collections.abc import Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any, ClassVar
 
 import numpy as np
@@ -416,3 +416,128 @@ class PairRequest:
                 value is None or (isinstance(value, str) and len(value) <= 128) for value in (cluster, fingerprint)):
             raise WireError("a pairing request names both 'cluster' and 'fingerprint' (strings), or neither")
         return cls(invite, nonce, proof, cluster, fingerprint)
+
+
+@dataclass(frozen=True)
+class PairAnswer:
+    """A member's answer to a redeemed invite: its cluster's name, its live peers, and the
+    cluster key sealed with the invite's secret (``iv``, ``sealed_key``: hex)."""
+
+    cluster: str
+    peers: tuple[str, ...]
+    iv: str
+    sealed_key: str
+
+    def to_json(self) -> dict[str, Any]:
+        return {"cluster": self.cluster, "peers": list(self.peers), "iv": self.iv, "sealed_key": self.sealed_key}
+
+    @classmethod
+    def from_json(cls, body: Any) -> PairAnswer:
+        cluster, iv, sealed_key = _fields(body, "a pairing answer", {"cluster": str, "iv": str, "sealed_key": str})
+        peers = body.get("peers")
+        return cls(cluster, tuple(_urls(peers if isinstance(peers, list) else [])), iv, sealed_key)
+
+
+def _urls(values: list[Any]) -> list[str]:
+    """The http(s) URLs among ``values`` (a peer's list: anything else is left out)."""
+    return [u for u in values if isinstance(u, str) and u.startswith(("http://", "https://")) and len(u) < 256]
+
+
+@dataclass(frozen=True)
+class Introduction:
+    """What a describe request says of its caller: its API port, and its URL when it knows it."""
+
+    api_port: int | None = None
+    url: str | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return {"api_port": self.api_port, "url": self.url}
+
+    @classmethod
+    def from_json(cls, body: Any) -> Introduction:
+        """The introduction in ``body``; a field that is no port or URL reads as absent."""
+        if not isinstance(body, Mapping):
+            return cls()
+        port, url = body.get("api_port"), body.get("url")
+        return cls(port if isinstance(port, int) and not isinstance(port, bool) and 0 < port < 65536 else None,
+                   url if _urls([url]) else None)
+
+    def address(self, remote: str | None) -> str | None:
+        """Where the caller is reached: its URL, else its address (``remote``) and API port."""
+        if self.url is not None:
+            return self.url
+        if self.api_port is None or not remote:
+            return None
+        return f"http://[{remote}]:{self.api_port}" if ":" in remote else f"http://{remote}:{self.api_port}"
+
+
+@dataclass(frozen=True)
+class Description:
+    """A node's answer to a describe: its advert (JSON: :class:`agent.core.advert.NodeAdvert`
+    reads it), the live peers it knows, the address it sees the caller at (``you``) and what
+    it reports of itself beyond the advert (``report``: its models, worker, device memory,
+    open embedding models, detected devices)."""
+
+    advert: Mapping[str, Any]
+    peers: tuple[str, ...] = ()
+    you: str | None = None
+    report: Mapping[str, Any] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        return {**self.report, "advert": dict(self.advert), "peers": list(self.peers), "you": self.you}
+
+    @classmethod
+    def from_json(cls, body: Any) -> Description:
+        if not isinstance(body, Mapping) or not isinstance(body.get("advert"), Mapping):
+            raise WireError("a description is a JSON object with an 'advert'")
+        peers, you = body.get("peers"), body.get("you")
+        return cls(body["advert"], tuple(_urls(peers if isinstance(peers, list) else [])),
+                   you if isinstance(you, str) and len(you) < 64 else None,
+                   {k: v for k, v in body.items() if k not in ("advert", "peers", "you")})
+
+
+@dataclass(frozen=True)
+class ModelListing:
+    """What a node serves of a stored model (`GET /internal/models/{name}`): its manifest (a
+    chat model's) or ``encoder`` manifest (an embedding model's), as JSON, and the size and
+    sha256 of its tokenizer files (``meta_files``)."""
+
+    kind: str  # "manifest" or "encoder"
+    document: Mapping[str, Any]
+    meta_files: Mapping[str, tuple[int, str]] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        return {self.kind: dict(self.document),
+                "meta_files": {name: {"bytes": size, "sha256": digest} for name, (size, digest) in self.meta_files.items()}}
+
+    @classmethod
+    def from_json(cls, body: Any, kind: str) -> ModelListing:
+        """The listing of a model of ``kind``; WireError when ``body`` is none."""
+        if not isinstance(body, Mapping) or not isinstance(body.get(kind), Mapping):
+            raise WireError(f"a model listing holds its {kind} as a JSON object")
+        meta, files = body.get("meta_files", {}), {}
+        for name, entry in meta.items() if isinstance(meta, Mapping) else ():
+            size, digest = _fields(entry, f"a listing's file {str(name)[:40]!r}", {"bytes": int, "sha256": str})
+            files[str(name)] = (size, digest)
+        return cls(kind, body[kind], files)
+
+
+@dataclass(frozen=True)
+class CopyQueued:
+    """A node's answer to a :class:`CopyOrder`: whether it queued the fetch (False: it holds
+    the model already, or is fetching it)."""
+
+    queued: bool
+
+    def to_json(self) -> dict[str, Any]:
+        return {"queued": self.queued}
+
+
+@dataclass(frozen=True)
+class Rekeyed:
+    """A node's answer to a :class:`RekeyOrder`: it took the new key and restarts (``node``)."""
+
+    node: str
+
+    def to_json(self) -> dict[str, Any]:
+        return {"rekeyed": self.node}

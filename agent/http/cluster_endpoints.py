@@ -19,7 +19,7 @@ from agent.core.errors import (
     WireError,
 )
 from agent.core.invites import DEFAULT_INVITE_TTL_S, JoinString, fingerprint
-from agent.core.protocol import PAIR_PATH, PairRequest
+from agent.core.protocol import PAIR_PATH, PairAnswer, PairRequest
 from agent.http.app_keys import (
     CLIENT,
     CONFIG,
@@ -181,9 +181,9 @@ async def pair(request: web.Request) -> web.Response:
         request.app[REFUSED_INVITES].warn(request.remote or "?", str(error))
         return answer_error(error)
     log.info("invite %s redeemed by %s", pairing.invite, request.remote)
-    return web.json_response({"cluster": request.app[CONFIG].cluster_name,
-                              "peers": request.app[MEMBERSHIP].live_peer_urls(),
-                              **seal(invite.secret, pairing.nonce, pairing.invite, request.app[CLIENT].key)})
+    iv, sealed_key = seal(invite.secret, pairing.nonce, pairing.invite, request.app[CLIENT].key)
+    return web.json_response(PairAnswer(request.app[CONFIG].cluster_name, tuple(request.app[MEMBERSHIP].live_peer_urls()),
+                                        iv, sealed_key).to_json())
 
 
 @routes.post("/cluster/remove")

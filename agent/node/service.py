@@ -52,9 +52,12 @@ from agent.core.protocol import (
     UNLOAD_PATH,
     CloseFrame,
     CopyOrder,
+    CopyQueued,
     EmbedOrder,
+    Introduction,
     OrderStep,
     PingFrame,
+    Rekeyed,
     RekeyOrder,
     StepFrame,
     UnloadOrder,
@@ -215,10 +218,10 @@ async def access(request: web.Request, handler: Any) -> web.StreamResponse:
 async def describe(request: web.Request) -> web.Response:
     membership = request.app[MEMBERSHIP]
     try:
-        membership.introduced(await request.json(), request.remote)
+        membership.introduced(Introduction.from_json(await request.json()), request.remote)
     except json.JSONDecodeError:
         pass
-    return web.json_response(membership.describe(request.remote))
+    return web.json_response(membership.describe(request.remote).to_json())
 
 
 def internal_error(error: NcmError) -> web.Response:
@@ -286,7 +289,7 @@ async def keep_copy(request: web.Request) -> web.Response:
         copy = await read_message(request, CopyOrder)
     except WireError as error:
         return internal_error(error)
-    return web.json_response({"queued": request.app[WORKER].keep_whole_copy(copy.model, list(copy.sources))},
+    return web.json_response(CopyQueued(request.app[WORKER].keep_whole_copy(copy.model, list(copy.sources))).to_json(),
                              status=202)
 
 
@@ -311,7 +314,7 @@ async def rekey(request: web.Request) -> web.Response:
     request.app[INVITES].revoke_all()  # none is redeemed in the moment before the restart either
     request.app[LIFECYCLE].restart_now()  # this answer goes out first
     log.info("the cluster key was changed by the orchestrator (a node was removed): restarting with it")
-    return web.json_response({"rekeyed": request.app[NODE_ID]})
+    return web.json_response(Rekeyed(request.app[NODE_ID]).to_json())
 
 
 @internal.post(EMBED_PATH)
@@ -342,7 +345,7 @@ async def model_listing(request: web.Request) -> web.Response:
     name = request.match_info["name"]
     if not store.has(name) and not store.has_encoder(name):
         raise web.HTTPNotFound(text=f"model {name} is not here")
-    return web.json_response(await asyncio.to_thread(describe_model_files, store.models_dir / name))
+    return web.json_response((await asyncio.to_thread(describe_model_files, store.models_dir / name)).to_json())
 
 
 @internal.get(MODEL_FILE_PATH.replace("{path}", "{path:.+}"))

@@ -16,13 +16,13 @@ import logging
 import os
 import weakref
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Callable, Iterator
 
 import aiohttp
 
 from agent.cluster.peer_client import PeerClient, PeerError
-from agent.core.errors import NcmError
-from agent.core.protocol import model_file_path, model_listing_path
+from agent.core.errors import NcmError, WireError
+from agent.core.protocol import ModelListing, model_file_path, model_listing_path
 from shards.errors import ShardsError
 from shards.store.encoder_manifest import ENCODER_FILE, EncoderManifest
 from shards.store.manifest import Manifest
@@ -54,17 +54,13 @@ def file_digest(path: Path) -> str:
     return hash_file(path).hexdigest()
 
 
-def describe_model_files(model_dir: Path) -> dict[str, Any]:
+def describe_model_files(model_dir: Path) -> ModelListing:
     """What a source serves: the manifest (an embedding model's: ``encoder``) and the
     size/digest of the tokenizer files."""
-    meta = {}
-    for name in META_FILES:
-        path = model_dir / name
-        if path.is_file():
-            meta[name] = {"bytes": path.stat().st_size, "sha256": file_digest(path)}
-    if (model_dir / ENCODER_FILE).is_file():
-        return {"encoder": json.loads((model_dir / ENCODER_FILE).read_text(encoding="utf-8")), "meta_files": meta}
-    return {"manifest": json.loads((model_dir / MANIFEST_FILE).read_text(encoding="utf-8")), "meta_files": meta}
+    meta = {name: (path.stat().st_size, file_digest(path)) for name in META_FILES
+            if (path := model_dir / name).is_file()}
+    kind, file = ("encoder", ENCODER_FILE) if (model_dir / ENCODER_FILE).is_file() else ("manifest", MANIFEST_FILE)
+    return ModelListing(kind, json.loads((model_dir / file).read_text(encoding="utf-8")), meta)
 
 
 def resolve_model_file(model_dir: Path, relative: str) -> Path:
@@ -167,17 +163,16 @@ def _writing(dest: Path) -> Iterator[None]:
 
 
 async def _listing(client: PeerClient, name: str, sources: list[Source], errors: list[str], *,
-                   kind: str = "manifest") -> tuple[Source, dict[str, Any]]:
+                   kind: str = "manifest") -> tuple[Source, ModelListing]:
     """The first source's answer to `GET /internal/models/{name}` (one with a ``kind``:
     "manifest", or "encoder" for an embedding model): (source, listing)."""
     for source in sources:
         node_id, base_url = source
         try:
-            listing = await client.request_json("GET", base_url, model_listing_path(name), target=node_id,
-                                                timeout_s=30.0)
-            if isinstance(listing, dict) and isinstance(listing.get(kind), dict):
-                return source, listing
-            errors.append(f"{base_url}: malformed model listing")
+            return source, ModelListing.from_json(await client.request_json(
+                "GET", base_url, model_listing_path(name), target=node_id, timeout_s=30.0), kind)
+        except WireError as error:
+            errors.append(f"{base_url}: malformed model listing ({error})")
         except PeerError as error:
             errors.append(str(error))
     raise WeightTransferError(f"no peer could provide model {name!r}: " + ("; ".join(errors) or "no source known"))
@@ -226,8 +221,8 @@ async def _fetch_model_files(
     errors: list[str] = []
     source, listing = await _listing(client, name, sources, errors)
     try:
-        manifest = Manifest.from_dict(listing["manifest"])
-        meta_files = {k: (int(v["bytes"]), str(v["sha256"])) for k, v in listing.get("meta_files", {}).items() if k in META_FILES}
+        manifest = Manifest.from_dict(listing.document)
+        meta_files = {k: v for k, v in listing.meta_files.items() if k in META_FILES}
     except (ShardsError, KeyError, TypeError, ValueError) as error:
         raise WeightTransferError(f"{source[1]} sent an unusable manifest of {name!r}: {error}") from None
     with _writing(model_dir):
@@ -262,9 +257,8 @@ async def ensure_encoder_files(client: PeerClient, store: ModelStore, name: str,
         errors: list[str] = []
         source, listing = await _listing(client, name, sources, errors, kind="encoder")
         try:
-            manifest = EncoderManifest.from_json(json.dumps(listing["encoder"]))
-            files = {k: (int(v["bytes"]), str(v["sha256"])) for k, v in listing.get("meta_files", {}).items()
-                     if k in META_FILES}
+            manifest = EncoderManifest.from_json(json.dumps(listing.document))
+            files = {k: v for k, v in listing.meta_files.items() if k in META_FILES}
         except (ShardsError, KeyError, TypeError, ValueError) as error:
             raise WeightTransferError(f"{source[1]} sent an unusable listing of {name!r}: {error}") from None
         if manifest.name != name:

@@ -3,13 +3,27 @@ handler reads, and a body that is not the message is a WireError, never another 
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
 from agent.core.errors import WireError
-from agent.core.protocol import CopyOrder, Embeddings, EmbedOrder, OrderStep, PairRequest, RekeyOrder, UnloadOrder
+from agent.core.protocol import (
+    CopyOrder,
+    Description,
+    Embeddings,
+    EmbedOrder,
+    Introduction,
+    ModelListing,
+    OrderStep,
+    PairAnswer,
+    PairRequest,
+    RekeyOrder,
+    UnloadOrder,
+)
 
 MESSAGES = [
     OrderStep("smollm2-135m", 3, 2),
@@ -73,3 +87,46 @@ def test_embeddings_read_back_exactly():
     vectors = np.linspace(-1, 1, 6, dtype=np.float32).reshape(2, 3)
     read = Embeddings.from_json(Embeddings(vectors, 7, 0.5, 0.25).to_json())
     assert np.array_equal(read.vectors, vectors) and (read.prompt_tokens, read.load_s, read.embed_s) == (7, 0.5, 0.25)
+
+
+# --- answers: pairing, describe, model listings -------------------------------------------------
+def test_a_pairing_answer_reads_back_and_keeps_only_urls_among_its_peers():
+    answer = PairAnswer("home", ("http://10.0.0.2:8080", "https://b.local:8080"), "ab" * 12, "cd" * 40)
+    assert PairAnswer.from_json(json.loads(json.dumps(answer.to_json()))) == answer
+    assert PairAnswer.from_json({**answer.to_json(), "peers": ["ftp://x", 3, "http://ok:1"]}).peers == ("http://ok:1",)
+    with pytest.raises(WireError, match="pairing answer"):
+        PairAnswer.from_json({"cluster": "home", "iv": "00"})
+
+
+@given(st.one_of(st.none(), st.integers(), st.text(max_size=5), st.booleans()),
+       st.one_of(st.none(), st.integers(), st.text(max_size=20)))
+def test_an_introduction_reads_a_bad_field_as_absent(port, url):
+    introduction = Introduction.from_json({"api_port": port, "url": url})
+    assert introduction.api_port is None or (isinstance(introduction.api_port, int) and 0 < introduction.api_port < 65536)
+    assert introduction.url is None or introduction.url.startswith(("http://", "https://"))
+
+
+def test_an_introduction_names_where_the_caller_is_reached():
+    assert Introduction(8080, "http://me.local:8080").address("10.0.0.9") == "http://me.local:8080"
+    assert Introduction(8080).address("10.0.0.9") == "http://10.0.0.9:8080"
+    assert Introduction(8080).address("fe80::1") == "http://[fe80::1]:8080"
+    assert Introduction().address("10.0.0.9") is None and Introduction(8080).address(None) is None
+    assert Introduction.from_json(Introduction(8081, None).to_json()) == Introduction(8081)
+
+
+def test_a_description_reads_back_with_its_report_beside_its_advert():
+    description = Description({"node_id": "n1"}, ("http://a:1",), "10.0.0.3", {"models": {"m": 3}, "worker": {}})
+    again = Description.from_json(json.loads(json.dumps(description.to_json())))
+    assert again == description
+    assert Description.from_json({"advert": {}, "peers": "x", "you": "y" * 80}) == Description({})
+    with pytest.raises(WireError, match="advert"):
+        Description.from_json({"peers": []})
+
+
+def test_a_model_listing_reads_back_and_refuses_a_file_without_its_digest():
+    listing = ModelListing("encoder", {"name": "minilm"}, {"tokenizer.json": (12, "ab" * 32)})
+    assert ModelListing.from_json(json.loads(json.dumps(listing.to_json())), "encoder") == listing
+    with pytest.raises(WireError, match="holds its manifest"):  # an embedding model's listing is no chat model's
+        ModelListing.from_json(listing.to_json(), "manifest")
+    with pytest.raises(WireError, match="tokenizer.json"):
+        ModelListing.from_json({"encoder": {}, "meta_files": {"tokenizer.json": {"bytes": 12}}}, "encoder")

@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import errno
+import json
 import os
 from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
@@ -29,6 +30,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from agent.cluster.peer_client import PeerClient
+from agent.core.protocol import ModelListing
 from agent.stage.weights import (
     META_FILES,
     Source,
@@ -280,12 +282,12 @@ def test_a_source_describes_the_manifest_and_its_tokenizer_files(tmp_path):
     import_model(checkpoint, name=TINY, store=store, progress=False)
     model_dir = store.models_dir / TINY
     described = describe_model_files(model_dir)
-    assert Manifest.from_dict(described["manifest"]) == store.manifest(TINY)
-    assert described["meta_files"] == {name: {"bytes": (model_dir / name).stat().st_size,
-                                              "sha256": hash_file(model_dir / name).hexdigest()}
-                                       for name in META_FILES}
+    assert described.kind == "manifest" and Manifest.from_dict(described.document) == store.manifest(TINY)
+    assert described.meta_files == {name: ((model_dir / name).stat().st_size, hash_file(model_dir / name).hexdigest())
+                                    for name in META_FILES}
+    assert ModelListing.from_json(json.loads(json.dumps(described.to_json())), "manifest") == described
     (model_dir / "tokenizer_config.json").unlink()
-    assert set(describe_model_files(model_dir)["meta_files"]) == {"tokenizer.json"}
+    assert set(describe_model_files(model_dir).meta_files) == {"tokenizer.json"}
 
 
 @pytest.fixture(scope="module")
