@@ -149,9 +149,13 @@ def stream_timings(url: str, tokens: int, prompt: str = PROMPT, **fields) -> tup
 
 
 def draft_counts(url: str) -> tuple[float, float]:
-    """(tokens drafted, tokens kept) the orchestrator counted so far."""
-    with urllib.request.urlopen(url + "/metrics", timeout=30) as response:
-        text = response.read().decode()
+    """(tokens drafted, tokens kept) the cluster's agents counted so far (the orchestrator's)."""
+    with urllib.request.urlopen(url + "/cluster/nodes", timeout=30) as response:
+        urls = [node["url"] for node in json.loads(response.read())["nodes"] if node["alive"]]
+    text = ""
+    for agent in urls:
+        with urllib.request.urlopen(agent + "/metrics", timeout=30) as response:
+            text += response.read().decode()
     counts = {"drafted": 0.0, "kept": 0.0}
     for line in text.splitlines():
         if line.startswith("ncm_draft_tokens_total{"):

@@ -56,7 +56,7 @@ class PublicAnswer:
         """The OpenAI error ``type`` of this status."""
         return {400: "invalid_request_error", 401: "authentication_error", 403: "invalid_request_error",
                 404: "invalid_request_error", 409: "invalid_request_error", 429: "requests",
-                503: "service_unavailable"}.get(self.status, "server_error")
+                503: "service_unavailable"}.get(self.status, "invalid_request_error" if self.status < 500 else "server_error")
 
 
 class NcmError(Exception):

@@ -28,7 +28,8 @@ ADMIN_ENDPOINTS = frozenset({("POST", "/cluster/join"), ("POST", "/cluster/remov
 def bearer_matches(request: web.Request, accepted: Any) -> bool:
     """Whether the request's bearer token is one of ``accepted`` (each compared in constant time)."""
     scheme, _, value = request.headers.get("Authorization", "").partition(" ")
-    given = value.strip().encode() if scheme.lower() == "bearer" else b""
+    # bytes that are no UTF-8 come as surrogate escapes: encoded back as they were, they match nothing
+    given = value.strip().encode("utf-8", "surrogateescape") if scheme.lower() == "bearer" else b""
     return any([hmac.compare_digest(given, key.encode()) for key in accepted])
 
 

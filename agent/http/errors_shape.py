@@ -51,5 +51,7 @@ async def openai_errors(request: web.Request, handler: Any) -> web.StreamRespons
         return answer_error(error)
     except web.HTTPException as error:
         if error.status >= 400 and error.content_type != "application/json":
-            return error_response(error.status, error.reason or "error", code=str(error.status))
+            kept = {k: v for k, v in error.headers.items() if k in ("Allow", "Retry-After")}  # 405 says what is allowed
+            message = error.text if error.text and error.text != f"{error.status}: {error.reason}" else error.reason
+            return error_response(error.status, message or "error", code=str(error.status), headers=kept or None)
         raise

@@ -28,7 +28,7 @@ from shards.runtime.answer_reader import AnswerReader
 from shards.runtime.call_stream import CallDelta
 from shards.runtime.grammar import ThinkFirst, json_schema_grammar
 from shards.runtime.reasoning import ReasoningSplitter, ReasoningSupport, prompt_opens_thinking, reasoning_support
-from shards.runtime.sampling import SamplingParams, TokenLogprobs
+from shards.runtime.sampling import MAX_TOKENS_LIMIT, SamplingParams, TokenLogprobs
 from shards.runtime.tool_calls import PARALLEL_BY_DEFAULT, ToolCall, call_grammar, prompt_messages, tool_format
 from shards.text.tokenizer import Tokenizer
 
@@ -44,7 +44,7 @@ def sampling_params(chat: ChatRequest, prompt_tokens: int, max_context: int, gra
         raise InvalidRequestError(
             f"the prompt has {prompt_tokens} tokens but the context holds {max_context}; shorten it",
             "messages" if chat.messages else "prompt", "context_length_exceeded")
-    max_tokens = min(chat.max_tokens or default_max_tokens or room, room)
+    max_tokens = min(chat.max_tokens or default_max_tokens or room, room, MAX_TOKENS_LIMIT)
     try:
         return SamplingParams(max_tokens=max_tokens, grammar=grammar, **chat.sampling_fields())
     except ShardsError as error:

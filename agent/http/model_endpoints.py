@@ -92,4 +92,6 @@ async def models_load_unload(request: web.Request) -> web.StreamResponse:
 async def models_sse(request: web.Request) -> web.StreamResponse:
     """Server-Sent Events: the state of every model, then every change (status, progress, memory)."""
     with request.app[ROUTER].subscribe() as events:
-        return await event_stream(request, events, lambda event: (event.pop("event"), event))
+        # every stream gets the same event (a fanout): read it, never change it
+        return await event_stream(request, events,
+                                  lambda event: (event["event"], {k: v for k, v in event.items() if k != "event"}))

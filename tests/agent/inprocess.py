@@ -12,7 +12,7 @@ import contextlib
 import json
 import ssl
 import threading
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -172,3 +172,29 @@ class SseEvents:
         self.task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await self.task
+
+
+class Loop:
+    """An event loop in a thread of its own: the agents and servers the tests share keep running
+    (health checks, elections) between the tests."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+        self._entered = contextlib.AsyncExitStack()
+
+    def run(self, coroutine: Coroutine[Any, Any, Any], timeout_s: float = 120.0) -> Any:
+        return asyncio.run_coroutine_threadsafe(coroutine, self.loop).result(timeout_s)
+
+    def enter(self, context: contextlib.AbstractAsyncContextManager[Any]) -> Any:
+        """Enter ``context`` on the loop; :meth:`close` leaves it (what was entered, in reverse)."""
+        return self.run(self._entered.enter_async_context(context))
+
+    def close(self) -> None:
+        try:
+            self.run(self._entered.aclose())
+        finally:
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self.thread.join(10)
+            self.loop.close()

@@ -59,8 +59,9 @@ def test_the_dashboard_shows_the_cluster_streams_a_chat_and_sees_a_device_die(sm
             page.on("pageerror", lambda error: problems.append(f"page error: {error}"))
             page.goto(host.url + "/")
 
-            page.wait_for_function("document.querySelectorAll('.node[data-alive=\"true\"]').length === 3",
-                                   timeout=15_000)
+            # Waits go through selectors, which Playwright reads from its own world: a predicate it
+            # evaluates in the page's needs 'unsafe-eval', which the page's CSP rightly refuses.
+            playwright_api.expect(page.locator(".node[data-alive='true']")).to_have_count(3, timeout=15_000)
             assert sorted(page.eval_on_selector_all(".node", "nodes => nodes.map(n => n.dataset.node)")) == sorted(roles)
             page.wait_for_selector("svg.layer-map[data-model='smollm2-135m']", timeout=15_000)
             rows = page.eval_on_selector_all("svg.layer-map g.lrow", "rows => rows.map(r => r.dataset.rowNode)")
@@ -92,11 +93,9 @@ def test_the_dashboard_shows_the_cluster_streams_a_chat_and_sees_a_device_die(sm
             page.fill("#chat-input", "Write a long story about a dragon who learns to cook.")
             page.click("#chat-send")
             stopping = page.locator("#chat-log .msg.assistant").last
-            page.wait_for_function("() => { const m = [...document.querySelectorAll('#chat-log .msg.assistant')].pop();"
-                                   " return m && m.classList.contains('streaming') && m.textContent.length > 0; }",
-                                   timeout=120_000)
+            page.wait_for_selector("#chat-log .msg.assistant.streaming:not(:empty)", timeout=120_000)
             page.click("#chat-stop")
-            page.wait_for_function("() => !document.querySelector('#chat-send').disabled", timeout=30_000)
+            page.wait_for_selector("#chat-send:enabled", timeout=30_000)
             assert "streaming" not in (stopping.get_attribute("class") or "") and stopping.inner_text()
             assert "stopped" in page.locator("#chat-stats").inner_text()
             assert page.locator("#chat-stop").is_hidden() and not problems, problems

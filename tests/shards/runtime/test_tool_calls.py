@@ -40,6 +40,7 @@ from shards.text.tokenizer_gguf import GEMMA_TURNS
 from shards.text.tokenizer_hf import tokenizer_spec_from_hf
 from tests.examples import examples
 from tests.shards.fragment_helpers import CHAT_TEMPLATE, write_chatml_tokenizer
+from tests.shards.runtime.test_call_stream import written
 
 QWEN3_TEMPLATE = (Path(__file__).parents[1] / "templates" / "qwen3.jinja").read_text(encoding="utf-8")
 TOOLS = [{"name": "HassTurnOn", "description": "turns a device on",
@@ -49,20 +50,6 @@ TOOLS = [{"name": "HassTurnOn", "description": "turns a device on",
           "parameters": {"type": "object", "properties": {}, "additionalProperties": False}}]
 TURN_ON = ("HassTurnOn", {"name": "lamp"})
 CONTEXT = ("GetLiveContext", {})
-
-
-def written(fmt: str, calls: list[tuple[str, dict]]) -> str:
-    """Calls as each format writes them (the grammar's compact JSON, name first)."""
-    key = "parameters" if fmt == LLAMA3 else "arguments"
-    bodies = [json.dumps({"name": name, key: arguments}, ensure_ascii=False) for name, arguments in calls]
-    if fmt == HERMES:
-        return "\n".join(f"<tool_call>\n{body}\n</tool_call>" for body in bodies)
-    if fmt == MISTRAL:
-        return "[TOOL_CALLS][" + ", ".join(bodies) + "]"
-    if fmt == GENERIC:
-        return '{"tool_calls": [' + ", ".join(bodies) + "]}"
-    assert len(bodies) == 1, "llama3 writes one call"
-    return bodies[0]
 
 
 def read(fmt: str, text: str) -> tuple[str, list[tuple[str, str, dict]]]:

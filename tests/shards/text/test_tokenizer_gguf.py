@@ -21,7 +21,7 @@ from shards.text.tokenizer import Tokenizer
 from shards.text.tokenizer_gguf import GEMMA_TURNS, PRE_TOKENIZER_SPLITS, tokenizer_spec_from_gguf
 from shards.text.tokenizer_spec import TokenizerSpec
 from tests.examples import examples
-from tests.shards.text.tokenizer_helpers import ENCODABLE, FAST, SPM_PIECES, write_spm_gguf
+from tests.shards.text.tokenizer_helpers import ENCODABLE, FAST, SPM_PIECES, tiny_gguf_writer, write_spm_gguf
 
 
 def read_gguf(path: Path) -> TokenizerSpec:
@@ -170,18 +170,9 @@ def write_gguf(path: Path, *, arch: str = "llama", model: str | None = "gpt2", p
                template: str | None = None) -> Path:
     """A GGUF holding a tokenizer and nothing else: ``ids`` by GGUFWriter's names (``bos`` ->
     ``add_bos_token_id``), ``flags`` likewise (``add_bos_token`` -> ``add_add_bos_token``)."""
-    import gguf
 
     tokens = GPT2_TOKENS if tokens is None else tokens
-    writer = gguf.GGUFWriter(str(path), arch)
-    writer.add_block_count(1)
-    writer.add_context_length(64)
-    writer.add_embedding_length(8)
-    writer.add_feed_forward_length(16)
-    writer.add_head_count(2)
-    writer.add_head_count_kv(2)
-    writer.add_layer_norm_rms_eps(1e-5)
-    writer.add_rope_freq_base(10000.0)
+    writer = tiny_gguf_writer(path, arch)
     if model is not None:
         writer.add_tokenizer_model(model)
     if pre is not None:

@@ -5,6 +5,7 @@ written as a GGUF."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
@@ -49,13 +50,11 @@ SPM_PIECES = ["\u2581", "e", "t", "h", "a", "o", "l", "n", "s", "r", "d", "w", "
 SPM_VOCAB_SIZE = 3 + 256 + len(SPM_PIECES)  # <unk> <s> </s>, the 256 byte tokens, the pieces
 
 
-def write_spm_gguf(folder: Path) -> Path:
-    """``folder/tiny-spm.gguf``: a one-layer llama header and a scored sentencepiece vocabulary
-    (<unk>, control <s> and </s>, byte fallback tokens, :data:`SPM_PIECES`)."""
+def tiny_gguf_writer(path: Path, arch: str = "llama") -> Any:
+    """A GGUFWriter of ``path`` with a one-layer header of ``arch`` (what a tokenizer needs beside it)."""
     import gguf
 
-    path = folder / "tiny-spm.gguf"
-    writer = gguf.GGUFWriter(str(path), "llama")
+    writer = gguf.GGUFWriter(str(path), arch)
     writer.add_block_count(1)
     writer.add_context_length(64)
     writer.add_embedding_length(8)
@@ -64,6 +63,15 @@ def write_spm_gguf(folder: Path) -> Path:
     writer.add_head_count_kv(2)
     writer.add_layer_norm_rms_eps(1e-5)
     writer.add_rope_freq_base(10000.0)
+    return writer
+
+
+def write_spm_gguf(folder: Path) -> Path:
+    """``folder/tiny-spm.gguf``: a one-layer llama header and a scored sentencepiece vocabulary
+    (<unk>, control <s> and </s>, byte fallback tokens, :data:`SPM_PIECES`)."""
+
+    path = folder / "tiny-spm.gguf"
+    writer = tiny_gguf_writer(path)
     tokens, types, scores = ["<unk>", "<s>", "</s>"], [2, 3, 3], [0.0, 0.0, 0.0]
     for byte in range(256):
         tokens.append(f"<0x{byte:02X}>")
