@@ -116,13 +116,14 @@ class Metrics:
                 now = self._clock()
                 tokens = len(event.tokens) or (1 if event.text else 0)
                 if tokens:
-                    if first:
+                    if first:  # tokens that came with the first (a speculative step's) took no time of their own
                         first_token.observe(now - started)
-                        tokens_after_first, first = tokens - 1, False
-                    else:
-                        tokens_after_first = tokens
-                    for _ in range(tokens_after_first):
-                        per_token.observe((now - previous) / tokens_after_first)
+                        for _ in range(tokens - 1):
+                            per_token.observe(0.0)
+                        first = False
+                    else:  # the time since the previous event, shared by the tokens it brought
+                        for _ in range(tokens):
+                            per_token.observe((now - previous) / tokens)
                     generated.inc(tokens)
                     self._tokens_at.append((now, tokens))
                     self._forget_tokens_before(now - THROUGHPUT_WINDOW_S)

@@ -60,6 +60,7 @@ class ModelScheduler:
             if action is None:
                 break
             if isinstance(action, Load):
+                self._progress.pop(action.model, None)  # the last load's progress is not this one's
                 self.model_events.status_changed(action.model)
                 self.spawn(self._run_load(action), f"load {action.model}")
             elif isinstance(action, Evict):
@@ -93,7 +94,6 @@ class ModelScheduler:
                 raise ModelLoadError(
                     f"no live node stores the weights of {preset.store_model!r}; start the node that holds them, "
                     f"or import them on one (ncm pull / ncm import)")
-            self._progress.pop(name, None)
             if action.measure:
                 if not self.catalog.store.has(preset.store_model):
                     # Known only from another node's holdings: its context length is known once
