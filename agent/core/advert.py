@@ -74,7 +74,7 @@ class NodeAdvert:
                 role=data["role"],
                 capacity=NodeCapacity.from_dict(data["capacity"]),
                 election=Election(orchestrator, int(epoch)) if orchestrator else None,
-                configured_orchestrator=bool(data.get("configured_orchestrator", False)),
+                configured_orchestrator=data.get("configured_orchestrator", False) is True,
                 peer_port=int(data.get("peer_port", 0)),
             )
         except (KeyError, TypeError, ValueError, OverflowError, InvalidNodeError) as error:

@@ -16,6 +16,25 @@ from agent.core.plan import LayerRange
 from agent.core.routing import Hop, Route, forwarding_table
 
 
+def _whole(value: Any) -> int:
+    """An integer of a routing order as sent: a float or a bool is refused, never truncated."""
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise TypeError(f"expected an integer, got {value!r}")
+    return value
+
+
+def _flag(value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise TypeError(f"expected true or false, got {value!r}")
+    return value
+
+
+def _listed(value: Any) -> list[Any]:
+    if not isinstance(value, list):
+        raise TypeError(f"expected a list, got {type(value).__name__}")
+    return value
+
+
 @dataclass(frozen=True)
 class RoutingOrder:
     epoch: int
@@ -99,29 +118,29 @@ class RoutingOrder:
     @classmethod
     def from_json(cls, data: Any) -> RoutingOrder:
         try:
-            hops = tuple(Hop(str(h["node"]), LayerRange(int(h["layers"][0]), int(h["layers"][1]))) for h in data["route"])
+            hops = tuple(Hop(str(h["node"]), LayerRange(_whole(h["layers"][0]), _whole(h["layers"][1]))) for h in data["route"])
             addresses = data["addresses"]
             if not isinstance(addresses, dict) or not all(isinstance(v, str) for v in addresses.values()):
                 raise TypeError("addresses must map node ids to URLs")
             return cls(
-                epoch=int(data["epoch"]),
+                epoch=_whole(data["epoch"]),
                 orchestrator=str(data["orchestrator"]),
-                plan_version=int(data["plan_version"]),
+                plan_version=_whole(data["plan_version"]),
                 model=str(data["model"]),
-                total_layers=int(data["total_layers"]),
+                total_layers=_whole(data["total_layers"]),
                 route=Route(hops),
                 addresses=dict(addresses),
-                weight_sources=tuple(str(u) for u in data.get("weight_sources", [])),
+                weight_sources=tuple(str(u) for u in _listed(data.get("weight_sources", []))),
                 plan=dict(data.get("plan", {})),
-                degraded=bool(data.get("degraded", False)),
+                degraded=_flag(data.get("degraded", False)),
                 standby={
-                    str(node): tuple(LayerRange(int(a), int(b)) for a, b in ranges)
+                    str(node): tuple(LayerRange(_whole(a), _whole(b)) for a, b in ranges)
                     for node, ranges in dict(data.get("standby", {})).items()
                 },
                 name=str(data.get("name", "")),
-                max_context=int(data.get("max_context", 0)),
-                prefill_chunk=int(data.get("prefill_chunk", 0)),
-                standby_later=bool(data.get("standby_later", False)),
+                max_context=_whole(data.get("max_context", 0)),
+                prefill_chunk=_whole(data.get("prefill_chunk", 0)),
+                standby_later=_flag(data.get("standby_later", False)),
             )
         except WireError:
             raise

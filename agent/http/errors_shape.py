@@ -5,6 +5,7 @@ gives every public endpoint that answer (any other failure is a 500)."""
 from __future__ import annotations
 
 import logging
+import math
 from typing import Any
 
 from aiohttp import web
@@ -34,7 +35,7 @@ def error_response(status: int, message: str, *, type_: str | None = None, param
 def answer_error(error: NcmError) -> web.Response:
     """The OpenAI-shaped answer of ``error``: what its class says (:meth:`NcmError.answer`)."""
     answer = error.answer()
-    headers = {"Retry-After": f"{answer.retry_after_s:.0f}"} if answer.retry_after_s else None
+    headers = {"Retry-After": str(math.ceil(answer.retry_after_s))} if answer.retry_after_s else None  # never sooner
     return error_response(answer.status, answer.message, param=answer.param, code=answer.code, headers=headers)
 
 

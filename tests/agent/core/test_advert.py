@@ -220,3 +220,10 @@ def test_describe_json_reads_an_election_only_with_an_orchestrator_and_its_epoch
     assert NodeAdvert.from_json({k: v for k, v in data.items() if k != "peer_port"}).peer_port == 0
     with pytest.raises(WireError, match="malformed node description: epoch must be an integer >= 1"):
         NodeAdvert.from_json({k: v for k, v in data.items() if k != "epoch"})
+
+
+def test_only_true_marks_a_configured_orchestrator_in_the_json_form():
+    body = advert(configured_orchestrator=True).to_json()
+    assert NodeAdvert.from_json(body).configured_orchestrator is True
+    for value in ("false", "true", 1, None):
+        assert NodeAdvert.from_json({**body, "configured_orchestrator": value}).configured_orchestrator is False

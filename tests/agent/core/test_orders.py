@@ -225,3 +225,11 @@ def test_json_that_is_not_an_object_is_refused(data):
 def test_a_well_formed_but_invalid_order_keeps_its_reason():
     with pytest.raises(WireError, match="^routing order: route covers 10 layers, model has 11$"):
         RoutingOrder.from_json({**example_order().to_json(), "total_layers": 11})
+
+
+@pytest.mark.parametrize("field, value", [("epoch", 1.9), ("plan_version", True), ("degraded", "false"),
+                                          ("weight_sources", "ab"), ("total_layers", "30")])
+def test_a_field_of_another_type_is_refused_never_truncated(field, value):
+    data = {**example_order().to_json(), field: value}
+    with pytest.raises(WireError, match="malformed routing order"):
+        RoutingOrder.from_json(data)

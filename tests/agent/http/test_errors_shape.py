@@ -298,7 +298,7 @@ def test_error_response_adds_the_headers_it_is_given(server):
 
 
 @pytest.mark.parametrize("retry, header", [(None, None), ("0", None), ("1", "1"), ("30", "30"), ("7.0", "7"),
-                                           ("90.4", "90"), ("3600", "3600")])
+                                           ("90.4", "91"), ("3600", "3600")])  # rounded up: never sooner than said
 def test_answer_error_gives_retry_after_in_whole_seconds_only_when_there_is_a_delay(server, retry, header):
     status, headers, text = server.request("GET", "/answered" + ("" if retry is None else f"?retry={retry}"))
     assert status == 503 and headers.get("Retry-After") == header
