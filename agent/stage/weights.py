@@ -100,10 +100,10 @@ async def _download(client: PeerClient, source: Source, name: str, relative: str
     part = dest.with_name(dest.name + ".part")
     with _writing(dest):
         dest.parent.mkdir(parents=True, exist_ok=True)
-    offset = part.stat().st_size if part.exists() else 0
-    if offset > size:
-        part.unlink()
-        offset = 0
+        offset = part.stat().st_size if part.exists() else 0
+        if offset > size:
+            part.unlink()
+            offset = 0
     digest = hashlib.sha256()
     if offset:
         digest = await asyncio.to_thread(hash_file, part)
