@@ -478,6 +478,8 @@ class Worker:
                 except ShardsError as error:
                     raise StageError("bad_request", str(error), None) from None
             info.sampler = Sampler(params, mask, [*history, *generated])
+        if step.draft and info.sampler.params.logprobs is not None:  # a result carries one token's
+            raise StageError("bad_request", "a step that drafts tokens cannot report log-probabilities", None)
         try:  # a speculative step's rows: the drafted tokens kept, then the first one that differs
             chosen = verify(info.sampler.sample, output[0, -len(step.draft) - 1:], step.draft)
         except ShardsError as error:  # the grammar allows nothing more that the model can say

@@ -198,3 +198,15 @@ class Loop:
             self.loop.call_soon_threadsafe(self.loop.stop)
             self.thread.join(10)
             self.loop.close()
+
+
+@contextlib.asynccontextmanager
+async def serving(app: web.Application) -> AsyncIterator[str]:
+    """``app`` on a free loopback port; yields its base URL."""
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    try:
+        yield "http://127.0.0.1:%d" % runner.addresses[0][1]
+    finally:
+        await runner.cleanup()

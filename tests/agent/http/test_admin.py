@@ -8,8 +8,7 @@ the Ollama path's shape of the same 401."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 
 import pytest
 from aiohttp import web
@@ -19,23 +18,11 @@ from hypothesis import strategies as st
 from agent.http.admin import ADMIN_ENDPOINTS, bearer_matches, changes_cluster, holds_admin_token
 from agent.http.app_keys import ADMIN_TOKEN, MEMBERSHIP
 from tests.agent.agents import ADMIN
-from tests.agent.inprocess import LocalAgent, Loop, call, eventually, local_agents, share_calibration
+from tests.agent.inprocess import LocalAgent, Loop, call, eventually, local_agents, serving, share_calibration
 
 PROBE_TOKEN = "ncm-admin-probe-0123456789"
 PROBE_KEYS = ("app-key-one-0123", "app-key-two-4567")
 API_KEY = "app-key-0123456789"
-
-
-@contextlib.asynccontextmanager
-async def serving(app: web.Application) -> AsyncIterator[str]:
-    """``app`` on a free loopback port; yields its base URL."""
-    runner = web.AppRunner(app, access_log=None)
-    await runner.setup()
-    await web.TCPSite(runner, "127.0.0.1", 0).start()
-    try:
-        yield "http://127.0.0.1:%d" % runner.addresses[0][1]
-    finally:
-        await runner.cleanup()
 
 
 def probe_app() -> web.Application:

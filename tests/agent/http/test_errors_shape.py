@@ -8,9 +8,8 @@ statuses and codes) are `tests/agent/core/test_errors.py`'s."""
 
 from __future__ import annotations
 
-import contextlib
 import json
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import aiohttp
@@ -44,7 +43,7 @@ from agent.core.errors import (
 )
 from agent.dataplane.links import StageError
 from agent.http.errors_shape import PUBLIC_ERRORS, answer_error, error_response, openai_errors
-from tests.agent.inprocess import Loop
+from tests.agent.inprocess import Loop, serving
 
 MAX_BODY = 1024
 TIMEOUT = aiohttp.ClientTimeout(total=10)
@@ -145,17 +144,6 @@ def application() -> web.Application:
     app.router.add_get("/answered", answered)
     app.router.add_post("/upload", upload)
     return app
-
-
-@contextlib.asynccontextmanager
-async def serving(app: web.Application) -> AsyncIterator[str]:
-    runner = web.AppRunner(app, access_log=None)
-    await runner.setup()
-    await web.TCPSite(runner, "127.0.0.1", 0).start()
-    try:
-        yield "http://127.0.0.1:%d" % runner.addresses[0][1]
-    finally:
-        await runner.cleanup()
 
 
 class Server:

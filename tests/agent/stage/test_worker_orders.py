@@ -68,13 +68,14 @@ class Member:
                                             "epoch": order.epoch if epoch is None else epoch})
 
     async def step(self, order: RoutingOrder, sid: str, *, plan: int | None = None, epoch: int | None = None,
-                   layer: int = 0) -> dict[str, Any]:
+                   layer: int = 0, **fields: Any) -> dict[str, Any]:
         """The result (or error) frame of a first step of session ``sid`` sent on the data plane,
-        naming the agent itself as its reply node (a member has no data plane of its own)."""
+        naming the agent itself as its reply node (a member has no data plane of its own);
+        ``fields`` go into the step's header as they are."""
         header = {"kind": "step", "sid": sid, "seq": 0, "layer": layer, "start": 0,
                   "epoch": order.epoch if epoch is None else epoch,
                   "plan": order.plan_version if plan is None else plan, "sample": True, "params": {"temperature": 0},
-                  "reply": self.agent.node_id, "reply_url": self.agent.peer_url}
+                  "reply": self.agent.node_id, "reply_url": self.agent.peer_url, **fields}
         outcome = self.agent.app[RESULTS].expect(sid, 0)
         link = await self.links.get(self.agent.node_id, self.agent.peer_url)
         await link.post(header, PROMPT)
@@ -247,5 +248,19 @@ def test_a_step_of_a_plan_the_worker_does_not_know_is_stale_plan(run):
         error = await member.step(order, sid(), layer=1)  # no hop of this plan starts there
         assert error["kind"] == "error" and error["code"] == "wrong_stage", error
         assert isinstance(token_of(await member.step(order, sid())), int)  # the link and the worker serve on
+
+    run(scenario)
+
+
+def test_a_step_that_drafts_tokens_is_verified_and_refused_with_log_probabilities(run):
+    async def scenario(agent: LocalAgent, member: Member) -> None:
+        order = served(agent)
+        plain = token_of(await member.step(order, sid()))
+        verified = await member.step(order, sid(), draft=[6, 7])  # the prompt's last token, then two drafted
+        assert verified["kind"] == "result" and len(verified.get("more", [])) <= 2, verified
+        error = await member.step(order, sid(), draft=[6, 7], params={"temperature": 0, "logprobs": 2})
+        assert error["kind"] == "error" and error["code"] == "bad_request" and error["node"] is None, error
+        assert "log-probabilities" in error["message"]
+        assert token_of(await member.step(order, sid())) == plain  # the worker serves on
 
     run(scenario)

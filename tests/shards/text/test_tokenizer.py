@@ -30,17 +30,6 @@ from tests.shards.text.tokenizer_helpers import (
 
 
 @pytest.fixture(scope="module")
-def tok(smollm2_tokenizer: Tokenizer) -> Tokenizer:
-    """The default model's tokenizer, its spec built from its GGUF by tokenizer_spec_from_gguf."""
-    return smollm2_tokenizer
-
-
-@pytest.fixture(scope="module")
-def spec(tok: Tokenizer) -> TokenizerSpec:
-    return tok.spec
-
-
-@pytest.fixture(scope="module")
 def hf_tok(smollm2_gguf: Path):
     transformers = pytest.importorskip("transformers")
     with warnings.catch_warnings():

@@ -32,17 +32,6 @@ def read_gguf(path: Path) -> TokenizerSpec:
 
 # --- the default model's GGUF -----------------------------------------------------------------
 
-@pytest.fixture(scope="module")
-def tok(smollm2_tokenizer: Tokenizer) -> Tokenizer:
-    """The default model's tokenizer, its spec built from its GGUF by tokenizer_spec_from_gguf."""
-    return smollm2_tokenizer
-
-
-@pytest.fixture(scope="module")
-def spec(tok: Tokenizer) -> TokenizerSpec:
-    return tok.spec
-
-
 def test_spec_from_gguf_reads_ids_and_template(spec: TokenizerSpec, tok: Tokenizer) -> None:
     assert tok.vocab_size == 49152
     assert spec.eos_token_ids[0] == 2  # <|im_end|>, the file's EOS

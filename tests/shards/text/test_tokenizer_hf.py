@@ -22,17 +22,6 @@ from tests.examples import examples
 from tests.shards.text.tokenizer_helpers import SAMPLES
 
 
-@pytest.fixture(scope="module")
-def tok(smollm2_tokenizer: Tokenizer) -> Tokenizer:
-    """The default model's tokenizer, its spec built from its GGUF by tokenizer_spec_from_gguf."""
-    return smollm2_tokenizer
-
-
-@pytest.fixture(scope="module")
-def spec(tok: Tokenizer) -> TokenizerSpec:
-    return tok.spec
-
-
 def test_spec_from_hf_folder(spec: TokenizerSpec, tok: Tokenizer, tmp_path: Path) -> None:
     (tmp_path / "tokenizer.json").write_text(spec.tokenizer_json, encoding="utf-8")
     (tmp_path / "tokenizer_config.json").write_text(json.dumps({

@@ -27,17 +27,6 @@ from tests.examples import examples
 from tests.shards.text.tokenizer_helpers import SAMPLES
 
 
-@pytest.fixture(scope="module")
-def tok(smollm2_tokenizer: Tokenizer) -> Tokenizer:
-    """The default model's tokenizer, its spec built from its GGUF by tokenizer_spec_from_gguf."""
-    return smollm2_tokenizer
-
-
-@pytest.fixture(scope="module")
-def spec(tok: Tokenizer) -> TokenizerSpec:
-    return tok.spec
-
-
 def test_save_load_roundtrip(spec: TokenizerSpec, tok: Tokenizer, tmp_path: Path) -> None:
     save_tokenizer_spec(spec, tmp_path)
     loaded = load_tokenizer_spec(tmp_path)
