@@ -573,9 +573,11 @@ class _AgentRequestHandler(web_protocol.RequestHandler):
 
     def data_received(self, data: bytes) -> None:
         if self._address is not None:
-            self._head = (self._head + data)[-4096:]
-            if b"\r\n\r\n" in self._head:  # the first request's headers are in: no longer a stranger's trickle
+            seen = self._head + data  # the end of the headers can come with the body, or split over reads
+            if b"\r\n\r\n" in seen:  # the first request's headers are in: no longer a stranger's trickle
                 self._headers_in()
+            else:
+                self._head = seen[-3:]
         super().data_received(data)
 
     def connection_lost(self, exc: BaseException | None) -> None:

@@ -13,6 +13,7 @@ import secrets
 from urllib.parse import urlsplit
 
 import psutil
+import pytest
 
 from agent.node import service
 from tests.agent.inprocess import call, local_agents
@@ -53,6 +54,28 @@ def test_slow_and_half_open_connections_are_dropped_and_their_memory_comes_back(
                 await flood()
             assert psutil.Process().memory_info().rss <= rss_after_one * 1.1
             assert (await call("GET", agent.url + "/health"))[0] == 200
+
+    asyncio.run(scenario())
+
+
+def test_headers_that_came_with_a_long_body_count_as_in_whatever_follows(tmp_path, monkeypatch):
+    """The end of the headers read in the same chunk as more than 4 KiB of body: the request is
+    in, however long its body or its answer then takes (a long prompt read for longer than the
+    header timeout was dropped)."""
+    monkeypatch.setattr(service, "HEADER_READ_TIMEOUT_S", 1.0)
+
+    async def scenario() -> None:
+        async with local_agents(tmp_path, 1) as (agent,):
+            reader, writer = await asyncio.open_connection("127.0.0.1", urlsplit(agent.url).port)
+            body = b'{"model": "none", "messages": [], "x": "' + b"y" * 16384 + b'"}'
+            writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                         + f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n".encode() + body[:-1])
+            await writer.drain()
+            with pytest.raises(asyncio.TimeoutError):  # past the header timeout, the connection stays open
+                await asyncio.wait_for(reader.read(1), timeout=2 * service.HEADER_READ_TIMEOUT_S)
+            writer.write(body[-1:])
+            assert (await asyncio.wait_for(reader.read(), timeout=30)).startswith(b"HTTP/1.1 ")
+            writer.close()
 
     asyncio.run(scenario())
 
