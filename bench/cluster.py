@@ -2,6 +2,7 @@
 
     python bench/cluster.py [--tokens 96] [--threads 1] [--spin auto|on|off] [--rounds 3]
     python bench/cluster.py --streams 8 [--shape llama-1b] [--nodes 1,3]
+    python bench/cluster.py --streams 4 --long-prompt 2000 --tokens 600
     python bench/cluster.py --delays 0,1,2,5
     python bench/cluster.py --delays 0,5 --speculative
 
@@ -29,6 +30,11 @@ together over the whole run (every token, from the requests sent to the last tok
 while all of them decode), each stream's time to its first token, their ratio (aim >= 2.0 on one agent, >= 1.5 on three), and whether every stream's
 text was the same both ways. ``--shape llama-1b`` serves the random-weight 1B-shaped model
 (bench/model_shapes.py; imported once into the bench cache) instead of the default one.
+
+With ``--long-prompt P`` (and ``--streams N``): N greedy streams decode, and once each has 16
+tokens a prompt of about P tokens arrives; prints how long it took to read, the streams'
+inter-token gaps while it was read (median and p99) and before and after it (median), the p99
+meanwhile over the median meanwhile (aim <= 2) and over the median outside.
 """
 
 from __future__ import annotations
@@ -55,12 +61,14 @@ from agent.cli.demo import _ensure_model, start_local_cluster, stop_processes, w
 PROMPT = "Write a long story about a lighthouse keeper who finds a map."
 
 
-def stream_completion(url: str, model: str, prompt: str, tokens: int) -> tuple[str, list[float]]:
+def stream_completion(url: str, model: str, prompt: str, tokens: int,
+                      stamps: list[float] | None = None) -> tuple[str, list[float]]:
     """The text of one streamed greedy completion and the arrival time of each of its chunks."""
     body = json.dumps({"model": model, "prompt": prompt, "temperature": 0, "max_tokens": tokens,
                        "stream": True}).encode()
     request = urllib.request.Request(url + "/v1/completions", data=body, headers={"Content-Type": "application/json"})
-    pieces, stamps = [], []
+    pieces: list[str] = []
+    stamps = [] if stamps is None else stamps  # the caller's list: it sees the tokens as they come
     with urllib.request.urlopen(request, timeout=1800) as response:
         for line in response:
             if line.startswith(b"data: {"):
@@ -103,6 +111,51 @@ def measure_streams(nodes: int, port: int, streams: int, tokens: int, threads: i
     return {"nodes": nodes, "streams": streams, "single_tok_per_s": single, "aggregate_tok_per_s": aggregate,
             "steady_tok_per_s": steady, "first_token_s": first_token_s,
             "identical": [a[0] for a in alone] == [t[0] for t in together], "batches": batches}
+
+
+LONG_LINE = "The keeper wrote in the log that ship number {} passed the rocks at dawn without a light. "
+
+
+def measure_long_prompt(nodes: int, port: int, streams: int, tokens: int, prompt_tokens: int, threads: int,
+                        model: str, home: Path | None) -> dict:
+    """The inter-token gaps of ``streams`` decoding streams while a prompt of about
+    ``prompt_tokens`` tokens is read, against their gaps before and after it."""
+    prompts = [f"{PROMPT} Chapter {i + 1}, told by voice number {3 * i + 2}:" for i in range(streams)]
+    long_prompt = "".join(LONG_LINE.format(i) for i in range(prompt_tokens // 21)) + "Summarise the log."
+    slots = str(streams + 1)
+    env = {"NCM_THREADS": str(threads), "NCM_MAX_REQUESTS_IN_FLIGHT": slots, "NCM_MAX_REQUESTS_IN_FLIGHT_PER_CLIENT": slots}
+    stamps: list[list[float]] = [[] for _ in prompts]
+    with tempfile.TemporaryDirectory(prefix="ncm-bench-") as base:
+        processes = start_local_cluster(nodes, port, Path(base), model, env=env, log_dir=Path(base) / "logs",
+                                        node_env=[{"NCM_HOME": str(home)}] if home else None)
+        try:
+            wait_ready(f"http://127.0.0.1:{port}", processes, 1800)
+            url = f"http://127.0.0.1:{port}"
+            stream_completion(url, model, PROMPT, 8)  # warm-up
+            with ThreadPoolExecutor(max_workers=streams) as pool:
+                running = [pool.submit(stream_completion, url, model, p, tokens, s) for p, s in zip(prompts, stamps)]
+                deadline = time.perf_counter() + 600
+                while min(len(s) for s in stamps) < 16 and time.perf_counter() < deadline:
+                    time.sleep(0.05)
+                body = json.dumps({"model": model, "prompt": long_prompt, "temperature": 0, "max_tokens": 1}).encode()
+                request = urllib.request.Request(url + "/v1/completions", data=body,
+                                                 headers={"Content-Type": "application/json"})
+                sent = time.perf_counter()
+                with urllib.request.urlopen(request, timeout=1800) as response:
+                    usage = json.loads(response.read())["usage"]
+                answered = time.perf_counter()
+                for future in running:
+                    future.result()
+        finally:
+            stop_processes(processes)
+    ended = min(s[-1] for s in stamps)  # gaps while every stream still decodes
+    during = [b - a for s in stamps for a, b in zip(s, s[1:]) if sent < b <= answered]
+    outside = [b - a for s in stamps for a, b in zip(s[16:], s[17:]) if (b <= sent or a >= answered) and b <= ended]
+    return {"nodes": nodes, "prompt_tokens": usage["prompt_tokens"], "read_s": answered - sent,
+            "during_median_s": float(np.median(during)) if during else 0.0,
+            "during_p99_s": float(np.percentile(during, 99)) if during else 0.0,
+            "outside_median_s": float(np.median(outside)) if outside else 0.0,
+            "streams_outlived_prompt": ended > answered}
 
 
 def bench_home(shape: str) -> tuple[str, Path]:
@@ -338,6 +391,8 @@ def main() -> None:
     parser.add_argument("--streams", type=int, default=0, help="measure this many concurrent streams instead")
     parser.add_argument("--shape", help="with --streams: serve the random-weight model of this shape")
     parser.add_argument("--nodes", default="1,3", help="with --streams: the cluster sizes (comma separated)")
+    parser.add_argument("--long-prompt", type=int, default=0,
+                        help="with --streams: a prompt of about this many tokens arrives while the streams decode")
     parser.add_argument("--delays", help="one-way delays in ms of a simulated LAN between 3 agents (e.g. 0,1,2,5)")
     parser.add_argument("--speculative", action="store_true",
                         help="with --delays: speculative decoding by prompt lookup against plain steps, on a summary")
@@ -370,6 +425,17 @@ def main() -> None:
         if home is None:
             _ensure_model(model)
         for index, nodes in enumerate(int(n) for n in args.nodes.split(",")):
+            if args.long_prompt:
+                row = measure_long_prompt(nodes, args.port + 10 * index, args.streams, args.tokens, args.long_prompt,
+                                          args.threads, model, home)
+                print(f"{nodes} agent(s), {model}: a {row['prompt_tokens']}-token prompt read in {row['read_s']:.2f} s "
+                      f"while {args.streams} streams decode; their gaps meanwhile: median "
+                      f"{1000 * row['during_median_s']:.1f} ms, p99 {1000 * row['during_p99_s']:.1f} ms; "
+                      f"before and after: median {1000 * row['outside_median_s']:.1f} ms; p99 / median meanwhile "
+                      f"{row['during_p99_s'] / max(row['during_median_s'], 1e-9):.2f}x (aim <= 2), p99 meanwhile / "
+                      f"median outside {row['during_p99_s'] / max(row['outside_median_s'], 1e-9):.2f}x; "
+                      f"the streams outlived the prompt: {row['streams_outlived_prompt']}")
+                continue
             row = measure_streams(nodes, args.port + 10 * index, args.streams, args.tokens, args.threads, model, home)
             print(f"{nodes} agent(s), {model}: 1 stream {row['single_tok_per_s']:6.1f} tok/s, {args.streams} streams "
                   f"{row['aggregate_tok_per_s']:6.1f} tok/s together: "

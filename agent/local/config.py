@@ -82,6 +82,7 @@ class AgentConfig:
     min_layers_per_node: int = 1
     max_context: int = 2048
     prefill_chunk: int = 256
+    prefill_share: float = 2.0  # beside decoding streams a prompt is read in slices of about this many decode batches; 0 = whole
     fallback_model: str = "ncm-tiny"
     allow_fallback: bool = True
     session_idle_timeout_s: float = 300.0  # a stage frees a session unused this long (its request is gone)
@@ -169,6 +170,8 @@ class AgentConfig:
                               f"got {self.max_requests_in_flight} and {self.max_queued_requests}")
         if not 0 <= self.draft_tokens <= MAX_DRAFT_TOKENS:
             raise ConfigError(f"draft_tokens must be 0 (off) to {MAX_DRAFT_TOKENS}, got {self.draft_tokens}")
+        if not 0 <= self.prefill_share <= 1000:
+            raise ConfigError(f"prefill_share must be 0 (prompts read whole) to 1000, got {self.prefill_share}")
         if self.max_context < 16 or self.prefill_chunk < 1 or self.prefill_chunk > self.max_context:
             raise ConfigError("max_context must be >= 16 and prefill_chunk in 1..max_context")
 
@@ -191,7 +194,7 @@ _FIELD_TYPES: dict[str, str] = {
     "mdns": "bool", "interfaces": "list", "npu_tops": "float?", "vram_gib": "float?", "ram_gib": "float?", "providers": "list", "threads": "int", "spin": "str",
     "health_interval_s": "float", "failure_threshold": "int", "peer_timeout_s": "float",
     "discovery_grace_s": "float", "replicate_head_ratio": "float", "replica_count": "int?",
-    "min_layers_per_node": "int", "max_context": "int", "prefill_chunk": "int",
+    "min_layers_per_node": "int", "max_context": "int", "prefill_chunk": "int", "prefill_share": "float",
     "fallback_model": "str", "allow_fallback": "bool", "fallback_copies": "int", "session_idle_timeout_s": "float", "replan_min_interval_s": "float",
     "prompt_cache_entries": "int", "prompt_cache_idle_s": "float", "draft_tokens": "int",
     "models_preset": "path?", "models_max": "int", "models_memory_margin_mib": "int", "models_autoload": "bool",

@@ -11,6 +11,16 @@ together, a round trip of the chain later) and a session that stalls (its client
 slowly) costs the others little. A step whose session is out of step, or whose batch fails,
 gets its own error: the other rows run alone. A lone stream's quick decode steps run on the
 event loop itself (:meth:`StepBatcher._inline`).
+
+A prompt never stalls decoding streams: while decode steps run on this worker (queued, or one
+ran within :data:`DECODE_RECENT_S`), a prompt's step is read in slices, each sized to take
+about ``slice_share`` times as long as the last decode batch (from the seconds per
+position its fragment's recent slices took, at least :data:`MIN_SLICE_TOKENS`), and the decode
+steps queued when a slice ends run before the next slice. A stream's gap between tokens is then
+a decode batch and a slice, not a whole prompt; a prompt read alone runs whole. (Each slice is
+a call of its own that reads the fragment's weights again: on a CPU, where that is most of a
+decode step, a share of 1 reads the prompt 3x slower than alone, 2 about 2x, 4 hardly slower,
+for gaps of about 2, 3 and 4-5 decode batches.)
 """
 
 from __future__ import annotations
@@ -33,6 +43,9 @@ MAX_BATCH_ROWS = 32  # decode steps one call runs at most
 GATHER_S = 0.003  # how long a decode step waits for the rest of its fragment's previous batch
 GATHER_SHARE = 0.25  # ... and never more than this share of that batch's compute time
 INLINE_DECODE_S = 0.05  # a lone stream's decode step runs on the event loop when its fragment's last one took less
+DECODE_RECENT_S = 0.25  # a decode batch ran this recently: prompts are read in slices between decode batches
+MIN_SLICE_TOKENS = 8  # a slice of a prompt reads at least this many positions
+FIRST_SLICE_TOKENS = 32  # ... and this many before the fragment's time per position is known
 
 
 @dataclass
@@ -46,10 +59,32 @@ class _Pending:
     reuse: str | None = None  # a kept session whose cache this one takes over (see _prepare)
     hidden: bool = False  # a tail's step that returns the final hidden states (an embedding), never batched
     rows: int = 1  # a tail's rows of logits wanted, the last ones (a speculative step's: one per drafted token, +1)
+    done: int = 0  # positions read by earlier slices
+    pieces: list[np.ndarray] = field(default_factory=list, repr=False)  # a non-tail's outputs of earlier slices
 
     @property
     def decode(self) -> bool:
         return self.x.shape[1] == 1 and not self.hidden
+
+    @property
+    def left(self) -> int:
+        """Positions not read yet."""
+        return self.x.shape[1] - self.done
+
+    @property
+    def sliceable(self) -> bool:
+        """A prompt's step, long enough to read in slices (a speculative step is short and needs
+        its rows whole)."""
+        return self.rows == 1 and self.left > MIN_SLICE_TOKENS
+
+    def step(self, tokens: int) -> tuple[str, int, np.ndarray, str | None, bool, int]:
+        """The arguments of :func:`run_batch` for its next ``tokens`` positions (all that are
+        left when fewer): only the first slice takes the kept session over, only the last
+        returns the hidden states or several rows."""
+        end = min(self.done + tokens, self.x.shape[1])
+        last = end == self.x.shape[1]
+        return (self.sid, self.start + self.done, self.x[:, self.done:end], self.reuse if self.done == 0 else None,
+                self.hidden and last, self.rows if last else 1)
 
 
 def _prepare(runner: FragmentRunner, sid: str, start: int, reuse: str | None = None) -> None:
@@ -113,16 +148,22 @@ def run_batch(runner: FragmentRunner, steps: list[tuple[str, int, np.ndarray, st
 
 
 class StepBatcher:
-    """Queues steps for the compute thread (``executor``, one worker) and batches decode steps."""
+    """Queues steps for the compute thread (``executor``, one worker), batches decode steps and
+    reads prompts beside them in slices of about ``slice_share`` decode batches (0: whole)."""
 
-    def __init__(self, executor: Executor) -> None:
+    def __init__(self, executor: Executor, slice_share: float = 2.0) -> None:
         self.executor = executor
+        self.slice_share = slice_share
         self._queue: deque[_Pending] = deque()
         self._busy = False
         # per fragment, the sessions of its last decode batch: the next round waits for them
         self._last_batch: weakref.WeakKeyDictionary[FragmentRunner, set[str]] = weakref.WeakKeyDictionary()
         self._last_compute_s: weakref.WeakKeyDictionary[FragmentRunner, float] = weakref.WeakKeyDictionary()
         self._timer: asyncio.TimerHandle | None = None
+        # per fragment, the seconds per position of its recent prompt steps (an average)
+        self._position_s: weakref.WeakKeyDictionary[FragmentRunner, float] = weakref.WeakKeyDictionary()
+        self._decode_s = 0.0  # the compute time of the last decode batch (of any fragment)
+        self._decoded_at_s = float("-inf")  # event-loop time it ended
         self.batches = 0  # calls that ran more than one step
         self.batched_steps = 0  # steps that ran in those calls
 
@@ -190,16 +231,29 @@ class StepBatcher:
             self.batches += 1
             self.batched_steps += len(batch)
         started_s = loop.time()
-        steps = [(p.sid, p.start, p.x, p.reuse, p.hidden, p.rows) for p in batch]
+        tokens = self._slice_tokens(batch[0], loop.time()) if len(batch) == 1 else 1  # decode steps: one each
+        steps = [p.step(tokens) for p in batch]
         if self._inline(batch):
             try:
                 results: list[np.ndarray | BaseException | None] = list(run_batch(batch[0].runner, steps))
             except Exception as error:  # noqa: BLE001 - a bug: the caller hears it
                 results = [error]
-            self._finish(batch, results, started_s)
+            self._finish(batch, results, started_s, tokens)
             return
         work = loop.run_in_executor(self.executor, run_batch, batch[0].runner, steps)
-        work.add_done_callback(lambda done: self._finish(batch, self._outcome(done, len(batch)), started_s))
+        work.add_done_callback(lambda done: self._finish(batch, self._outcome(done, len(batch)), started_s, tokens))
+
+    def _slice_tokens(self, pending: _Pending, now_s: float) -> int:
+        """How many positions of ``pending`` run now: all of them, or a slice when decode steps
+        run beside it (see the module's docstring)."""
+        left = pending.left
+        contended = now_s - self._decoded_at_s < DECODE_RECENT_S or any(p.decode for p in self._queue)
+        if pending.decode or not pending.sliceable or not contended or not self.slice_share:
+            return left
+        position_s = self._position_s.get(pending.runner)
+        if position_s is None:
+            return FIRST_SLICE_TOKENS
+        return max(MIN_SLICE_TOKENS, int(self.slice_share * self._decode_s / max(position_s, 1e-9)))
 
     def _inline(self, batch: list[_Pending]) -> bool:
         """Whether ``batch`` runs right here, on the event loop: a decode step of the only
@@ -221,10 +275,18 @@ class StepBatcher:
             return [done.exception()] * rows
         return list(done.result())
 
-    def _finish(self, batch: list[_Pending], results: list[np.ndarray | BaseException | None], started_s: float) -> None:
+    def _finish(self, batch: list[_Pending], results: list[np.ndarray | BaseException | None], started_s: float,
+                tokens: int) -> None:
         self._busy = False
-        if batch[0].decode:
-            self._last_compute_s[batch[0].runner] = asyncio.get_running_loop().time() - started_s
+        now_s = asyncio.get_running_loop().time()
+        first = batch[0]
+        if first.decode:
+            self._last_compute_s[first.runner] = self._decode_s = now_s - started_s
+            self._decoded_at_s = now_s
+        elif min(tokens, first.left) >= MIN_SLICE_TOKENS:  # a slice's weights read and all
+            measured_s = (now_s - started_s) / min(tokens, first.left)
+            known_s = self._position_s.get(first.runner, measured_s)
+            self._position_s[first.runner] = (known_s + measured_s) / 2
         for pending, result in zip(batch, results):
             if pending.future.done():
                 continue
@@ -232,9 +294,19 @@ class StepBatcher:
                 pending.future.cancel()
             elif isinstance(result, BaseException):
                 pending.future.set_exception(result)
+            elif pending.done + tokens < pending.x.shape[1]:  # a slice: the rest after the decode steps queued now
+                pending.done += tokens
+                if not pending.runner.is_tail:
+                    pending.pieces.append(result)
+                self._requeue(pending)
             else:
-                pending.future.set_result(result)
+                pending.future.set_result(np.concatenate([*pending.pieces, result], axis=1) if pending.pieces else result)
         self._next()
+
+    def _requeue(self, pending: _Pending) -> None:
+        """Put the rest of a sliced prompt back, behind the decode steps queued now."""
+        after = max((i + 1 for i, p in enumerate(self._queue) if p.decode), default=0)
+        self._queue.insert(after, pending)
 
     def close(self) -> None:
         """Cancel the steps still queued (the agent is stopping)."""

@@ -195,7 +195,8 @@ class Worker:
         self.newest_epoch = 0
         self.state = WorkerState.IDLE
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ncm-compute")
-        self.batcher = StepBatcher(self.executor)  # decode steps that meet in its queue run as one batch
+        # decode steps that meet in its queue run as one batch, prompts beside them in slices
+        self.batcher = StepBatcher(self.executor, self.config.prefill_share)
         self.sessions: dict[str, _SessionInfo] = {}
         self._grammar_tokenizers: dict[str, Any] = {}  # model -> llguidance's view of its tokenizer
         self._apply_lock = asyncio.Lock()

@@ -6,19 +6,45 @@ The fragment writes a step's keys and values into the rows in place (its present
 its past), so a step copies nothing that is already cached. Any run of consecutive rows is one
 contiguous view, which is what lets decode steps of several sessions run as one batch: the
 rows between them that are not in the batch ride along with a dummy input whose one garbage
-position lands where their own next step will write (at their current length). Capacity and
-slots grow by doubling; growing copies the cached positions once (through the host for a
-device buffer: growth is rare, steps are not).
+position lands where their own next step will write (at their current length).
+
+In host memory the buffers have room for max_context positions from the start: the system
+gives a buffer's pages as they are first written, so a row holds the memory of the positions
+it wrote, and a cache that grows never stops every stream to copy it (a copy of every row
+when a long prompt doubled the capacity stalled them for up to a second). Where that much
+address space is refused, and on a device, capacity grows by doubling. Slots grow by
+doubling; growing copies the positions written once (through the host for a device buffer:
+growth is rare, steps are not).
 """
 
 from __future__ import annotations
 
+import logging
+import mmap
 from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
 from shards.errors import RunnerError
+
+log = logging.getLogger(__name__)
+
+
+def allocate(shape: tuple[int, ...], dtype: Any) -> np.ndarray:
+    """A zeroed host buffer whose pages the system gives as they are first written, in small
+    pages (numpy asks for huge ones, and one position written into a row would take 2 MiB
+    then); MemoryError when the system refuses the address space."""
+    size = int(np.prod(shape)) * np.dtype(dtype).itemsize
+    if not size:
+        return np.zeros(shape, dtype)
+    try:
+        region = mmap.mmap(-1, size)
+    except OSError as error:
+        raise MemoryError(f"no address space for {size} bytes: {error}") from None
+    if hasattr(mmap, "MADV_NOHUGEPAGE"):
+        region.madvise(mmap.MADV_NOHUGEPAGE)
+    return np.frombuffer(region, dtype).reshape(shape)
 
 
 class KvPool:
@@ -30,6 +56,7 @@ class KvPool:
         self.kv_heads, self.head_dim = kv_heads, head_dim
         self.max_context, self.growth_positions = max_context, growth_positions
         self.dtype, self.device = np.dtype(dtype), device
+        self.written = 0  # positions any row may have written: what a copy keeps and the memory counts
         # numpy arrays in host memory; onnxruntime OrtValues on another device
         self.arrays: dict[str, Any] = {n: self._empty(0, 0) for n in self.names}
         self.slot_of: dict[str, int] = {}
@@ -37,7 +64,7 @@ class KvPool:
         self._bindings: dict[tuple[int, int, str], tuple[Any, list[Any]]] = {}
 
     def _empty(self, slots: int, capacity: int) -> Any:
-        return self._placed(np.zeros((slots, self.kv_heads, capacity, self.head_dim), self.dtype))
+        return self._placed(allocate((slots, self.kv_heads, capacity, self.head_dim), self.dtype))
 
     def _placed(self, array: np.ndarray) -> Any:
         """``array``, or a copy of it on the device."""
@@ -64,10 +91,14 @@ class KvPool:
         return self._shape()[2] if self.names else 0
 
     def nbytes(self) -> int:
-        """The buffers' size: slots x capacity, whatever the sessions hold."""
+        """The buffers' memory: slots x capacity on a device; in host memory, slots x the
+        positions written (in steps of growth_positions), whatever the sessions hold."""
         if not self.slot_of:
             return 0
-        return len(self.names) * int(np.prod(self._shape())) * self.dtype.itemsize
+        slots, heads, capacity, head_dim = self._shape()
+        if self.device == "cpu":
+            capacity = min(capacity, -(-self.written // self.growth_positions) * self.growth_positions)
+        return len(self.names) * slots * heads * capacity * head_dim * self.dtype.itemsize
 
     def add(self, session_id: str) -> int:
         """Give ``session_id`` a free row (more rows when none is free); returns it."""
@@ -92,22 +123,35 @@ class KvPool:
     def reserve(self, positions: int) -> None:
         """Room for ``positions`` in every row (doubling, in steps of ``growth_positions``, up
         to max_context)."""
-        if positions <= self.capacity:
-            return
         if positions > self.max_context:
             raise RunnerError(f"context overflow: {positions} positions > max_context {self.max_context}")
+        self.written = max(self.written, positions)
+        if positions <= self.capacity:
+            return
+        if self.device == "cpu":
+            try:  # address space only: pages come as rows write them
+                self._resize(self.slots, self.max_context)
+                return
+            except MemoryError:
+                log.info("no address space for a KV buffer of %d positions: it grows as it fills", self.max_context)
         grown = max(positions, 2 * self.capacity, self.growth_positions)
         step = self.growth_positions
         self._resize(self.slots, min(-(-grown // step) * step, self.max_context))
 
     def _resize(self, slots: int, capacity: int) -> None:
-        rows, keep = min(slots, self.slots), min(capacity, self.capacity)
-        self._bindings.clear()
+        """New buffers of ``slots`` x ``capacity``, with the positions written copied over (all
+        of them or none: MemoryError leaves the old buffers as they were)."""
+        rows, keep = min(slots, self.slots), min(capacity, self.capacity, self.written)
+        fresh = {}
         for name in self.names:
-            new = np.zeros((slots, self.kv_heads, capacity, self.head_dim), self.dtype)
+            new = allocate((slots, self.kv_heads, capacity, self.head_dim), self.dtype)
             if rows and keep:
                 new[:rows, :, :keep] = self._host(name)[:rows, :, :keep]
-            self.arrays[name] = self._placed(new)
+            fresh[name] = new
+        self._bindings.clear()
+        self.arrays = {name: self._placed(new) for name, new in fresh.items()}
+        if not slots:
+            self.written = 0
 
     def span(self, session_ids: Sequence[str]) -> tuple[int, int]:
         """The consecutive rows [first, end) that hold every one of ``session_ids``."""

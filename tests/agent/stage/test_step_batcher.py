@@ -172,3 +172,74 @@ def test_a_step_reusing_a_kept_session_takes_its_cache_or_misses_by_name(model_d
     assert isinstance(results[1], StageError) and results[1].code == "cache_miss"
     assert sorted(runner.sessions()) == ["late", "new"] and runner.session_length("new") == 11
     runner.close()
+
+
+class Calls(OrtFragmentRunner):
+    """A fragment that notes each call it runs: (session, positions) or ("batch", rows)."""
+
+    def forward(self, session_id, x, *, last_only=False, hidden=False):
+        self.calls.append((session_id, x.shape[1]))
+        return super().forward(session_id, x, last_only=last_only, hidden=hidden)
+
+    def forward_batch(self, session_ids, x):
+        self.calls.append(("batch", len(session_ids)))
+        return super().forward_batch(session_ids, x)
+
+
+@pytest.mark.parametrize("last_layer", [0, 1], ids=["a head's hidden states", "a tail's logits"])
+@pytest.mark.parametrize("share", [2.0, 0.0], ids=["sliced", "whole (prefill_share 0)"])
+def test_a_prompt_beside_decoding_streams_is_read_in_slices_between_their_steps(model_dir, tmp_path, last_layer,
+                                                                                 share) -> None:
+    """While two streams decode, a 150-token prompt step (one of the ``kept`` session's, taken
+    over from position 20) is read in slices with their batches between them and gives what it
+    gives read whole; with prefill_share 0, or with no stream decoding, it is one call."""
+    runner = Calls(model_dir, 0, last_layer, threads=1, cache_dir=tmp_path)
+    alone = OrtFragmentRunner(model_dir, 0, last_layer, threads=1, cache_dir=tmp_path)
+    runner.calls = []
+    ids = np.random.default_rng(5).integers(3, 90, size=(1, 170))
+    alone.open_session("p")
+    expected = alone.forward("p", ids)[:, 20:]
+    for sid in ("a", "b"):
+        runner.open_session(sid)
+        runner.forward(sid, ids[:, :5])
+    runner.open_session("kept")
+    runner.forward("kept", ids[:, :30])
+
+    async def scenario() -> tuple[np.ndarray, np.ndarray]:
+        with ThreadPoolExecutor(max_workers=1) as executor:
+            batcher = StepBatcher(executor, share)
+
+            async def stream(sid: str) -> None:
+                for position in range(5, 45):
+                    await batcher.compute(runner, sid, position, np.array([[7]]))
+
+            streams = [asyncio.create_task(stream(sid)) for sid in ("a", "b")]
+            deadline_s = asyncio.get_running_loop().time() + 60
+            while not {"a", "b"} <= {call[0] for call in runner.calls[3:]}:  # both streams decode
+                assert asyncio.get_running_loop().time() < deadline_s, runner.calls
+                await asyncio.sleep(0.001)
+            read = await batcher.compute(runner, "p", 20, ids[:, 20:], "kept")
+            await asyncio.gather(*streams)
+            runner.calls.append(("quiet", 0))
+            batcher._decoded_at_s = float("-inf")  # long after: nothing decodes beside the next prompt
+            runner.open_session("q")
+            alone_read = await batcher.compute(runner, "q", 0, ids[:, :150])
+            return read, alone_read
+
+    read, alone_read = asyncio.run(scenario())
+    np.testing.assert_allclose(read, expected if last_layer == 0 else expected[:, -1:], atol=1e-4, rtol=0)
+    assert runner.session_length("p") == 170 and "kept" not in runner.sessions()
+    slices = [i for i, call in enumerate(runner.calls) if call[0] == "p"]
+    assert sum(runner.calls[i][1] for i in slices) == 150
+    if share:
+        assert len(slices) >= 3, runner.calls
+        between = runner.calls[slices[0]:slices[-1]]
+        decoded = sum(call[0] in ("batch", "a", "b") for call in between)
+        assert decoded >= len(slices) - 1, runner.calls  # the streams' steps after each slice
+    else:
+        assert len(slices) == 1
+    quiet = runner.calls[runner.calls.index(("quiet", 0)) + 1:]
+    assert quiet == [("q", 150)]
+    alone.open_session("q")
+    whole = alone.forward("q", ids[:, :150])
+    np.testing.assert_allclose(alone_read, whole if last_layer == 0 else whole[:, -1:], atol=1e-4, rtol=0)

@@ -1,4 +1,5 @@
-"""The "cpu" flavour's KV cache (rows of a KvPool): written in place, grown by doubling, decode
+"""The "cpu" flavour's KV cache (rows of a KvPool): written in place, room for the whole context
+at once (grown by doubling where that is refused), its memory counted as written, decode
 steps of several sessions batched; the same logits as the portable flavour (plain ops, a new
 present tensor each step, one session at a time)."""
 
@@ -7,6 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+import shards.runtime.kv_pool as kv_pool_module
 import shards.runtime.ort_runner as runner_module
 from shards.errors import RunnerError
 from shards.importers.importer import import_model
@@ -35,7 +37,7 @@ def kv_bytes(positions: int, layers: int) -> int:
     return layers * 2 * 2 * 16 * 4 * positions  # layers x (k, v) x kv_heads x head_dim x float32
 
 
-def test_decoding_across_doublings_gives_the_portable_flavours_logits(model_dir, tmp_path) -> None:
+def test_decoding_on_gives_the_portable_flavours_logits_in_one_buffer_counted_as_written(model_dir, tmp_path) -> None:
     in_place = OrtFragmentRunner(model_dir, 0, 2, threads=1, cache_dir=tmp_path)
     portable = OrtFragmentRunner(model_dir, 0, 2, threads=1, flavour="portable", cache_dir=tmp_path)
     assert in_place.flavour == "cpu"
@@ -43,19 +45,45 @@ def test_decoding_across_doublings_gives_the_portable_flavours_logits(model_dir,
     ids = np.random.default_rng(3).integers(3, 90, size=60)
     for runner in (in_place, portable):
         runner.open_session("s")
-    capacities = []
+    counted = []
     np.testing.assert_allclose(in_place.forward("s", ids[None, :20]), portable.forward("s", ids[None, :20]),
                                atol=1e-4, rtol=0)
+    buffer = in_place._pool.arrays["past_key.0"]
+    assert buffer.shape[2] == in_place.max_context  # room for the whole context: pages come as they are written
     for position in range(20, 60):
-        capacities.append((in_place.memory_bytes() - base) // kv_bytes(1, 3))
+        counted.append((in_place.memory_bytes() - base) // kv_bytes(1, 3))
         step = ids[None, position:position + 1]
         np.testing.assert_allclose(in_place.forward("s", step), portable.forward("s", step), atol=1e-4, rtol=0)
-    # capacity before each step: 20 positions fit in 32 (a multiple of the growth step); the
-    # step that writes position 32 (the 33rd) doubles it
-    assert sorted(set(capacities)) == [32, 64]
-    assert capacities.index(64) == 32 - 20 + 1
+    assert in_place._pool.arrays["past_key.0"] is buffer  # never copied
+    # counted before each step: the positions written, in steps of the growth step
+    assert sorted(set(counted)) == [32, 48, 64]
+    assert counted.index(48) == 32 - 20 + 1
     in_place.close_session("s")
     assert in_place.memory_bytes() == base
+
+
+def test_without_address_space_for_the_whole_context_the_buffer_grows_by_doubling(model_dir, tmp_path,
+                                                                                  monkeypatch) -> None:
+    runner = OrtFragmentRunner(model_dir, 0, 2, threads=1, cache_dir=tmp_path)
+    alone = OrtFragmentRunner(model_dir, 0, 2, threads=1, cache_dir=tmp_path)
+    allocate = kv_pool_module.allocate
+
+    def refused_at_full_context(shape, dtype):
+        if shape[2] == runner.max_context:
+            raise MemoryError("no address space")
+        return allocate(shape, dtype)
+
+    ids = np.random.default_rng(4).integers(3, 90, size=(1, 40))
+    alone.open_session("s")
+    expected = alone.forward("s", ids)
+    monkeypatch.setattr(kv_pool_module, "allocate", refused_at_full_context)
+    runner.open_session("s")
+    capacities = []
+    for position in range(40):
+        step = runner.forward("s", ids[:, position:position + 1])
+        np.testing.assert_allclose(step[:, 0], expected[:, position], atol=1e-4, rtol=0)
+        capacities.append(runner._pool.capacity)
+    assert sorted(set(capacities)) == [GROWTH, 2 * GROWTH, 4 * GROWTH]
 
 
 @pytest.mark.parametrize("flavour", ["cpu", "portable"])
@@ -83,7 +111,7 @@ def test_a_decode_step_writes_into_the_same_buffer(model_dir, tmp_path) -> None:
     x = np.random.default_rng(0).standard_normal((1, 5, 64)).astype(np.float32)
     runner.forward("s", x)
     key = runner._pool.arrays["past_key.1"]
-    assert key.shape == (1, 2, GROWTH, 16) and not key[:, :, 5:].any()
+    assert key.shape == (1, 2, runner.max_context, 16) and not key[:, :, 5:].any()
     runner.forward("s", x[:, :1])
     assert runner._pool.arrays["past_key.1"] is key  # not a new array: the step wrote into it
     assert key[:, :, 5].any() and not key[:, :, 6:].any()
