@@ -3,12 +3,14 @@ the decode steps (one position each) of different sessions on the same fragment 
 while that thread is busy run together as one batched call.
 
 Batches form by themselves: the steps that arrive while the thread is busy run together next.
-Only one thing waits: when the first decode step of a new round arrives while sessions of
-the fragment's previous batch (still open) have not sent theirs, it waits for them up to
-:data:`GATHER_S`, and never longer than :data:`GATHER_SHARE` of that batch's compute time,
-so a round does not split into one step alone and the rest after it (the sessions come back
-together, a round trip of the chain later) and a session that stalls (its client reads
-slowly) costs the others little. A step whose session is out of step, or whose batch fails,
+Only one thing waits: when the first decode step of a new round is due while sessions of the
+fragment's previous batch (still open) have not sent theirs, it waits for them up to
+:data:`GATHER_S` from when it could run (it arrived and the thread was free), and never
+longer than :data:`GATHER_SHARE` of that batch's compute time, so a round does not split
+into one step alone and the rest after it (the sessions come back together, a round trip of
+the chain later), two groups of streams whose steps arrive while the other's batch runs do
+not take turns for ever (each waits for the other once, and they run as one batch from then
+on), and a session that stalls (its client reads slowly) costs the others little. A step whose session is out of step, or whose batch fails,
 gets its own error: the other rows run alone. A lone stream's quick decode steps run on the
 event loop itself (:meth:`StepBatcher._inline`).
 
@@ -160,6 +162,7 @@ class StepBatcher:
         self._last_batch: weakref.WeakKeyDictionary[FragmentRunner, set[str]] = weakref.WeakKeyDictionary()
         self._last_compute_s: weakref.WeakKeyDictionary[FragmentRunner, float] = weakref.WeakKeyDictionary()
         self._timer: asyncio.TimerHandle | None = None
+        self._freed_s = float("-inf")  # event-loop time the compute thread last finished a call
         # per fragment, the seconds per position of its recent prompt steps (an average)
         self._position_s: weakref.WeakKeyDictionary[FragmentRunner, float] = weakref.WeakKeyDictionary()
         self._decode_s = 0.0  # the compute time of the last decode batch (of any fragment)
@@ -212,7 +215,7 @@ class StepBatcher:
             return
         first, loop = self._queue[0], asyncio.get_running_loop()
         gather_s = min(GATHER_S, GATHER_SHARE * self._last_compute_s.get(first.runner, 0.0))
-        wait_s = first.arrived_s + gather_s - loop.time()
+        wait_s = max(first.arrived_s, self._freed_s) + gather_s - loop.time()
         if first.decode and wait_s > 0 and self._missing(first.runner):
             if self._timer is None:
                 self._timer = loop.call_later(wait_s, self._wake)
@@ -278,7 +281,7 @@ class StepBatcher:
     def _finish(self, batch: list[_Pending], results: list[np.ndarray | BaseException | None], started_s: float,
                 tokens: int) -> None:
         self._busy = False
-        now_s = asyncio.get_running_loop().time()
+        now_s = self._freed_s = asyncio.get_running_loop().time()
         first = batch[0]
         if first.decode:
             self._last_compute_s[first.runner] = self._decode_s = now_s - started_s

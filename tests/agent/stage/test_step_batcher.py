@@ -175,15 +175,50 @@ def test_a_step_reusing_a_kept_session_takes_its_cache_or_misses_by_name(model_d
 
 
 class Calls(OrtFragmentRunner):
-    """A fragment that notes each call it runs: (session, positions) or ("batch", rows)."""
+    """A fragment that notes each call it runs: (session, positions) or ("batch", rows); each
+    call takes at least ``compute_s`` (a larger model's step)."""
+
+    compute_s = 0.0
 
     def forward(self, session_id, x, *, last_only=False, hidden=False):
         self.calls.append((session_id, x.shape[1]))
+        time.sleep(self.compute_s)
         return super().forward(session_id, x, last_only=last_only, hidden=hidden)
 
     def forward_batch(self, session_ids, x):
         self.calls.append(("batch", len(session_ids)))
+        time.sleep(self.compute_s)
         return super().forward_batch(session_ids, x)
+
+
+def test_two_streams_whose_steps_arrive_while_the_others_run_come_together_in_one_batch(model_dir,
+                                                                                       tmp_path) -> None:
+    """Stream b's first step arrives while a's runs; when a's ends, b's is due and a's next is
+    one event-loop turn away: b waits for it (a session of the last batch) rather than run
+    alone, and from then on the two run as one batch instead of taking turns."""
+    runner = Calls(model_dir, 0, 1, threads=1, cache_dir=tmp_path)
+    runner.calls, runner.compute_s = [], 0.01
+    for sid in ("a", "b"):
+        runner.open_session(sid)
+
+    async def scenario() -> None:
+        with ThreadPoolExecutor(max_workers=1) as executor:
+            batcher = StepBatcher(executor)
+
+            async def stream(sid: str) -> None:
+                for position in range(20):
+                    await batcher.compute(runner, sid, position, np.array([[7]]))
+
+            first = asyncio.create_task(stream("a"))
+            deadline_s = asyncio.get_running_loop().time() + 60
+            while not runner.calls:  # a's first step runs
+                assert asyncio.get_running_loop().time() < deadline_s
+                await asyncio.sleep(0.001)
+            await asyncio.gather(first, stream("b"))
+
+    asyncio.run(scenario())
+    assert runner.calls[:2] == [("a", 1), ("batch", 2)], runner.calls
+    assert runner.calls.count(("batch", 2)) >= 15, runner.calls  # together from then on (a slow moment may split one)
 
 
 @pytest.mark.parametrize("last_layer", [0, 1], ids=["a head's hidden states", "a tail's logits"])
@@ -215,7 +250,7 @@ def test_a_prompt_beside_decoding_streams_is_read_in_slices_between_their_steps(
 
             streams = [asyncio.create_task(stream(sid)) for sid in ("a", "b")]
             deadline_s = asyncio.get_running_loop().time() + 60
-            while not {"a", "b"} <= {call[0] for call in runner.calls[3:]}:  # both streams decode
+            while ("batch", 2) not in runner.calls:  # both streams decode
                 assert asyncio.get_running_loop().time() < deadline_s, runner.calls
                 await asyncio.sleep(0.001)
             read = await batcher.compute(runner, "p", 20, ids[:, 20:], "kept")
