@@ -278,3 +278,42 @@ def test_a_prompt_beside_decoding_streams_is_read_in_slices_between_their_steps(
     alone.open_session("q")
     whole = alone.forward("q", ids[:, :150])
     np.testing.assert_allclose(alone_read, whole if last_layer == 0 else whole[:, -1:], atol=1e-4, rtol=0)
+
+
+def test_prompts_arriving_together_beside_decoding_streams_are_read_one_after_the_other(model_dir,
+                                                                                        tmp_path) -> None:
+    """Two prompts queued together while two streams decode: the first is read in slices with
+    the streams' batches between them, and the second starts only when the first is read (its
+    first token as early as it can come), not slice for slice in turns with it."""
+    runner = Calls(model_dir, 0, 1, threads=1, cache_dir=tmp_path)
+    runner.calls = []
+    ids = np.random.default_rng(6).integers(3, 90, size=(1, 120))
+    for sid in ("a", "b"):
+        runner.open_session(sid)
+        runner.forward(sid, ids[:, :5])
+    for sid in ("p", "q"):
+        runner.open_session(sid)
+
+    async def scenario() -> None:
+        with ThreadPoolExecutor(max_workers=1) as executor:
+            batcher = StepBatcher(executor)
+
+            async def stream(sid: str) -> None:
+                for position in range(5, 105):
+                    await batcher.compute(runner, sid, position, np.array([[7]]))
+
+            streams = [asyncio.create_task(stream(sid)) for sid in ("a", "b")]
+            deadline_s = asyncio.get_running_loop().time() + 60
+            while ("batch", 2) not in runner.calls:  # both streams decode
+                assert asyncio.get_running_loop().time() < deadline_s, runner.calls
+                await asyncio.sleep(0.001)
+            await asyncio.gather(batcher.compute(runner, "p", 0, ids), batcher.compute(runner, "q", 0, ids))
+            await asyncio.gather(*streams)
+
+    asyncio.run(scenario())
+    p_slices = [i for i, call in enumerate(runner.calls) if call[0] == "p"]
+    q_slices = [i for i, call in enumerate(runner.calls) if call[0] == "q"]
+    assert len(p_slices) >= 2 and max(p_slices) < min(q_slices), runner.calls
+    assert sum(runner.calls[i][1] for i in p_slices) == sum(runner.calls[i][1] for i in q_slices) == 120
+    decoded = sum(call[0] in ("batch", "a", "b") for call in runner.calls[p_slices[0]:p_slices[-1]])
+    assert decoded >= len(p_slices) - 1, runner.calls
