@@ -1,6 +1,7 @@
 """Admission control of inference requests, per model. Pure: time is a parameter.
 
-Each model runs at most ``max_requests_in_flight`` requests at once; the next
+Each model runs at most ``max_requests_in_flight`` requests at once (its own count once set,
+:meth:`Admission.set_in_flight`: the router's, from the memory its KV cache needs); the next
 ``max_queued_requests`` wait in a queue, and a request beyond that is refused at once
 (the caller answers 429 with ``Retry-After``). A queued request that leaves (its client
 disconnected) gives up its place; a request that ends frees its slot for a waiting one.
@@ -19,11 +20,12 @@ from __future__ import annotations
 
 import math
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from agent.core.errors import AdmissionError, TooManyRequestsError
 
-DEFAULT_MAX_REQUESTS_IN_FLIGHT = 4
+DEFAULT_MAX_REQUESTS_IN_FLIGHT = 4  # a model's count until it is set (it is loading)
+AUTO_MOST_REQUESTS_IN_FLIGHT = 8  # the most a count set from the KV memory reaches
 DEFAULT_MAX_QUEUED_REQUESTS = 32
 DEFAULT_REQUEST_DURATION_S = 5.0  # assumed until a request of the model has finished
 DURATION_WEIGHT = 0.2  # weight of the newest duration in the moving average
@@ -82,6 +84,17 @@ class Admission:
     _held: Counter[tuple[str, str]] = field(default_factory=Counter)  # (model, client) -> slots in flight
     _duration_s: dict[str, float] = field(default_factory=dict)
     _arrivals: int = 0
+    _model_limits: dict[str, AdmissionLimits] = field(default_factory=dict)  # models with their own count
+
+    def limits_of(self, model: str) -> AdmissionLimits:
+        return self._model_limits.get(model, self.limits)
+
+    def set_in_flight(self, model: str, max_requests_in_flight: int, *, now: float) -> list[AdmissionTicket]:
+        """``model`` runs at most ``max_requests_in_flight`` requests at once from now on (the
+        client shares follow); requests in flight beyond a lower count finish. Returns the
+        waiting tickets a higher count admits, in order."""
+        self._model_limits[model] = replace(self.limits, max_requests_in_flight=max_requests_in_flight)
+        return self._admit_waiting(model, now)
 
     def in_flight(self, model: str) -> int:
         return self._in_flight.get(model, 0)
@@ -95,7 +108,7 @@ class Admission:
         queue = self._queues.setdefault(model, [])
         self._arrivals += 1
         ticket = AdmissionTicket(model, client, self._arrivals)
-        limits = self.limits
+        limits = self.limits_of(model)
         if self._may_run(ticket) and self._next(model) is None:
             self._admit(ticket, now)
             return ticket
@@ -132,6 +145,13 @@ class Admission:
             if ticket.admitted_s is not None:
                 self._record(model, max(0.0, now - ticket.admitted_s))
         ticket.state = "done"
+        admitted = self._admit_waiting(model, now)
+        if self._in_flight.get(model) == 0:
+            del self._in_flight[model]
+        return admitted
+
+    def _admit_waiting(self, model: str, now: float) -> list[AdmissionTicket]:
+        """Admit the waiting requests of ``model`` that free slots take, in order."""
         admitted = []
         while (head := self._next(model)) is not None:
             self._queues[model].remove(head)
@@ -139,19 +159,18 @@ class Admission:
             admitted.append(head)
         if model in self._queues and not self._queues[model]:
             del self._queues[model]
-        if self._in_flight.get(model) == 0:
-            del self._in_flight[model]
         return admitted
 
     def retry_after_s(self, model: str) -> int:
         """Whole seconds until a place is likely to free up for ``model``."""
         duration_s = self._duration_s.get(model, DEFAULT_REQUEST_DURATION_S)
-        estimate = math.ceil(duration_s / self.limits.max_requests_in_flight)
+        estimate = math.ceil(duration_s / self.limits_of(model).max_requests_in_flight)
         return min(MAX_RETRY_AFTER_S, max(MIN_RETRY_AFTER_S, estimate))
 
     def _may_run(self, ticket: AdmissionTicket) -> bool:
-        return (self.in_flight(ticket.model) < self.limits.max_requests_in_flight
-                and self._held[ticket.model, ticket.client] < self.limits.client_in_flight)
+        limits = self.limits_of(ticket.model)
+        return (self.in_flight(ticket.model) < limits.max_requests_in_flight
+                and self._held[ticket.model, ticket.client] < limits.client_in_flight)
 
     def _next(self, model: str) -> AdmissionTicket | None:
         """The waiting request a free slot goes to: of the client holding the fewest slots, the

@@ -83,6 +83,18 @@ class MemoryLedger:
                 short[node] = missing
         return short
 
+    def sessions_fitting(self, session_bytes: Mapping[str, int], most: int) -> int:
+        """How many requests of a loaded model run at once when each holds ``session_bytes``
+        (per node: a KV cache at full context) and one is counted in what the model holds
+        already: 1 + the sessions every node's room beside everything held takes, 1..``most``
+        (a node that reported no memory limits nothing)."""
+        count = most
+        for node, per_session in session_bytes.items():
+            budget = self.budget_bytes(node)
+            if budget is not None and per_session > 0:
+                count = min(count, 1 + max(budget - self.held_bytes(node), 0) // per_session)
+        return max(1, count)
+
     def over_count(self, without: Iterable[str] = ()) -> bool:
         skip = set(without)
         count = sum(1 for m in self.models.values() if m.counted() and m.name not in skip)

@@ -97,7 +97,7 @@ class AgentConfig:
     models_autoload: bool = True
     models_load_timeout_s: float = 600.0
     sleep_idle_s: float = 0.0
-    max_requests_in_flight: int = 4  # per model, on the orchestrator
+    max_requests_in_flight: int = 0  # per model, on the orchestrator; 0: as many as its KV memory holds, up to 8
     max_queued_requests: int = 32  # per model: more waiting requests get 429
     scrub_interval_s: float = 86400.0  # every stored file is hashed again this often; 0 = never
     scrub_rate_mib_s: float = 16.0  # at most this fast, on a thread of the lowest priority
@@ -165,8 +165,9 @@ class AgentConfig:
         if self.default_max_tokens < 0:
             raise ConfigError(f"default_max_tokens must be >= 0 (0 = up to the end of the context), "
                               f"got {self.default_max_tokens}")
-        if self.max_requests_in_flight < 1 or self.max_queued_requests < 0:
-            raise ConfigError(f"max_requests_in_flight must be >= 1 and max_queued_requests >= 0 (0 = no queue), "
+        if self.max_requests_in_flight < 0 or self.max_queued_requests < 0:
+            raise ConfigError(f"max_requests_in_flight must be >= 0 (0 = from the KV memory) and max_queued_requests "
+                              f">= 0 (0 = no queue), "
                               f"got {self.max_requests_in_flight} and {self.max_queued_requests}")
         if not 0 <= self.draft_tokens <= MAX_DRAFT_TOKENS:
             raise ConfigError(f"draft_tokens must be 0 (off) to {MAX_DRAFT_TOKENS}, got {self.draft_tokens}")

@@ -33,7 +33,15 @@ class AdmissionGate:
             yield
         finally:
             self._admitted.pop(ticket, None)
-            for next_ticket in self.admission.leave(ticket, now=time.monotonic()):
-                waiting = self._admitted.pop(next_ticket, None)
-                if waiting is not None and not waiting.done():
-                    waiting.set_result(None)
+            self._wake(self.admission.leave(ticket, now=time.monotonic()))
+
+    def set_in_flight(self, name: str, max_requests_in_flight: int) -> None:
+        """``name`` runs at most ``max_requests_in_flight`` requests at once from now on; the
+        waiting requests a higher count admits go on."""
+        self._wake(self.admission.set_in_flight(name, max_requests_in_flight, now=time.monotonic()))
+
+    def _wake(self, tickets: list[AdmissionTicket]) -> None:
+        for ticket in tickets:
+            waiting = self._admitted.pop(ticket, None)
+            if waiting is not None and not waiting.done():
+                waiting.set_result(None)

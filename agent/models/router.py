@@ -15,11 +15,17 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections import Counter
 from collections.abc import AsyncIterator, Callable, Collection, Mapping
 from typing import Any
 
 from agent.cluster.membership import Membership
-from agent.core.admission import Admission, AdmissionLimits
+from agent.core.admission import (
+    AUTO_MOST_REQUESTS_IN_FLIGHT,
+    DEFAULT_MAX_REQUESTS_IN_FLIGHT,
+    Admission,
+    AdmissionLimits,
+)
 from agent.core.embedding_placement import place_embedding_model
 from agent.core.errors import (
     ClusterError,
@@ -41,6 +47,7 @@ from agent.models.catalog import ModelCatalog
 from agent.models.events import ModelEventStream
 from agent.models.scheduler import ModelScheduler
 from agent.orchestration.orchestrator import Deployment, ModelHooks, Orchestrator
+from shards.errors import ShardsError
 from shards.store.model_store import ModelStore
 
 log = logging.getLogger(__name__)
@@ -67,7 +74,8 @@ class ModelRouter:
         self.registry = ModelRegistry(models_max=config.models_max,
                                       memory_margin_bytes=config.models_memory_margin_mib * MIB)
         self.gate = AdmissionGate(AdmissionLimits(
-            max_requests_in_flight=config.max_requests_in_flight, max_queued_requests=config.max_queued_requests,
+            max_requests_in_flight=config.max_requests_in_flight or DEFAULT_MAX_REQUESTS_IN_FLIGHT,
+            max_queued_requests=config.max_queued_requests,
             max_in_flight_per_client=config.max_requests_in_flight_per_client,
             max_queued_per_client=config.max_queued_requests_per_client))
         self.model_events = ModelEventStream(self.registry, self.model_info, self.models)
@@ -77,7 +85,7 @@ class ModelRouter:
         self.orchestrator = orchestrator(self)
         self.catalog = ModelCatalog(config, store, self.orchestrator.holdings, on_reload=self._listed)
         self.scheduler = ModelScheduler(self.registry, self.catalog, self.orchestrator, events, self.model_events,
-                                        enabled=lambda: self.enabled)
+                                        enabled=lambda: self.enabled, loaded=self._loaded)
 
     # --- sources ---------------------------------------------------------------------------------
     @property
@@ -142,8 +150,36 @@ class ModelRouter:
 
     def _adopted(self, name: str, deployment: Deployment) -> None:
         if name in self.registry.entries and self.registry.entries[name].state != ModelState.READY:
-            self.registry.loaded(name, deployment.effective_bytes, now=time.monotonic())
+            self._loaded(name, deployment)
             self.model_events.status_changed(name)
+
+    def _loaded(self, name: str, deployment: Deployment, *, replanned: bool = False) -> None:
+        """The registry counts ``name`` as ready (or, ``replanned``, ready on a new plan) with
+        the memory ``deployment`` holds; with ``max_requests_in_flight`` 0, running as many
+        requests at once as every stage's memory holds the KV cache of (at full context, up
+        to :data:`AUTO_MOST_REQUESTS_IN_FLIGHT`), which admission follows from now on."""
+        most = 0 if self.config.max_requests_in_flight else AUTO_MOST_REQUESTS_IN_FLIGHT
+        sessions = self._session_bytes(deployment) if most else None
+        if replanned:
+            self.registry.update_effective(name, deployment.effective_bytes, sessions, most)
+        else:
+            self.registry.loaded(name, deployment.effective_bytes, now=time.monotonic(), session_bytes=sessions,
+                                 most_in_flight=most)
+        count = self.registry.entries[name].max_in_flight
+        if count is not None:
+            self.gate.set_in_flight(name, count)
+
+    def _session_bytes(self, deployment: Deployment) -> dict[str, int]:
+        """Per node of ``deployment``'s route, one request's KV cache at full context."""
+        try:
+            manifest = self.store.manifest(deployment.order.model)
+        except ShardsError:
+            return {}
+        layers: Counter[str] = Counter()
+        for hop in deployment.order.route.hops:
+            layers[hop.node_id] += hop.layers.last - hop.layers.first + 1
+        context = deployment.order.max_context or self.config.max_context
+        return {node: manifest.kv_bytes_per_token(count) * context for node, count in layers.items()}
 
     def on_members(self, members: frozenset[str]) -> None:
         self._update_devices()
@@ -169,7 +205,7 @@ class ModelRouter:
                 self.scheduler.tick()
                 return
         elif entry.state == ModelState.READY:
-            self.registry.update_effective(name, deployment.effective_bytes)
+            self._loaded(name, deployment, replanned=True)
         else:
             self._adopted(name, deployment)
         self.model_events.status_changed(name, reason=reason)
@@ -343,6 +379,7 @@ class ModelRouter:
         info: dict[str, Any] = {"id": name, "object": "model", "owned_by": "ncm", **entry.to_dict(),
                                 "waiters": queued.waiters if queued else 0, "progress": progress,
                                 "requests_in_flight": self.admission.in_flight(name),
+                                "max_requests_in_flight": self.admission.limits_of(name).max_requests_in_flight,
                                 "queued_requests": self.admission.queued(name)}
         if preset is not None:
             info.update(aliases=list(preset.aliases), source=preset.source, store_model=preset.store_model,

@@ -18,7 +18,7 @@ from agent.local.compat import TaskGroup, timeout
 from agent.local.events import EventLog
 from agent.models.catalog import ModelCatalog
 from agent.models.events import ModelEventStream
-from agent.orchestration.orchestrator import Orchestrator
+from agent.orchestration.orchestrator import Deployment, Orchestrator
 from agent.orchestration.public_errors import public_reason
 
 log = logging.getLogger(__name__)
@@ -27,9 +27,12 @@ SLEEP_CHECK_INTERVAL_S = 1.0
 
 class ModelScheduler:
     def __init__(self, registry: ModelRegistry, catalog: ModelCatalog, orchestrator: Orchestrator,
-                 events: EventLog, model_events: ModelEventStream, enabled: Callable[[], bool]) -> None:
-        """``enabled``: whether this node is the orchestrator (nothing is carried out otherwise)."""
+                 events: EventLog, model_events: ModelEventStream, enabled: Callable[[], bool],
+                 loaded: Callable[[str, Deployment], None]) -> None:
+        """``enabled``: whether this node is the orchestrator (nothing is carried out otherwise);
+        ``loaded(name, deployment)`` counts a model that is loaded in the registry."""
         self.registry = registry
+        self._loaded = loaded
         self.catalog = catalog
         self.orchestrator = orchestrator
         self.events = events
@@ -106,7 +109,7 @@ class ModelScheduler:
             else:
                 started = time.monotonic()
                 deployment = await self.orchestrator.load(preset)
-                self.registry.loaded(name, deployment.effective_bytes, now=time.monotonic())
+                self._loaded(name, deployment)
                 self.events.record("load", f"{name} loaded", model=name, duration_s=time.monotonic() - started)
         except asyncio.CancelledError:
             self.registry.failed(name, "the router stopped")

@@ -175,3 +175,19 @@ class AdmissionMachine(RuleBasedStateMachine):
 
 TestAdmissionMachine = AdmissionMachine.TestCase
 TestAdmissionMachine.settings = settings(max_examples=examples(200), stateful_step_count=40, deadline=None)
+
+
+def test_a_models_own_count_admits_the_waiting_when_it_rises_and_lets_the_running_finish_when_it_falls():
+    admission = Admission(AdmissionLimits(max_requests_in_flight=1, max_queued_requests=10))
+    first = admission.arrive("m", now=0.0, client="a")
+    waiting = [admission.arrive("m", now=0.0, client=c) for c in ("b", "c", "d")]
+    other = admission.arrive("n", now=0.0, client="a")
+    assert first.state == other.state == "admitted" and all(t.state == "queued" for t in waiting)
+    assert admission.set_in_flight("m", 3, now=1.0) == waiting[:2]  # the loaded model's count, from its KV memory
+    assert admission.limits_of("m").max_requests_in_flight == 3 and admission.limits_of("n") == admission.limits
+    assert admission.limits_of("m").client_in_flight == 2  # the client shares follow the count
+    assert admission.set_in_flight("m", 1, now=2.0) == []  # lower: the three in flight go on
+    assert admission.in_flight("m") == 3 and waiting[2].state == "queued"
+    assert admission.leave(first, now=3.0) == [] and admission.leave(waiting[0], now=3.0) == []
+    assert admission.leave(waiting[1], now=3.0) == [waiting[2]]
+    assert admission.arrive("n", now=4.0, client="b").state == "queued"  # another model keeps the config's count

@@ -90,3 +90,26 @@ def test_a_need_larger_than_the_device_is_refused_for_good():
     ledger = ledger_of(n1=100 * MIB)
     error = ledger.refusal("huge", {"n1": 200 * MIB}, [], lambda m: "")
     assert error.retry_after_s is None and "even with nothing else loaded" in str(error)
+
+
+def test_the_requests_of_a_model_that_fit_follow_the_room_every_node_has_left():
+    """One request is counted in what a model holds; the others take what is left on every
+    node of its route, at most ``most``; a node without a reported limit limits nothing."""
+    ledger = ledger_of(Model("m", {"a": 400, "b": 100}), a=1000, b=10_000)
+    assert ledger.sessions_fitting({"a": 100, "b": 1000}, 16) == 1 + 600 // 100  # a: 6 more; b: 9 more
+    assert ledger.sessions_fitting({"a": 100, "b": 1000}, 4) == 4
+    assert ledger.sessions_fitting({"a": 700}, 8) == 1  # no room for a second: still one
+    assert ledger.sessions_fitting({"unreported": 10**12, "a": 0}, 8) == 8
+    over = ledger_of(Model("m", {"a": 1200}), a=1000)
+    assert over.sessions_fitting({"a": 1}, 8) == 1
+
+
+@given(st.dictionaries(st.sampled_from("abc"), st.integers(0, 10**6), min_size=1),
+       st.dictionaries(st.sampled_from("abc"), st.integers(0, 10**4)), st.integers(1, 32))
+def test_the_requests_that_fit_are_within_one_and_most_and_their_caches_fit(totals, session, most):
+    ledger = ledger_of(Model("m", {n: t // 3 for n, t in totals.items()}), **totals)
+    count = ledger.sessions_fitting(session, most)
+    assert 1 <= count <= most
+    for node, per_session in session.items():
+        if node in totals and count > 1:
+            assert (count - 1) * per_session <= totals[node] - totals[node] // 3

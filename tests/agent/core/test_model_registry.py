@@ -412,3 +412,20 @@ class RouterMachine(RuleBasedStateMachine):
 
 TestRouterMachine = RouterMachine.TestCase
 TestRouterMachine.settings = settings(max_examples=examples(300), stateful_step_count=40, deadline=None)
+
+
+def test_a_model_loaded_with_a_most_in_flight_runs_as_many_requests_as_its_kv_memory_holds():
+    registry = ModelRegistry()
+    registry.set_models(MODELS)
+    registry.set_devices({"n1": DeviceMemory(1000 * MIB), "n2": DeviceMemory(400 * MIB)})
+    ready(registry, "a", {"n1": 100 * MIB, "n2": 100 * MIB}, now=1.0)
+    assert registry.entry("a").max_in_flight is None  # a count of the config's
+    registry.loaded("a", {"n1": 100 * MIB, "n2": 100 * MIB}, now=2.0, session_bytes={"n1": 50 * MIB, "n2": 100 * MIB},
+                    most_in_flight=8)
+    assert registry.entry("a").max_in_flight == 1 + 300 // 100  # n2's room: 3 more caches of 100 MiB
+    assert registry.entry("a").held_bytes() == {"n1": 100 * MIB, "n2": 100 * MIB}  # the room is not held
+    ready(registry, "b", {"n2": 200 * MIB}, now=3.0)
+    registry.update_effective("a", {"n1": 100 * MIB, "n2": 100 * MIB}, {"n1": 50 * MIB, "n2": 100 * MIB}, 8)
+    assert registry.entry("a").max_in_flight == 2  # a new plan counts again, beside b
+    registry.update_effective("a", {"n1": 100 * MIB})
+    assert registry.entry("a").max_in_flight is None

@@ -128,13 +128,13 @@ def test_the_queue_is_fifo_and_a_client_that_leaves_gives_up_its_place(tmp_path)
 
 
 def test_six_streams_of_one_app_cannot_block_a_seventh_client(tmp_path):
-    """One app opens six streams that hold their slots (default limits: 4 in flight, 32
-    queued): it gets three slots and waits with the rest; a request of another device starts
+    """One app opens six streams that hold their slots (4 in flight, 32 queued): it gets
+    three slots and waits with the rest; a request of another device starts
     at once. All go through an agent that passes them on: the orchestrator counts each for
     the device the agent saw (X-Ncm-Client), not for the agent."""
 
     async def scenario():
-        async with tiny_cluster(tmp_path) as (leader, others):
+        async with tiny_cluster(tmp_path, max_requests_in_flight=4) as (leader, others):
             router = leader.app[ROUTER]
             gate = Gate(leader)
             app = [asyncio.create_task(complete(others[0].url, f"w{n}", stream=True, source="127.0.0.20"))
@@ -157,7 +157,7 @@ def test_a_client_cannot_pose_as_many_by_naming_itself(tmp_path):
     every request is still one client."""
 
     async def scenario():
-        async with tiny_cluster(tmp_path) as (leader, _):
+        async with tiny_cluster(tmp_path, max_requests_in_flight=4) as (leader, _):
             router = leader.app[ROUTER]
             gate = Gate(leader)
             app = [asyncio.create_task(complete(leader.url, f"w{n}", source="127.0.0.30",
@@ -167,5 +167,28 @@ def test_a_client_cannot_pose_as_many_by_naming_itself(tmp_path):
                              what="three in flight and two queued, as for one client")
             gate.open()
             assert all(status == 200 for status, _, _ in [await task for task in app])
+
+    asyncio.run(scenario())
+
+
+def test_by_default_a_model_runs_as_many_requests_as_its_kv_memory_holds(tmp_path):
+    """With max_requests_in_flight 0 (the default) a loaded model's count comes from the room
+    its stages have for KV caches at full context: the tiny model's are small beside this
+    machine's memory, so it runs the most, 8, from 8 devices at once, and says so."""
+
+    async def scenario():
+        async with tiny_cluster(tmp_path) as (leader, others):
+            router = leader.app[ROUTER]
+            assert router.config.max_requests_in_flight == 0
+            gate = Gate(leader)
+            requests = [asyncio.create_task(complete(others[0].url, f"w{n}", source=f"127.0.0.{40 + n}"))
+                        for n in range(5, 14)]
+            await eventually(lambda: len(gate.started) == 8 and router.admission.queued(TINY) == 1, timeout_s=30,
+                             what="eight requests in flight and the ninth queued")
+            status, models = await call("GET", leader.url + "/models")
+            model = next(m for m in models["data"] if m["id"] == TINY)
+            assert status == 200 and model["max_requests_in_flight"] == 8 and model["requests_in_flight"] == 8
+            gate.open()
+            assert all(status == 200 for status, _, _ in [await task for task in requests])
 
     asyncio.run(scenario())
