@@ -25,7 +25,8 @@ taking turns; prints tokens/s of both, their ratio (aim >= 1.3) and the share of
 tokens kept, and whether both answers were the same text.
 
 With ``--streams N``: per cluster size, N greedy streams (each its own prompt) one after the
-other and then all at once; prints one stream's decode tokens/s, the aggregate of the N
+other and then all at once, each from a loopback address of its own (a device each) under the
+default admission (as many requests at once as the KV memory holds, at most 8); prints one stream's decode tokens/s, the aggregate of the N
 together over the whole run (every token, from the requests sent to the last token; and, apart,
 while all of them decode), each stream's time to its first token, their ratio (aim >= 2.0 on one agent, >= 1.5 on three), and whether every stream's
 text was the same both ways. ``--shape llama-1b`` serves the random-weight 1B-shaped model
@@ -42,12 +43,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import http.client
 import json
 import socket
 import sys
 import tempfile
 import threading
 import time
+import urllib.parse
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -62,20 +65,28 @@ PROMPT = "Write a long story about a lighthouse keeper who finds a map."
 
 
 def stream_completion(url: str, model: str, prompt: str, tokens: int,
-                      stamps: list[float] | None = None) -> tuple[str, list[float]]:
-    """The text of one streamed greedy completion and the arrival time of each of its chunks."""
+                      stamps: list[float] | None = None, source: str = "127.0.0.1") -> tuple[str, list[float]]:
+    """The text of one streamed greedy completion and the arrival time of each of its chunks,
+    sent from the loopback address ``source`` (a device of its own: a client of its own)."""
     body = json.dumps({"model": model, "prompt": prompt, "temperature": 0, "max_tokens": tokens,
                        "stream": True}).encode()
-    request = urllib.request.Request(url + "/v1/completions", data=body, headers={"Content-Type": "application/json"})
+    address = urllib.parse.urlsplit(url)
+    connection = http.client.HTTPConnection(address.hostname, address.port, timeout=1800, source_address=(source, 0))
     pieces: list[str] = []
     stamps = [] if stamps is None else stamps  # the caller's list: it sees the tokens as they come
-    with urllib.request.urlopen(request, timeout=1800) as response:
+    try:
+        connection.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
+        response = connection.getresponse()
+        if response.status != 200:
+            raise RuntimeError(f"{response.status}: {response.read()[:300]!r}")
         for line in response:
             if line.startswith(b"data: {"):
                 choices = json.loads(line[len(b"data: "):]).get("choices") or []
                 if choices and choices[0].get("text") is not None:
                     pieces.append(choices[0]["text"])
                     stamps.append(time.perf_counter())
+    finally:
+        connection.close()
     return "".join(pieces), stamps
 
 
@@ -83,8 +94,7 @@ def measure_streams(nodes: int, port: int, streams: int, tokens: int, threads: i
                     home: Path | None) -> dict:
     """One stream's decode rate and the aggregate of ``streams`` concurrent ones, on ``nodes`` agents."""
     prompts = [f"{PROMPT} Chapter {i + 1}, told by voice number {3 * i + 2}:" for i in range(streams)]
-    slots = str(max(streams, 4))  # every stream runs at once: this one client is given every slot
-    env = {"NCM_THREADS": str(threads), "NCM_MAX_REQUESTS_IN_FLIGHT": slots, "NCM_MAX_REQUESTS_IN_FLIGHT_PER_CLIENT": slots}
+    env = {"NCM_THREADS": str(threads)}  # the default admission: each stream from a device of its own
     with tempfile.TemporaryDirectory(prefix="ncm-bench-") as base:
         processes = start_local_cluster(nodes, port, Path(base), model, env=env, log_dir=Path(base) / "logs",
                                         node_env=[{"NCM_HOME": str(home)}] if home else None)
@@ -95,7 +105,8 @@ def measure_streams(nodes: int, port: int, streams: int, tokens: int, threads: i
             alone = [stream_completion(url, model, p, tokens) for p in prompts]
             with ThreadPoolExecutor(max_workers=streams) as pool:
                 sent = time.perf_counter()
-                together = list(pool.map(lambda p: stream_completion(url, model, p, tokens), prompts))
+                together = list(pool.map(lambda i: stream_completion(url, model, prompts[i], tokens,
+                                                                     source=f"127.0.0.{10 + i}"), range(streams)))
             with urllib.request.urlopen(url + "/cluster/nodes", timeout=30) as response:
                 nodes_seen = json.loads(response.read())["nodes"]
             batches = [(n.get("worker") or {}).get("batches") for n in nodes_seen]
