@@ -10,9 +10,10 @@ longer than :data:`GATHER_SHARE` of that batch's compute time, so a round does n
 into one step alone and the rest after it (the sessions come back together, a round trip of
 the chain later), two groups of streams whose steps arrive while the other's batch runs do
 not take turns for ever (each waits for the other once, and they run as one batch from then
-on), and a session that stalls (its client reads slowly) costs the others little. A step whose session is out of step, or whose batch fails,
-gets its own error: the other rows run alone. A lone stream's quick decode steps run on the
-event loop itself (:meth:`StepBatcher._inline`).
+on), and a session that stalls (its client reads slowly) costs the others little. A step
+whose session is out of step, or whose batch fails, gets its own error: the other rows run
+alone. A lone stream's quick decode steps run on the event loop itself
+(:meth:`StepBatcher._inline`).
 
 A prompt never stalls decoding streams: while decode steps run on this worker (queued, or one
 ran within :data:`DECODE_RECENT_S`), a prompt's step is read in slices, each sized to take
@@ -21,10 +22,10 @@ position its fragment's recent slices took, at least :data:`MIN_SLICE_TOKENS`), 
 steps queued when a slice ends run before the next slice. Prompts are read one after the
 other (the rest of a sliced one goes back ahead of those that came after it), so each first
 token comes as early as it can. A stream's gap between tokens is then a decode batch and a
-slice, not a whole prompt; a prompt read alone runs whole. (Each slice is
-a call of its own that reads the fragment's weights again: on a CPU, where that is most of a
-decode step, a share of 1 reads the prompt 3x slower than alone, 2 about 2x, 4 hardly slower,
-for gaps of about 2, 3 and 4-5 decode batches.)
+slice, not a whole prompt; a prompt read alone runs whole. (Each slice is a call of its own
+that reads the fragment's weights again: on a CPU, where that is most of a decode step, a
+share of 1 reads the prompt 3x slower than alone, 2 about 2x, 4 hardly slower, for gaps of
+about 2, 3 and 4-5 decode batches.)
 """
 
 from __future__ import annotations
