@@ -22,7 +22,9 @@ position its fragment's recent slices took, at least :data:`MIN_SLICE_TOKENS`), 
 steps queued when a slice ends run before the next slice. Prompts are read one after the
 other (the rest of a sliced one goes back ahead of those that came after it), so each first
 token comes as early as it can. A stream's gap between tokens is then a decode batch and a
-slice, not a whole prompt; a prompt read alone runs whole. (Each slice is a call of its own
+slice, not a whole prompt; a prompt read alone runs whole, and so does one that two slices
+would read (a short one: the slice's extra weight read would cost its own first token, and
+the streams' total, more than the gap it saves them). (Each slice is a call of its own
 that reads the fragment's weights again: on a CPU, where that is most of a decode step, a
 share of 1 reads the prompt 3x slower than alone, 2 about 2x, 4 hardly slower, for gaps of
 about 2, 3 and 4-5 decode batches.)
@@ -257,9 +259,11 @@ class StepBatcher:
         if pending.decode or not pending.sliceable or not contended or not self.slice_share:
             return left
         position_s = self._position_s.get(pending.runner)
-        if position_s is None:
-            return FIRST_SLICE_TOKENS
-        return max(MIN_SLICE_TOKENS, int(self.slice_share * self._decode_s / max(position_s, 1e-9)))
+        tokens = FIRST_SLICE_TOKENS if position_s is None else max(
+            MIN_SLICE_TOKENS, int(self.slice_share * self._decode_s / max(position_s, 1e-9)))
+        if pending.done == 0 and left <= 2 * tokens:  # two slices: a weight read more for a gap of 2 decode batches
+            return left
+        return -(-left // -(-left // tokens))  # slices of one size: no small last one that costs a weight read
 
     def _inline(self, batch: list[_Pending]) -> bool:
         """Whether ``batch`` runs right here, on the event loop: a decode step of the only

@@ -317,3 +317,33 @@ def test_prompts_arriving_together_beside_decoding_streams_are_read_one_after_th
     assert sum(runner.calls[i][1] for i in p_slices) == sum(runner.calls[i][1] for i in q_slices) == 120
     decoded = sum(call[0] in ("batch", "a", "b") for call in runner.calls[p_slices[0]:p_slices[-1]])
     assert decoded >= len(p_slices) - 1, runner.calls
+
+
+def test_a_prompt_two_slices_would_read_is_read_whole_beside_decoding_streams(model_dir, tmp_path) -> None:
+    """A short prompt (here 40 positions, under two first slices of 32) is read in one call
+    while streams decode: a second slice would read the weights once more, which costs its
+    first token and the streams' total more than the gap it saves them."""
+    runner = Calls(model_dir, 0, 1, threads=1, cache_dir=tmp_path)
+    runner.calls = []
+    ids = np.random.default_rng(7).integers(3, 90, size=(1, 40))
+    for sid in ("a", "b", "p"):
+        runner.open_session(sid)
+
+    async def scenario() -> None:
+        with ThreadPoolExecutor(max_workers=1) as executor:
+            batcher = StepBatcher(executor)
+
+            async def stream(sid: str) -> None:
+                for position in range(40):
+                    await batcher.compute(runner, sid, position, np.array([[7]]))
+
+            streams = [asyncio.create_task(stream(sid)) for sid in ("a", "b")]
+            deadline_s = asyncio.get_running_loop().time() + 60
+            while ("batch", 2) not in runner.calls:  # both streams decode
+                assert asyncio.get_running_loop().time() < deadline_s, runner.calls
+                await asyncio.sleep(0.001)
+            await batcher.compute(runner, "p", 0, ids)
+            await asyncio.gather(*streams)
+
+    asyncio.run(scenario())
+    assert [call for call in runner.calls if call[0] == "p"] == [("p", 40)]
