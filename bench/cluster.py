@@ -94,24 +94,16 @@ def measure_streams(nodes: int, port: int, streams: int, tokens: int, threads: i
                     home: Path | None) -> dict:
     """One stream's decode rate and the aggregate of ``streams`` concurrent ones, on ``nodes`` agents."""
     prompts = [f"{PROMPT} Chapter {i + 1}, told by voice number {3 * i + 2}:" for i in range(streams)]
-    env = {"NCM_THREADS": str(threads)}  # the default admission: each stream from a device of its own
-    with tempfile.TemporaryDirectory(prefix="ncm-bench-") as base:
-        processes = start_local_cluster(nodes, port, Path(base), model, env=env, log_dir=Path(base) / "logs",
-                                        node_env=[{"NCM_HOME": str(home)}] if home else None)
-        try:
-            wait_ready(f"http://127.0.0.1:{port}", processes, 1800)
-            url = f"http://127.0.0.1:{port}"
-            stream_completion(url, model, PROMPT, 8)  # warm-up
-            alone = [stream_completion(url, model, p, tokens) for p in prompts]
-            with ThreadPoolExecutor(max_workers=streams) as pool:
-                sent = time.perf_counter()
-                together = list(pool.map(lambda i: stream_completion(url, model, prompts[i], tokens,
-                                                                     source=f"127.0.0.{10 + i}"), range(streams)))
-            with urllib.request.urlopen(url + "/cluster/nodes", timeout=30) as response:
-                nodes_seen = json.loads(response.read())["nodes"]
-            batches = [(n.get("worker") or {}).get("batches") for n in nodes_seen]
-        finally:
-            stop_processes(processes)
+    url = f"http://127.0.0.1:{port}"
+    with serving(nodes, port, threads, model=model, home=home):  # the default admission: a device per stream
+        alone = [stream_completion(url, model, p, tokens) for p in prompts]
+        with ThreadPoolExecutor(max_workers=streams) as pool:
+            sent = time.perf_counter()
+            together = list(pool.map(lambda i: stream_completion(url, model, prompts[i], tokens,
+                                                                 source=f"127.0.0.{10 + i}"), range(streams)))
+        with urllib.request.urlopen(url + "/cluster/nodes", timeout=30) as response:
+            nodes_seen = json.loads(response.read())["nodes"]
+        batches = [(n.get("worker") or {}).get("batches") for n in nodes_seen]
     single = sum(len(st) - 1 for _, st in alone) / sum(st[-1] - st[0] for _, st in alone)
     # the whole run: every token of every stream, from the requests sent to the last token
     aggregate = sum(len(st) for _, st in together) / (max(st[-1] for _, st in together) - sent)
@@ -134,31 +126,24 @@ def measure_long_prompt(nodes: int, port: int, streams: int, tokens: int, prompt
     prompts = [f"{PROMPT} Chapter {i + 1}, told by voice number {3 * i + 2}:" for i in range(streams)]
     long_prompt = "".join(LONG_LINE.format(i) for i in range(prompt_tokens // 21)) + "Summarise the log."
     slots = str(streams + 1)
-    env = {"NCM_THREADS": str(threads), "NCM_MAX_REQUESTS_IN_FLIGHT": slots, "NCM_MAX_REQUESTS_IN_FLIGHT_PER_CLIENT": slots}
+    env = {"NCM_MAX_REQUESTS_IN_FLIGHT": slots, "NCM_MAX_REQUESTS_IN_FLIGHT_PER_CLIENT": slots}
     stamps: list[list[float]] = [[] for _ in prompts]
-    with tempfile.TemporaryDirectory(prefix="ncm-bench-") as base:
-        processes = start_local_cluster(nodes, port, Path(base), model, env=env, log_dir=Path(base) / "logs",
-                                        node_env=[{"NCM_HOME": str(home)}] if home else None)
-        try:
-            wait_ready(f"http://127.0.0.1:{port}", processes, 1800)
-            url = f"http://127.0.0.1:{port}"
-            stream_completion(url, model, PROMPT, 8)  # warm-up
-            with ThreadPoolExecutor(max_workers=streams) as pool:
-                running = [pool.submit(stream_completion, url, model, p, tokens, s) for p, s in zip(prompts, stamps)]
-                deadline = time.perf_counter() + 600
-                while min(len(s) for s in stamps) < 16 and time.perf_counter() < deadline:
-                    time.sleep(0.05)
-                body = json.dumps({"model": model, "prompt": long_prompt, "temperature": 0, "max_tokens": 1}).encode()
-                request = urllib.request.Request(url + "/v1/completions", data=body,
-                                                 headers={"Content-Type": "application/json"})
-                sent = time.perf_counter()
-                with urllib.request.urlopen(request, timeout=1800) as response:
-                    usage = json.loads(response.read())["usage"]
-                answered = time.perf_counter()
-                for future in running:
-                    future.result()
-        finally:
-            stop_processes(processes)
+    url = f"http://127.0.0.1:{port}"
+    with serving(nodes, port, threads, model=model, env=env, home=home), \
+            ThreadPoolExecutor(max_workers=streams) as pool:
+        running = [pool.submit(stream_completion, url, model, p, tokens, s) for p, s in zip(prompts, stamps)]
+        deadline = time.perf_counter() + 600
+        while min(len(s) for s in stamps) < 16 and time.perf_counter() < deadline:
+            time.sleep(0.05)
+        body = json.dumps({"model": model, "prompt": long_prompt, "temperature": 0, "max_tokens": 1}).encode()
+        request = urllib.request.Request(url + "/v1/completions", data=body,
+                                         headers={"Content-Type": "application/json"})
+        sent = time.perf_counter()
+        with urllib.request.urlopen(request, timeout=1800) as response:
+            usage = json.loads(response.read())["usage"]
+        answered = time.perf_counter()
+        for future in running:
+            future.result()
     ended = min(s[-1] for s in stamps)  # gaps while every stream still decodes
     during = [b - a for s in stamps for a, b in zip(s, s[1:]) if sent < b <= answered]
     outside = [b - a for s in stamps for a, b in zip(s[16:], s[17:]) if (b <= sent or a >= answered) and b <= ended]
@@ -311,20 +296,25 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def serving(nodes: int, port: int, threads: int, spin: str = "auto", delay_ms: float | None = None):
-    """``nodes`` agents serving the default model on loopback (with ``delay_ms``, behind a
-    SimulatedLan); yields their status once ready."""
+def serving(nodes: int, port: int, threads: int, spin: str = "auto", delay_ms: float | None = None, *,
+            model: str = "smollm2-135m", env: dict[str, str] | None = None, home: Path | None = None):
+    """``nodes`` agents serving ``model`` on loopback (with ``delay_ms``, behind a SimulatedLan;
+    with ``env``, more settings; with ``home``, the first one's store); yields their status once
+    ready."""
     node_env, lan = None, None
     if delay_ms is not None:
         fronts = [(free_port(), free_port()) for _ in range(nodes)]
         node_env = [{"NCM_PEER_PORT": str(real), "NCM_ADVERTISE_PEER_PORT": str(front)} for front, real in fronts]
         lan = SimulatedLan(fronts, delay_ms / 1000)
+    elif home is not None:
+        node_env = [{"NCM_HOME": str(home)}]
     with tempfile.TemporaryDirectory(prefix="ncm-bench-") as base:
-        processes = start_local_cluster(nodes, port, Path(base), "smollm2-135m", env={"NCM_THREADS": str(threads), "NCM_SPIN": spin},
+        processes = start_local_cluster(nodes, port, Path(base), model,
+                                        env={"NCM_THREADS": str(threads), "NCM_SPIN": spin, **(env or {})},
                                         log_dir=Path(base) / "logs", node_env=node_env)
         try:
-            status = wait_ready(f"http://127.0.0.1:{port}", processes, 600)
-            stream_timings(f"http://127.0.0.1:{port}", 8)  # warm-up
+            status = wait_ready(f"http://127.0.0.1:{port}", processes, 1800)
+            stream_completion(f"http://127.0.0.1:{port}", model, PROMPT, 8)  # warm-up
             yield status
         finally:
             stop_processes(processes)

@@ -64,7 +64,6 @@ class ModelEntry:
     active_requests: int = 0
     min_bytes: dict[str, int] | None = None  # per node, measured before loading
     effective_bytes: dict[str, int] | None = None  # per node, reported once loaded
-    max_in_flight: int | None = None  # the requests it runs at once, from its KV memory (None: the config's)
     stopping: bool = False  # an unload or sleep is under way
     listed: bool = True  # still in the sources (a model dropped by a reload stays until unloaded)
     resting_state: ModelState = ModelState.UNLOADED  # where a measure that did not lead to a load returns
@@ -261,15 +260,10 @@ class ModelRegistry:
                 entry.state == ModelState.MEASURING and head is not None and not head.claimed):
             entry.min_bytes = None
 
-    def loaded(self, name: str, effective_bytes: Mapping[str, int], *, now: float,
-               session_bytes: Mapping[str, int] | None = None, most_in_flight: int = 0) -> None:
-        """``name`` is ready and holds ``effective_bytes``; with ``most_in_flight``, it runs as
-        many requests at once as :meth:`MemoryLedger.sessions_fitting` finds room for, KV
-        caches of ``session_bytes`` (at most that many). The room is not held for them: a
-        KV cache takes its memory as it is written, and a model to load comes first."""
+    def loaded(self, name: str, effective_bytes: Mapping[str, int], *, now: float) -> None:
         entry = self.entry(name)
         entry.state, entry.reason, entry.last_used_s = ModelState.READY, None, now
-        self._hold(entry, effective_bytes, session_bytes, most_in_flight)
+        entry.effective_bytes = dict(effective_bytes) or None
         head = self.find(name)
         if head is not None:
             self._pop(head, None)
@@ -287,18 +281,10 @@ class ModelRegistry:
             self._pop(head, ModelLoadError(f"model {name!r} failed to load: {reason}", retry_after_s))
         self._drop_if_gone(entry)
 
-    def update_effective(self, name: str, effective_bytes: Mapping[str, int],
-                         session_bytes: Mapping[str, int] | None = None, most_in_flight: int = 0) -> None:
-        """A ready model's new plan holds ``effective_bytes`` (the rest as :meth:`loaded`)."""
+    def update_effective(self, name: str, effective_bytes: Mapping[str, int]) -> None:
         entry = self.entries.get(name)
         if entry is not None and entry.state == ModelState.READY:
-            self._hold(entry, effective_bytes, session_bytes, most_in_flight)
-
-    def _hold(self, entry: ModelEntry, effective_bytes: Mapping[str, int], session_bytes: Mapping[str, int] | None,
-              most_in_flight: int) -> None:
-        entry.effective_bytes = dict(effective_bytes) or None
-        entry.max_in_flight = (self.ledger.sessions_fitting(session_bytes or {}, most_in_flight)
-                               if most_in_flight else None)
+            entry.effective_bytes = dict(effective_bytes) or None
 
     def begin_stop(self, name: str) -> bool:
         """Start unloading or sleeping ``name``; False when it is busy, waited for or not loaded."""

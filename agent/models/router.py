@@ -158,16 +158,13 @@ class ModelRouter:
         the memory ``deployment`` holds; with ``max_requests_in_flight`` 0, running as many
         requests at once as every stage's memory holds the KV cache of (at full context, up
         to :data:`AUTO_MOST_REQUESTS_IN_FLIGHT`), which admission follows from now on."""
-        most = 0 if self.config.max_requests_in_flight else AUTO_MOST_REQUESTS_IN_FLIGHT
-        sessions = self._session_bytes(deployment) if most else None
         if replanned:
-            self.registry.update_effective(name, deployment.effective_bytes, sessions, most)
+            self.registry.update_effective(name, deployment.effective_bytes)
         else:
-            self.registry.loaded(name, deployment.effective_bytes, now=time.monotonic(), session_bytes=sessions,
-                                 most_in_flight=most)
-        count = self.registry.entries[name].max_in_flight
-        if count is not None:
-            self.gate.set_in_flight(name, count)
+            self.registry.loaded(name, deployment.effective_bytes, now=time.monotonic())
+        if not self.config.max_requests_in_flight:  # the room is counted, not held: a model to load comes first
+            sessions = self._session_bytes(deployment)
+            self.gate.set_in_flight(name, self.registry.ledger.sessions_fitting(sessions, AUTO_MOST_REQUESTS_IN_FLIGHT))
 
     def _session_bytes(self, deployment: Deployment) -> dict[str, int]:
         """Per node of ``deployment``'s route, one request's KV cache at full context."""

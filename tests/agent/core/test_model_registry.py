@@ -414,18 +414,17 @@ TestRouterMachine = RouterMachine.TestCase
 TestRouterMachine.settings = settings(max_examples=examples(300), stateful_step_count=40, deadline=None)
 
 
-def test_a_model_loaded_with_a_most_in_flight_runs_as_many_requests_as_its_kv_memory_holds():
+def test_the_requests_a_loaded_model_runs_at_once_follow_the_room_its_ledger_leaves():
+    """The router's count for max_requests_in_flight 0 (MemoryLedger.sessions_fitting): the
+    room beside every loaded model, which is not held for it, and counted again beside a
+    model loaded later."""
     registry = ModelRegistry()
     registry.set_models(MODELS)
     registry.set_devices({"n1": DeviceMemory(1000 * MIB), "n2": DeviceMemory(400 * MIB)})
     ready(registry, "a", {"n1": 100 * MIB, "n2": 100 * MIB}, now=1.0)
-    assert registry.entry("a").max_in_flight is None  # a count of the config's
-    registry.loaded("a", {"n1": 100 * MIB, "n2": 100 * MIB}, now=2.0, session_bytes={"n1": 50 * MIB, "n2": 100 * MIB},
-                    most_in_flight=8)
-    assert registry.entry("a").max_in_flight == 1 + 300 // 100  # n2's room: 3 more caches of 100 MiB
+    sessions = {"n1": 50 * MIB, "n2": 100 * MIB}
+    assert registry.ledger.sessions_fitting(sessions, 8) == 1 + 300 // 100  # n2's room: 3 more caches of 100 MiB
     assert registry.entry("a").held_bytes() == {"n1": 100 * MIB, "n2": 100 * MIB}  # the room is not held
     ready(registry, "b", {"n2": 200 * MIB}, now=3.0)
-    registry.update_effective("a", {"n1": 100 * MIB, "n2": 100 * MIB}, {"n1": 50 * MIB, "n2": 100 * MIB}, 8)
-    assert registry.entry("a").max_in_flight == 2  # a new plan counts again, beside b
-    registry.update_effective("a", {"n1": 100 * MIB})
-    assert registry.entry("a").max_in_flight is None
+    registry.update_effective("a", {"n1": 100 * MIB, "n2": 100 * MIB})
+    assert registry.ledger.sessions_fitting(sessions, 8) == 2  # a new plan counts again, beside b

@@ -191,6 +191,21 @@ class Calls(OrtFragmentRunner):
         return super().forward_batch(session_ids, x)
 
 
+async def decoding_streams(batcher: StepBatcher, runner: Calls, positions: range) -> list[asyncio.Task]:
+    """Streams "a" and "b" decoding ``positions`` on ``runner``, once they run as one batch."""
+
+    async def stream(sid: str) -> None:
+        for position in positions:
+            await batcher.compute(runner, sid, position, np.array([[7]]))
+
+    streams = [asyncio.create_task(stream(sid)) for sid in ("a", "b")]
+    deadline_s = asyncio.get_running_loop().time() + 60
+    while ("batch", 2) not in runner.calls:  # both streams decode
+        assert asyncio.get_running_loop().time() < deadline_s, runner.calls
+        await asyncio.sleep(0.001)
+    return streams
+
+
 def test_two_streams_whose_steps_arrive_while_the_others_run_come_together_in_one_batch(model_dir,
                                                                                        tmp_path) -> None:
     """Stream b's first step arrives while a's runs; when a's ends, b's is due and a's next is
@@ -244,15 +259,7 @@ def test_a_prompt_beside_decoding_streams_is_read_in_slices_between_their_steps(
         with ThreadPoolExecutor(max_workers=1) as executor:
             batcher = StepBatcher(executor, share)
 
-            async def stream(sid: str) -> None:
-                for position in range(5, 45):
-                    await batcher.compute(runner, sid, position, np.array([[7]]))
-
-            streams = [asyncio.create_task(stream(sid)) for sid in ("a", "b")]
-            deadline_s = asyncio.get_running_loop().time() + 60
-            while ("batch", 2) not in runner.calls:  # both streams decode
-                assert asyncio.get_running_loop().time() < deadline_s, runner.calls
-                await asyncio.sleep(0.001)
+            streams = await decoding_streams(batcher, runner, range(5, 45))
             read = await batcher.compute(runner, "p", 20, ids[:, 20:], "kept")
             await asyncio.gather(*streams)
             runner.calls.append(("quiet", 0))
@@ -298,15 +305,7 @@ def test_prompts_arriving_together_beside_decoding_streams_are_read_one_after_th
         with ThreadPoolExecutor(max_workers=1) as executor:
             batcher = StepBatcher(executor)
 
-            async def stream(sid: str) -> None:
-                for position in range(5, 105):
-                    await batcher.compute(runner, sid, position, np.array([[7]]))
-
-            streams = [asyncio.create_task(stream(sid)) for sid in ("a", "b")]
-            deadline_s = asyncio.get_running_loop().time() + 60
-            while ("batch", 2) not in runner.calls:  # both streams decode
-                assert asyncio.get_running_loop().time() < deadline_s, runner.calls
-                await asyncio.sleep(0.001)
+            streams = await decoding_streams(batcher, runner, range(5, 105))
             await asyncio.gather(batcher.compute(runner, "p", 0, ids), batcher.compute(runner, "q", 0, ids))
             await asyncio.gather(*streams)
 
@@ -333,15 +332,7 @@ def test_a_prompt_two_slices_would_read_is_read_whole_beside_decoding_streams(mo
         with ThreadPoolExecutor(max_workers=1) as executor:
             batcher = StepBatcher(executor)
 
-            async def stream(sid: str) -> None:
-                for position in range(40):
-                    await batcher.compute(runner, sid, position, np.array([[7]]))
-
-            streams = [asyncio.create_task(stream(sid)) for sid in ("a", "b")]
-            deadline_s = asyncio.get_running_loop().time() + 60
-            while ("batch", 2) not in runner.calls:  # both streams decode
-                assert asyncio.get_running_loop().time() < deadline_s, runner.calls
-                await asyncio.sleep(0.001)
+            streams = await decoding_streams(batcher, runner, range(40))
             await batcher.compute(runner, "p", 0, ids)
             await asyncio.gather(*streams)
 
