@@ -1,7 +1,7 @@
 """Decode speed of the default model on 1 agent and on 3 agents on loopback, from one run.
 
     python bench/cluster.py [--tokens 96] [--threads 1] [--spin auto|on|off] [--rounds 3]
-    python bench/cluster.py --streams 8 [--shape llama-1b] [--nodes 1,3]
+    python bench/cluster.py --streams 8 [--shape llama-1b] [--nodes 1,3] [--llama-server BINARY]
     python bench/cluster.py --streams 4 --long-prompt 2000 --tokens 600
     python bench/cluster.py --delays 0,1,2,5
     python bench/cluster.py --delays 0,5 --speculative
@@ -30,7 +30,10 @@ default admission (as many requests at once as the KV memory holds, at most 8); 
 together over the whole run (every token, from the requests sent to the last token; and, apart,
 while all of them decode), each stream's time to its first token, their ratio (aim >= 2.0 on one agent, >= 1.5 on three), and whether every stream's
 text was the same both ways. ``--shape llama-1b`` serves the random-weight 1B-shaped model
-(bench/model_shapes.py; imported once into the bench cache) instead of the default one.
+(bench/model_shapes.py; imported once into the bench cache) instead of the default one. With
+``--llama-server BINARY``: the same streams, afterwards, against llama.cpp's server with as many
+slots as streams, on the GGUF the model came from (the shape's Q4_0, or the default model's
+Q4_1), with ``--threads`` threads; prints the ncm / llama-server ratios (aim >= 1.2).
 
 With ``--long-prompt P`` (and ``--streams N``): N greedy streams decode, and once each has 16
 tokens a prompt of about P tokens arrives; prints how long it took to read, the streams'
@@ -46,6 +49,7 @@ import contextlib
 import http.client
 import json
 import socket
+import subprocess
 import sys
 import tempfile
 import threading
@@ -90,30 +94,67 @@ def stream_completion(url: str, model: str, prompt: str, tokens: int,
     return "".join(pieces), stamps
 
 
-def measure_streams(nodes: int, port: int, streams: int, tokens: int, threads: int, model: str,
-                    home: Path | None) -> dict:
-    """One stream's decode rate and the aggregate of ``streams`` concurrent ones, on ``nodes`` agents."""
-    prompts = [f"{PROMPT} Chapter {i + 1}, told by voice number {3 * i + 2}:" for i in range(streams)]
-    url = f"http://127.0.0.1:{port}"
-    with serving(nodes, port, threads, model=model, home=home):  # the default admission: a device per stream
-        alone = [stream_completion(url, model, p, tokens) for p in prompts]
-        with ThreadPoolExecutor(max_workers=streams) as pool:
-            sent = time.perf_counter()
-            together = list(pool.map(lambda i: stream_completion(url, model, prompts[i], tokens,
-                                                                 source=f"127.0.0.{10 + i}"), range(streams)))
-        with urllib.request.urlopen(url + "/cluster/nodes", timeout=30) as response:
-            nodes_seen = json.loads(response.read())["nodes"]
-        batches = [(n.get("worker") or {}).get("batches") for n in nodes_seen]
+def stream_prompts(streams: int) -> list[str]:
+    return [f"{PROMPT} Chapter {i + 1}, told by voice number {3 * i + 2}:" for i in range(streams)]
+
+
+def run_streams(url: str, model: str, streams: int, tokens: int) -> dict:
+    """``streams`` greedy streams against the server at ``url``: one after the other, then all
+    at once, each from a loopback address of its own (a device each)."""
+    prompts = stream_prompts(streams)
+    alone = [stream_completion(url, model, p, tokens) for p in prompts]
+    with ThreadPoolExecutor(max_workers=streams) as pool:
+        sent = time.perf_counter()
+        together = list(pool.map(lambda i: stream_completion(url, model, prompts[i], tokens,
+                                                             source=f"127.0.0.{10 + i}"), range(streams)))
     single = sum(len(st) - 1 for _, st in alone) / sum(st[-1] - st[0] for _, st in alone)
     # the whole run: every token of every stream, from the requests sent to the last token
     aggregate = sum(len(st) for _, st in together) / (max(st[-1] for _, st in together) - sent)
     # while every stream decodes: after the last one's first token, before the first one's last
     begin, end = max(st[0] for _, st in together), min(st[-1] for _, st in together)
     steady = sum(sum(begin < t <= end for t in st) for _, st in together) / (end - begin) if end > begin else 0.0
-    first_token_s = sorted(st[0] - sent for _, st in together)
-    return {"nodes": nodes, "streams": streams, "single_tok_per_s": single, "aggregate_tok_per_s": aggregate,
-            "steady_tok_per_s": steady, "first_token_s": first_token_s,
-            "identical": [a[0] for a in alone] == [t[0] for t in together], "batches": batches}
+    return {"streams": streams, "single_tok_per_s": single, "aggregate_tok_per_s": aggregate,
+            "steady_tok_per_s": steady, "first_token_s": sorted(st[0] - sent for _, st in together),
+            "identical": [a[0] for a in alone] == [t[0] for t in together]}
+
+
+def measure_streams(nodes: int, port: int, streams: int, tokens: int, threads: int, model: str,
+                    home: Path | None) -> dict:
+    """One stream's decode rate and the aggregate of ``streams`` concurrent ones, on ``nodes`` agents."""
+    url = f"http://127.0.0.1:{port}"
+    with serving(nodes, port, threads, model=model, home=home):  # the default admission: a device per stream
+        row = run_streams(url, model, streams, tokens)
+        with urllib.request.urlopen(url + "/cluster/nodes", timeout=30) as response:
+            nodes_seen = json.loads(response.read())["nodes"]
+    return {**row, "nodes": nodes, "batches": [(n.get("worker") or {}).get("batches") for n in nodes_seen]}
+
+
+def measure_llama_server(binary: str, gguf_path: Path, port: int, streams: int, tokens: int, threads: int) -> dict:
+    """The same streams against llama.cpp's server on ``gguf_path``: ``streams`` slots of
+    continuous batching, ``threads`` threads, its prompt cache as it comes."""
+    command = [binary, "-m", str(gguf_path), "--host", "127.0.0.1", "--port", str(port), "-np", str(streams),
+               "-c", str(1024 * streams), "-t", str(threads), "-tb", str(threads), "--no-webui"]
+    with tempfile.TemporaryFile() as log:
+        server = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
+        try:
+            url, deadline = f"http://127.0.0.1:{port}", time.monotonic() + 600
+            while True:
+                if server.poll() is not None:
+                    log.seek(0)
+                    raise RuntimeError(f"llama-server exited with {server.returncode}: {log.read()[-2000:]!r}")
+                try:
+                    with urllib.request.urlopen(url + "/health", timeout=5) as response:
+                        if response.status == 200:
+                            break
+                except OSError:
+                    if time.monotonic() > deadline:
+                        raise
+                time.sleep(0.2)
+            stream_completion(url, "llama.cpp", PROMPT, 8)  # warm-up, as the agents get
+            return {**run_streams(url, "llama.cpp", streams, tokens), "nodes": 0}
+        finally:
+            server.terminate()
+            server.wait(timeout=60)
 
 
 LONG_LINE = "The keeper wrote in the log that ship number {} passed the rocks at dawn without a light. "
@@ -123,7 +164,7 @@ def measure_long_prompt(nodes: int, port: int, streams: int, tokens: int, prompt
                         model: str, home: Path | None) -> dict:
     """The inter-token gaps of ``streams`` decoding streams while a prompt of about
     ``prompt_tokens`` tokens is read, against their gaps before and after it."""
-    prompts = [f"{PROMPT} Chapter {i + 1}, told by voice number {3 * i + 2}:" for i in range(streams)]
+    prompts = stream_prompts(streams)
     long_prompt = "".join(LONG_LINE.format(i) for i in range(prompt_tokens // 21)) + "Summarise the log."
     slots = str(streams + 1)
     env = {"NCM_MAX_REQUESTS_IN_FLIGHT": slots, "NCM_MAX_REQUESTS_IN_FLIGHT_PER_CLIENT": slots}
@@ -381,6 +422,17 @@ async def hop_round_trip_ms(rounds: int = 2000, *, tls: bool) -> float:
     return 1000 * elapsed / rounds
 
 
+def print_streams(label: str, row: dict) -> None:
+    print(f"{label}: 1 stream {row['single_tok_per_s']:6.1f} tok/s, {row['streams']} streams "
+          f"{row['aggregate_tok_per_s']:6.1f} tok/s together: "
+          f"{row['aggregate_tok_per_s'] / row['single_tok_per_s']:.2f}x (the whole run; "
+          f"{row['steady_tok_per_s']:.1f} tok/s while all decode); first tokens after "
+          + ", ".join(f"{s:.2f}" for s in row["first_token_s"]) + " s; "
+          f"same text per stream: {row['identical']}"
+          + ("; batched calls/steps per agent: " + ", ".join(f"{b['calls']}/{b['steps']}" for b in row["batches"] if b)
+             if row.get("batches") else ""))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, default=96)
@@ -394,6 +446,8 @@ def main() -> None:
     parser.add_argument("--nodes", default="1,3", help="with --streams: the cluster sizes (comma separated)")
     parser.add_argument("--long-prompt", type=int, default=0,
                         help="with --streams: a prompt of about this many tokens arrives while the streams decode")
+    parser.add_argument("--llama-server", metavar="BINARY",
+                        help="with --streams: the same streams against llama.cpp's server (this binary) on the same GGUF")
     parser.add_argument("--delays", help="one-way delays in ms of a simulated LAN between 3 agents (e.g. 0,1,2,5)")
     parser.add_argument("--speculative", action="store_true",
                         help="with --delays: speculative decoding by prompt lookup against plain steps, on a summary")
@@ -425,6 +479,7 @@ def main() -> None:
         model, home = bench_home(args.shape) if args.shape else ("smollm2-135m", None)
         if home is None:
             _ensure_model(model)
+        rows = []
         for index, nodes in enumerate(int(n) for n in args.nodes.split(",")):
             if args.long_prompt:
                 row = measure_long_prompt(nodes, args.port + 10 * index, args.streams, args.tokens, args.long_prompt,
@@ -438,13 +493,20 @@ def main() -> None:
                       f"the streams outlived the prompt: {row['streams_outlived_prompt']}")
                 continue
             row = measure_streams(nodes, args.port + 10 * index, args.streams, args.tokens, args.threads, model, home)
-            print(f"{nodes} agent(s), {model}: 1 stream {row['single_tok_per_s']:6.1f} tok/s, {args.streams} streams "
-                  f"{row['aggregate_tok_per_s']:6.1f} tok/s together: "
-                  f"{row['aggregate_tok_per_s'] / row['single_tok_per_s']:.2f}x (the whole run; "
-                  f"{row['steady_tok_per_s']:.1f} tok/s while all decode); first tokens after "
-                  + ", ".join(f"{s:.2f}" for s in row["first_token_s"]) + " s; "
-                  f"same text per stream: {row['identical']}; batched calls/steps per agent: "
-                  + ", ".join(f"{b['calls']}/{b['steps']}" for b in row["batches"] if b))
+            print_streams(f"{nodes} agent(s), {model}", row)
+            rows.append(row)
+        if args.llama_server:
+            from bench.model_shapes import cache_dir, default_tokenizer_gguf, shape_gguf
+
+            gguf_path = shape_gguf(args.shape) if args.shape else default_tokenizer_gguf(cache_dir())
+            llama = measure_llama_server(args.llama_server, gguf_path, free_port(), args.streams, args.tokens,
+                                         args.threads)
+            print_streams(f"llama-server -np {args.streams}, {gguf_path.name}", llama)
+            for row in rows:
+                print(f"{row['nodes']} agent(s) / llama-server, {args.streams} streams over the whole run: "
+                      f"{row['aggregate_tok_per_s'] / llama['aggregate_tok_per_s']:.2f}x (aim >= 1.2); one stream: "
+                      f"{row['single_tok_per_s'] / llama['single_tok_per_s']:.2f}x; last first token: "
+                      f"{row['first_token_s'][-1]:.2f} s against {llama['first_token_s'][-1]:.2f} s")
         return
     _ensure_model("smollm2-135m")
     # Both clusters at once (an idle agent costs nothing), measured in turns, the best of each

@@ -4,8 +4,8 @@
     python bench/q4_precision.py --decode-tokens 64 --prompt-tokens 512
 
 MatMulNBits takes its activations as float (accuracy_level 0) or rounds each block of 32 to
-int8 (level 4); the 8-bit lm_head has no fast float kernel on CPU and runs on int8 ones in two
-passes (x, then what the rounding left of it). For each choice of the 4-bit layers' and the
+int8 (level 4); at level 4 the fragments take each product on x and on what the rounding left
+of it, as the rows of one call (about 16 bits). For each choice of the 4-bit layers' and the
 lm_head's level, on the q4 store of the packaged model: how many reference questions are
 answered word for word as the float store answers them (greedy), the largest logit gap from
 the float store over those answers, and prefill and decode speed relative to the default.
@@ -35,7 +35,7 @@ QUESTIONS = ["What is the capital of France?", "What is 2+2?", "Write a haiku ab
              "Name three primary colors.", "Who wrote Romeo and Juliet?", "What is the boiling point of water?",
              "Translate 'good morning' to Spanish.", "What is the largest planet in our solar system?"]
 # (label, 4-bit layers' accuracy_level, 8-bit lm_head's)
-CHOICES = [("layers int8, lm_head int8 x2", 4, 4), ("layers float, lm_head int8 x2 (default)", 0, 4),
+CHOICES = [("layers int8 x2, lm_head int8 x2 (default)", 4, 4), ("layers float, lm_head int8 x2", 0, 4),
            ("layers float, lm_head float", 0, 0)]
 
 

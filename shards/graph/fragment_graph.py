@@ -29,12 +29,14 @@ _INLINE_BYTES = 1024
 
 
 def write_fragment(model_dir: Path, m: Manifest, spec: FragmentSpec, out_dir: Path, pool: Path, *,
-                   q4_level: int, q8_level: int) -> int:
+                   q4_level: int, q8_level: int, int8_min_weights: int = 0) -> int:
     """Write the fragment ``spec`` of model ``m`` into ``out_dir`` (weights linked from
     ``pool``); returns its weight bytes. ``q4_level``, ``q8_level``: MatMulNBits' accuracy_level
-    on CPU for 4-bit and 8-bit weights (see :mod:`shards.graph.fragment`)."""
+    on CPU for 4-bit and 8-bit weights; a 4-bit product with fewer than ``int8_min_weights``
+    weights takes float activations whatever ``q4_level`` says (see :mod:`shards.graph.fragment`)."""
     g = _Graph(out_dir, pool)
-    onnx.save_model(_Builder(model_dir, m, spec, g, q4_level, q8_level).build(), out_dir / ONNX_FILE)
+    builder = _Builder(model_dir, m, spec, g, q4_level, q8_level, int8_min_weights)
+    onnx.save_model(builder.build(), out_dir / ONNX_FILE)
     return g.weight_bytes
 
 
@@ -134,9 +136,10 @@ class _Builder:
     output) in every flavour, each emitting into the one graph being built."""
 
     def __init__(self, model_dir: Path, m: Manifest, spec: FragmentSpec, g: _Graph, q4_level: int,
-                 q8_level: int) -> None:
+                 q8_level: int, int8_min_weights: int) -> None:
         self.dir, self.m, self.s, self.g = model_dir, m, spec, g
         self.levels = {4: q4_level, 8: q8_level}
+        self.int8_min_weights = int8_min_weights
         self.q4 = m.weight_format in BLOCK_FORMATS
         self.fused = spec.flavour in FUSED_FLAVOURS
         half = spec.flavour == "gpu"
@@ -159,9 +162,10 @@ class _Builder:
         """MatMulNBits; 4-bit weights also add ``blocksum(x) @ offsets^T`` (see shards.importers.quant).
 
         On int8 activations (accuracy_level 4 on CPU, which quantises each block of 32 of x to
-        int8 by its largest magnitude), the product is taken twice: on x, and on what that
-        rounding left of x (``x - q(x)``, itself rounded to int8 by the kernel), so x counts
-        with about 16 bits, at the cost of reading the weights twice."""
+        int8 by its largest magnitude), the product is taken on x and on what that rounding left
+        of x (``x - q(x)``, itself rounded to int8 by the kernel), stacked as the rows of one call
+        and summed after it, so x counts with about 16 bits: a decode step reads the weights once,
+        a prompt costs twice the int8 arithmetic."""
         g = self.g
         if len({t[f"{n}.qweight"].shape[-1] for n in names}) > 1:  # a mixed store: 4- and 8-bit apart
             return g.op1("Concat", [self._linear_nbits(x, t, [n], f"{label}.{n}") for n in names], axis=-1)
@@ -174,14 +178,20 @@ class _Builder:
             zp = np.concatenate([t[f"{n}.zeros"] for n in names], axis=0)
             ins.append(g.const(label + ".zeros", zp.reshape(-1)))
         level = 0 if self.s.flavour == "gpu" else self.levels[bits]
+        if bits == 4 and n_out * kb * 32 < self.int8_min_weights:
+            level = 0
         blocks = g.const(f"blocks_shape_{kb}", np.array([0, 0, kb, 32], np.int64))
-        y = g.op1("MatMulNBits", [x, *ins], domain=MS, K=kb * 32, N=n_out, bits=bits, block_size=32,
-                  accuracy_level=level)
-        if level == INT8_ACTIVATIONS:
+        rows = x
+        if level == INT8_ACTIVATIONS:  # x, then what its rounding leaves, as rows of one product
             xb = g.op1("Reshape", [x, blocks])
             residue = g.op1("Reshape", [g.op1("Sub", [xb, self._int8_rounded(xb)]), g.op1("Shape", [x])])
-            y = g.op1("Add", [y, g.op1("MatMulNBits", [residue, *ins], domain=MS, K=kb * 32, N=n_out, bits=bits,
-                                       block_size=32, accuracy_level=level)])
+            rows = g.op1("Concat", [x, residue], axis=-2)
+        y = g.op1("MatMulNBits", [rows, *ins], domain=MS, K=kb * 32, N=n_out, bits=bits, block_size=32,
+                  accuracy_level=level)
+        if level == INT8_ACTIVATIONS:  # [.., 2T, N] -> the two halves summed
+            halves = g.const(f"halves_shape_{n_out}", np.array([0, 2, -1, n_out], np.int64))
+            y = g.op1("ReduceSum", [g.op1("Reshape", [y, halves]), g.const("axis_1", np.array([1], np.int64))],
+                      keepdims=0)
         off = np.concatenate([t[f"{n}.offsets"] for n in names], axis=0) if bits == 4 else None
         if off is not None and off.any():  # all zero: symmetric blocks (GGUF Q4_0), nothing to add
             bsum = g.op1("ReduceSum", [g.op1("Reshape", [x, blocks]), g.const("axis_last", np.array([-1], np.int64))],

@@ -39,6 +39,7 @@ def small_growth(monkeypatch):
 
 def exact_reference(model_dir, tmp_path, monkeypatch, first: int = 0, last: int = 2) -> OrtFragmentRunner:
     """The float32 fused graph with quantised products computed exactly (not on int8 activations)."""
+    monkeypatch.setattr(fragment_module, "Q4_ACCURACY_LEVEL", 0)
     monkeypatch.setattr(fragment_module, "Q8_ACCURACY_LEVEL", 0)
     reference = OrtFragmentRunner(model_dir, first, last, threads=1, cache_dir=tmp_path / "exact")
     monkeypatch.undo()

@@ -93,10 +93,11 @@ def test_q4_fragments_compute_the_dequantised_model(tmp_path, monkeypatch, arch)
     with torch.no_grad():
         ref = model(torch.from_numpy(ids[None, :])).logits[0].numpy()
     fast = chain_forward(open_chain(d, [(0, 2)], threads=1), "s", ids)[0]
-    # float activations on the 4-bit layers, int8 ones in two passes on the 8-bit lm_head: the
-    # dequantised weights' function to about 16-bit activations
+    # int8 activations taken twice (x, then what rounding left of it): the dequantised weights'
+    # function to about 16-bit activations
     np.testing.assert_allclose(fast, ref, atol=1e-3, rtol=0)
-    monkeypatch.setattr("shards.graph.fragment.Q8_ACCURACY_LEVEL", 0)  # float activations everywhere: exact
+    monkeypatch.setattr("shards.graph.fragment.Q4_ACCURACY_LEVEL", 0)  # float activations everywhere: exact
+    monkeypatch.setattr("shards.graph.fragment.Q8_ACCURACY_LEVEL", 0)
     exact = chain_forward(open_chain(d, [(0, 2)], threads=1), "s", ids)[0]
     np.testing.assert_allclose(exact, ref, atol=1e-4, rtol=0)
 

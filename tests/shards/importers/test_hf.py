@@ -291,7 +291,8 @@ def test_biased_llama_q4_computes_the_dequantised_model(tmp_path, monkeypatch) -
     layer = read_tensors(d / m.files["layer.0"].path)
     assert {layer[b].dtype for b in ("q_bias", "o_bias", "gate_bias", "up_bias", "down_bias")} == {np.dtype(np.float32)}
     load_dequantised(model, d, m)
-    monkeypatch.setattr("shards.graph.fragment.Q8_ACCURACY_LEVEL", 0)  # float activations everywhere: exact
+    monkeypatch.setattr("shards.graph.fragment.Q4_ACCURACY_LEVEL", 0)  # float activations everywhere: exact
+    monkeypatch.setattr("shards.graph.fragment.Q8_ACCURACY_LEVEL", 0)
     ids = np.arange(3, 50, dtype=np.int64)
     ours = chain_forward(open_chain(d, [(0, 2)], threads=1), "s", ids)[0]
     np.testing.assert_allclose(ours, torch_logits(model, ids), atol=1e-4, rtol=0)
