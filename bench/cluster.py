@@ -151,7 +151,7 @@ def measure_llama_server(binary: str, gguf_path: Path, port: int, streams: int, 
                         raise
                 time.sleep(0.2)
             stream_completion(url, "llama.cpp", PROMPT, 8)  # warm-up, as the agents get
-            return {**run_streams(url, "llama.cpp", streams, tokens), "nodes": 0}
+            return run_streams(url, "llama.cpp", streams, tokens)
         finally:
             server.terminate()
             server.wait(timeout=60)
@@ -495,7 +495,7 @@ def main() -> None:
             row = measure_streams(nodes, args.port + 10 * index, args.streams, args.tokens, args.threads, model, home)
             print_streams(f"{nodes} agent(s), {model}", row)
             rows.append(row)
-        if args.llama_server:
+        if args.llama_server and rows:  # (--long-prompt has no streams row to hold against it)
             from bench.model_shapes import cache_dir, default_tokenizer_gguf, shape_gguf
 
             gguf_path = shape_gguf(args.shape) if args.shape else default_tokenizer_gguf(cache_dir())
