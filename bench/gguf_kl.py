@@ -12,7 +12,7 @@ not a multiple of 256 fall back to the type llama.cpp picks for them). Then, per
 - llama.cpp: ``llama-perplexity --kl-divergence`` of the type's file against the F32 file's
   logits (``--kl-divergence-base``), ``--chunks`` windows of ``--ctx`` tokens of the text, the
   second half of each window scored (its own procedure);
-- ncm: each store of the type's file (``--stores``: f32, the default import; mixed, the file's
+- ncm: each store of the type's file (``--stores``: f32, exact; mixed, ``ncm import``'s default, the file's
   precision at about its size; q4) against the F32 file's f32 store, over the same windows,
   scored the same way: mean KL divergence, and the store's bytes over the file's tensor bytes.
 

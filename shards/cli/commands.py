@@ -15,7 +15,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from shards.errors import ShardsError
-from shards.store.manifest import WEIGHT_FORMATS
+from shards.store.manifest import AUTO_WEIGHTS, WEIGHT_FORMATS
 
 log = logging.getLogger(__name__)
 
@@ -170,8 +170,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("import", help="import a GGUF file or Hugging Face folder")
     p.add_argument("path", metavar="PATH", help="a .gguf file or a folder with config.json + safetensors")
     p.add_argument("--name", help="name in the store (default: from the file name)")
-    p.add_argument("--weights", choices=WEIGHT_CHOICES, default="f32",
-                   help="weight format (default f32; mixed: 4- or 8-bit blocks per tensor, as precise as the file's)")
+    p.add_argument("--weights", choices=(*WEIGHT_CHOICES, AUTO_WEIGHTS), default=AUTO_WEIGHTS,
+                   help="weight format (default auto: mixed for a quantised GGUF file, f32 for float weights; "
+                   "mixed: 4- or 8-bit blocks per tensor, as precise as the file's)")
     p.add_argument("--lm-head-bits", type=int, choices=(8, 4), default=8,
                    help="with --weights q4: the lm_head's bits (default 8; 4 reads fewer bytes per token)")
     p.add_argument("--home", help=home_help)

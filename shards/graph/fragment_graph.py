@@ -192,8 +192,11 @@ class _Builder:
             halves = g.const(f"halves_shape_{n_out}", np.array([0, 2, -1, n_out], np.int64))
             y = g.op1("ReduceSum", [g.op1("Reshape", [y, halves]), g.const("axis_1", np.array([1], np.int64))],
                       keepdims=0)
-        off = np.concatenate([t[f"{n}.offsets"] for n in names], axis=0) if bits == 4 else None
-        if off is not None and off.any():  # all zero: symmetric blocks (GGUF Q4_0), nothing to add
+        off = None
+        if bits == 4 and any(f"{n}.offsets" in t for n in names):  # none stored: symmetric blocks (GGUF Q4_0)
+            off = np.concatenate([t.get(f"{n}.offsets", np.zeros((len(t[f"{n}.scales"]), kb), np.float32))
+                                  for n in names], axis=0)
+        if off is not None and off.any():  # all zero: nothing to add
             bsum = g.op1("ReduceSum", [g.op1("Reshape", [x, blocks]), g.const("axis_last", np.array([-1], np.int64))],
                          keepdims=0)
             offsets = np.ascontiguousarray(off.T.astype(self.dtype))

@@ -10,12 +10,17 @@ Optional tensors are all-or-nothing per model, decided by layer 0: ``attn_q/k/v.
 (qwen3's per-head query and key norms). gemma3 has its four norms per layer (llama.cpp's
 converter stores Gemma's 1 + w as the norm weight, which is what ncm stores too). Every tensor of the file
 must be one of the model's or on :data:`IGNORED_LAYER_TENSORS`.
+
+For a block store, the linear weights of quantised types, the embedding and the output layer
+come as the file's blocks (:class:`~shards.importers.gguf_blocks.QuantBlocks`, ``blocks=True``),
+their rows moved as the float ones would be.
 """
 
 from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +28,8 @@ import numpy as np
 
 from shards.errors import ModelFormatError, UnsupportedArchitectureError
 from shards.importers.fused import SPLITS, split_fused
+from shards.importers.gguf_blocks import QuantBlocks
+from shards.importers.linear import is_linear
 from shards.importers.rotary import rotary_params
 from shards.store.verify import hash_file
 
@@ -44,6 +51,7 @@ SMOLLM3_NO_ROPE_STEP = 4
 # GGUF tensor types of at most 4 bits (and a bit of scales) per weight: Q4_0, Q4_1, Q4_K, Q3_K,
 # Q2_K, the IQ and ternary ones, the FP4 ones.
 NARROW_TYPE_PREFIXES = ("Q1", "Q2", "Q3", "Q4", "IQ", "TQ", "MXFP4", "NVFP4")
+FLOAT_TYPES = ("F32", "F16", "BF16", "F64")
 # Gemma 3 as llama.cpp runs it (none of it is in the file): every 6th layer global, the others
 # sliding with rotary base 10000; scores scaled by 1/sqrt(head_dim), by 1/sqrt(hidden/heads) in
 # the 27B (62 layers).
@@ -77,11 +85,40 @@ IGNORED_LAYER_TENSORS = ("attn_rot_embd",)
 PHI3_LONG_FACTORS = "rope_factors_long.weight"
 
 
+def _linear(gname: str, cname: str) -> bool:
+    """Whether the file's ``gname`` (ncm's ``cname``) holds linear weights: a projection, the
+    experts' ones, or phi3's fused ones."""
+    return cname in SPLITS or gname in _EXPERT_TENSORS or is_linear(cname)
+
+
 def unpermute_rope_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
     """Undo llama.cpp's Q/K row permutation: per head, rows (pair, 2) -> (2, pair)."""
     rows = w.shape[0]
     half = rows // n_heads // 2
     return w.reshape(n_heads, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def gemma3_params(field: Callable[..., Any], n_layers: int, hidden: int, n_heads: int,
+                  head_dim: int) -> dict[str, Any]:
+    """Gemma 3 as llama.cpp runs it (``field``: the file's metadata by key)."""
+    window = int(field("gemma3.attention.sliding_window"))
+    sliding = tuple(i for i in range(n_layers) if (i + 1) % GEMMA3_GLOBAL_STEP != 0) if window else ()
+    scale_dim = hidden / n_heads if n_layers == GEMMA3_27B_LAYERS else head_dim
+    return {"post_sublayer_norms": True, "embedding_scale": math.sqrt(hidden), "activation": "gelu_tanh",
+            "attention_scale": float(scale_dim) ** -0.5, "sliding_window": window, "sliding_layers": sliding,
+            "sliding_rope_theta": GEMMA3_SLIDING_ROPE_THETA if sliding else None}
+
+
+def gemma2_params(field: Callable[..., Any], n_layers: int, hidden: int, n_heads: int,
+                  head_dim: int) -> dict[str, Any]:
+    """Gemma 2 as llama.cpp runs it (``field``: the file's metadata by key)."""
+    window = int(field("gemma2.attention.sliding_window", 0))
+    scale_dim = hidden / n_heads if n_layers == GEMMA2_27B_LAYERS else head_dim
+    return {"post_sublayer_norms": True, "embedding_scale": math.sqrt(hidden), "activation": "gelu_tanh",
+            "attention_scale": float(scale_dim) ** -0.5, "sliding_window": window,
+            "sliding_layers": tuple(range(0, n_layers, 2)) if window else (),
+            "attention_softcap": float(field("gemma2.attn_logit_softcapping", 0.0)),
+            "logit_softcap": float(field("gemma2.final_logit_softcapping", 0.0))}
 
 
 class GgufSource:
@@ -185,8 +222,8 @@ class GgufSource:
                 "residual_scale": float(self._field(f"{a}.residual_scale", 1.0)),
                 "attention_scale": float(self._field(f"{a}.attention.scale", 1.0)),
                 "logit_scale": 1.0 / float(self._field(f"{a}.logit_scale", 1.0))} if a == "granite" else {}),
-            **(self._gemma3_params(n_layers, hidden, n_heads, head_dim) if a == "gemma3" else {}),
-            **(self._gemma2_params(n_layers, hidden, n_heads, head_dim) if a == "gemma2" else {}),
+            **(gemma3_params(self._field, n_layers, hidden, n_heads, head_dim) if a == "gemma3" else {}),
+            **(gemma2_params(self._field, n_layers, hidden, n_heads, head_dim) if a == "gemma2" else {}),
             **phi3,
             **rotary,
         }
@@ -225,23 +262,6 @@ class GgufSource:
                 or int(self._field(f"{a}.feed_forward_length")),
                 "renormalize_experts": a not in ("olmoe", "qwen2moe")}
 
-    def _gemma3_params(self, n_layers: int, hidden: int, n_heads: int, head_dim: int) -> dict[str, Any]:
-        window = int(self._field("gemma3.attention.sliding_window"))
-        sliding = tuple(i for i in range(n_layers) if (i + 1) % GEMMA3_GLOBAL_STEP != 0) if window else ()
-        scale_dim = hidden / n_heads if n_layers == GEMMA3_27B_LAYERS else head_dim
-        return {"post_sublayer_norms": True, "embedding_scale": math.sqrt(hidden), "activation": "gelu_tanh",
-                "attention_scale": float(scale_dim) ** -0.5, "sliding_window": window, "sliding_layers": sliding,
-                "sliding_rope_theta": GEMMA3_SLIDING_ROPE_THETA if sliding else None}
-
-    def _gemma2_params(self, n_layers: int, hidden: int, n_heads: int, head_dim: int) -> dict[str, Any]:
-        window = int(self._field("gemma2.attention.sliding_window", 0))
-        scale_dim = hidden / n_heads if n_layers == GEMMA2_27B_LAYERS else head_dim
-        return {"post_sublayer_norms": True, "embedding_scale": math.sqrt(hidden), "activation": "gelu_tanh",
-                "attention_scale": float(scale_dim) ** -0.5, "sliding_window": window,
-                "sliding_layers": tuple(range(0, n_layers, 2)) if window else (),
-                "attention_softcap": float(self._field("gemma2.attn_logit_softcapping", 0.0)),
-                "logit_softcap": float(self._field("gemma2.final_logit_softcapping", 0.0))}
-
     def tensor_names(self) -> set[str]:
         return set(self.tensors)
 
@@ -258,13 +278,18 @@ class GgufSource:
         names = {f"blk.{i}.{s}" for i in range(n) for s in IGNORED_LAYER_TENSORS} | {PHI3_LONG_FACTORS}
         return names & set(self.tensors)
 
-    def _tensor(self, name: str) -> np.ndarray:
+    def _tensor(self, name: str, blocks: bool = False) -> np.ndarray:
+        """Float32 in the checkpoint's shape (reversed GGUF dims); with ``blocks``, a quantised
+        type's uint8 rows of blocks as the file holds them ([..., rows, row bytes])."""
         import gguf
 
         t = self.tensors.get(name)
         if t is None:
             raise ModelFormatError(f"{self.path.name}: tensor {name} is missing")
         self.consumed.add(name)
+        if blocks and t.tensor_type.name not in FLOAT_TYPES:
+            shape = tuple(int(d) for d in reversed(t.shape))
+            return np.asarray(t.data).reshape(*shape[:-1], -1)
         try:
             arr = gguf.quants.dequantize(t.data, t.tensor_type)
         except (NotImplementedError, ValueError) as e:
@@ -273,11 +298,19 @@ class GgufSource:
         shape = tuple(int(d) for d in reversed(t.shape))
         return arr.reshape(shape)
 
-    def layer(self, i: int) -> dict[str, np.ndarray]:
-        """Float32 tensors of layer ``i`` (HF layout, linear weights [out, in])."""
-        out = {}
+    def layer(self, i: int, blocks: bool = False) -> dict[str, np.ndarray | QuantBlocks]:
+        """Float32 tensors of layer ``i`` (HF layout, linear weights [out, in]); with ``blocks``,
+        the linear weights of quantised types as the file's blocks (:class:`QuantBlocks`)."""
+        out: dict[str, Any] = {}
+        raw: dict[str, tuple[str, int]] = {}  # canonical name -> (type, cols) of those kept as blocks
         for gname, cname in self._layer_map.items():
-            arr = self._tensor(f"blk.{i}.{gname}")
+            t = self.tensors.get(f"blk.{i}.{gname}")
+            arr = self._tensor(f"blk.{i}.{gname}", blocks=blocks and _linear(gname, cname))
+            if arr.dtype == np.uint8:
+                names = SPLITS.get(cname, (cname,))
+                count = int(arr.shape[0]) if gname in _EXPERT_TENSORS else 1
+                raw |= {(f"experts.{e}.{n}" if gname in _EXPERT_TENSORS else n): (t.tensor_type.name, int(t.shape[0]))
+                        for n in names for e in range(count)}
             if gname in _EXPERT_TENSORS:  # [experts, out, in]: one matrix per expert
                 out |= {f"experts.{e}.{cname}": arr[e] for e in range(arr.shape[0])}
             elif cname == "shared_expert_gate":  # [hidden] in the file: the gate's one row
@@ -292,6 +325,8 @@ class GgufSource:
             for b, n in (("q_bias", "n_heads"), ("k_bias", "n_kv_heads")):
                 if b in out:
                     out[b] = unpermute_rope_rows(out[b], self.params[n])
+        for name, (type_name, cols) in raw.items():
+            out[name] = QuantBlocks(type_name, np.ascontiguousarray(out[name]), cols)
         return out
 
     def narrow_tensors(self, i: int) -> frozenset[str]:
@@ -302,12 +337,25 @@ class GgufSource:
                          for gname, cname in narrow.items() for name in SPLITS.get(cname, (cname,))
                          for e in range(self.params.get("n_experts") or 1))
 
-    def embed(self) -> np.ndarray:
-        return self._tensor("token_embd.weight")
+    def quantised(self) -> bool:
+        """Whether any of the layers' linear weights is in a quantised type."""
+        return any(self.tensors[f"blk.{i}.{gname}"].tensor_type.name not in FLOAT_TYPES
+                   for i in range(self.params["n_layers"]) for gname, cname in self._layer_map.items()
+                   if _linear(gname, cname))
 
-    def head(self) -> dict[str, np.ndarray]:
-        w = self._tensor("token_embd.weight" if self.params["tied_embeddings"] else "output.weight")
+    def embed(self, blocks: bool = False) -> np.ndarray | QuantBlocks:
+        return self._matrix("token_embd.weight", blocks)
+
+    def head(self, blocks: bool = False) -> dict[str, np.ndarray | QuantBlocks]:
+        w = self._matrix("token_embd.weight" if self.params["tied_embeddings"] else "output.weight", blocks)
         return {"norm": self._tensor("output_norm.weight"), "lm_head": w}
+
+    def _matrix(self, name: str, blocks: bool) -> np.ndarray | QuantBlocks:
+        arr = self._tensor(name, blocks)
+        if arr.dtype != np.uint8:
+            return arr
+        t = self.tensors[name]
+        return QuantBlocks(t.tensor_type.name, arr, int(t.shape[0]))
 
     def tokenizer_spec(self) -> Any:
         from shards.text.tokenizer_gguf import tokenizer_spec_from_gguf

@@ -370,7 +370,8 @@ class HfSource:
         self.consumed.add(name)
         return read_tensors(f, [name])[name].astype(np.float32, copy=False)
 
-    def layer(self, i: int) -> dict[str, np.ndarray]:
+    def layer(self, i: int, blocks: bool = False) -> dict[str, np.ndarray]:
+        """Float32 tensors of layer ``i`` (a folder holds no quantised blocks: ``blocks`` changes nothing)."""
         t = {cname: self._get(f"model.layers.{i}.{hname}") for hname, cname in self._layer_map.items()}
         for fused in [name for name in t if name in SPLITS]:  # phi3's
             t |= split_fused(self.params, fused, t.pop(fused))
@@ -378,10 +379,14 @@ class HfSource:
             t = {cname: a + np.float32(1.0) if cname.endswith("norm") else a for cname, a in t.items()}
         return t
 
-    def embed(self) -> np.ndarray:
+    def quantised(self) -> bool:
+        """A folder's safetensors hold float weights."""
+        return False
+
+    def embed(self, blocks: bool = False) -> np.ndarray:
         return self._get("model.embed_tokens.weight")
 
-    def head(self) -> dict[str, np.ndarray]:
+    def head(self, blocks: bool = False) -> dict[str, np.ndarray]:
         norm = self._get("model.norm.weight") + np.float32(1.0 if self.arch in GEMMAS else 0.0)
         if not self.params["tied_embeddings"]:
             return {"norm": norm, "lm_head": self._get("lm_head.weight")}

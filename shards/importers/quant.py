@@ -2,7 +2,8 @@
 
 4-bit (the layers' linear weights), ``W[N, K]`` (out features, in features) becomes
 ``qweight`` uint8 [N, K/32, 16] (codes two per byte, low nibble first), ``scales`` float32
-[N, K/32] and ``offsets`` float32 [N, K/32] with ``W = (code - 8) * scale + offset``:
+[N, K/32] and ``offsets`` float32 [N, K/32] (left out of a store when all zero) with
+``W = (code - 8) * scale + offset``:
 MatMulNBits runs with its default zero point 8 (integer zero points keep onnxruntime on its
 fast kernels; float zero points were ~50x slower on CPU) and the fragment adds
 ``blocksum(x) @ offsets^T``. Each block maps its own [min, max] onto codes 0..15, so a GGUF
@@ -119,6 +120,14 @@ def _q8(w: np.ndarray) -> dict[str, np.ndarray]:
     return {"qweight": codes, "scales": scale, "zeros": zero}
 
 
+def without_zero_offsets(parts: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """4-bit parts as a store keeps them: offsets that are all zero (symmetric blocks, a GGUF
+    Q4_0 tensor's) left out, 0.625 bytes per weight instead of 0.75."""
+    if "offsets" in parts and not parts["offsets"].any():
+        return {k: v for k, v in parts.items() if k != "offsets"}
+    return parts
+
+
 def exact_q8(w: np.ndarray) -> bool:
     """Whether :func:`quantize_q8` keeps ``w`` exactly (every block on a symmetric 8-bit grid)."""
     if w.ndim != 2 or w.shape[1] % BLOCK:
@@ -131,9 +140,10 @@ def dequantize(t: dict[str, np.ndarray]) -> np.ndarray:
     qw = t["qweight"]
     n, kb, blob = qw.shape
     sc = t["scales"].reshape(n, kb, 1)
-    if "offsets" in t:
+    if blob == BLOCK // 2:  # 4-bit (a store leaves out offsets that are all zero: see without_zero_offsets)
         codes = np.empty((n, kb, BLOCK), np.float32)
         codes[..., 0::2] = qw & 0x0F
         codes[..., 1::2] = qw >> 4
-        return ((codes - Q4_ZERO) * sc + t["offsets"].reshape(n, kb, 1)).reshape(n, kb * BLOCK)
+        offsets = t["offsets"].reshape(n, kb, 1) if "offsets" in t else np.float32(0.0)
+        return ((codes - Q4_ZERO) * sc + offsets).reshape(n, kb * BLOCK)
     return ((qw.astype(np.float32) - t["zeros"].reshape(n, kb, 1)) * sc).reshape(n, kb * BLOCK)

@@ -115,4 +115,4 @@ def write_tensors(path: Path, tensors: Mapping[str, np.ndarray]) -> None:
         f.write(struct.pack("<Q", len(blob)))
         f.write(blob)
         for a in arrays:
-            f.write(a.tobytes(order="C"))
+            f.write(memoryview(a.reshape(-1)).cast("B"))  # (no copy of the array)

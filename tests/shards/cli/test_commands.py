@@ -70,3 +70,18 @@ def test_generate_streams_the_answer(smollm2_store, smollm2_home: Path) -> None:
                      home=smollm2_home)
     assert result.returncode == 0, result.stderr
     assert "Paris" in result.stdout
+
+
+def test_import_keeps_a_quantised_files_precision_by_default(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    from tests.shards.fragment_helpers import make_hf_checkpoint, write_gguf_from_hf
+
+    model = make_hf_checkpoint(tmp_path / "hf", "llama", seed=2)
+    quantised = write_gguf_from_hf(model, tmp_path / "q.gguf", "llama", types={"attn_q": "Q4_0", "ffn_up": "Q4_1",
+                                                                               "ffn_down": "Q8_0"})
+    floats = write_gguf_from_hf(model, tmp_path / "f.gguf", "llama")
+    home = str(tmp_path / "home")
+    for path, expected in ((quantised, "mixed"), (floats, "f32"), (tmp_path / "hf", "f32")):
+        assert cli.main(["import", str(path), "--name", path.stem, "--home", home, "--quiet"]) == 0
+        assert capsys.readouterr().out.strip().endswith(f"{expected})"), path
+    assert cli.main(["import", str(quantised), "--name", "q4", "--weights", "q4", "--home", home, "--quiet"]) == 0
+    assert capsys.readouterr().out.strip().endswith("q4)")

@@ -165,3 +165,39 @@ def test_gguf_unmapped_tensor_is_refused(tmp_path, extra) -> None:
         import_model(path, store=store, progress=False)
     assert caught.value.names == (extra,)
     assert not store.models_dir.exists() or list(store.models_dir.iterdir()) == []
+
+
+@pytest.mark.parametrize("arch", ["llama", "phi3", "mixtral"])
+def test_block_stores_carry_the_files_blocks_over(tmp_path, arch) -> None:
+    """A quantised file's blocks carried over as they are (rows permuted back for llama's
+    rotary, phi3's fused matrices split, experts sliced) hold what a round trip through float32
+    stores, in q4 and mixed stores; the import's default format follows the file."""
+    from shards.importers.gguf import GgufSource
+    from shards.importers.gguf_blocks import QuantBlocks
+    from shards.importers.importer import auto_weights, convert_tensors
+    from shards.importers.quant import dequantize
+
+    model = make_hf_checkpoint(tmp_path / "hf", arch, seed=5)
+    types = {"attn_q": "Q4_1", "attn_k": "Q4_0", "attn_v": "Q8_0", "attn_output": "Q5_0", "attn_qkv": "Q4_1",
+             "ffn_gate": "Q4_0", "ffn_up": "Q4_1", "ffn_down": "Q8_0", "ffn_gate_exps": "Q4_1",
+             "ffn_up_exps": "Q5_0", "ffn_down_exps": "Q4_0"}
+    path = write_gguf_from_hf(model, tmp_path / "m.gguf", arch, types=types)
+    source = GgufSource(path)
+    assert auto_weights(source) == "mixed"
+    for weights in ("q4", "mixed"):
+        for i in range(source.params["n_layers"]):
+            narrow = source.narrow_tensors(i)
+            blocks = source.layer(i, blocks=True)
+            assert all(isinstance(v, QuantBlocks) for k, v in blocks.items() if k.endswith("_proj"))
+            carried = convert_tensors(blocks, weights, narrow=narrow)
+            floats = convert_tensors(source.layer(i), weights, narrow=narrow)
+            assert carried.keys() == floats.keys()
+            for name in (k.removesuffix(".qweight") for k in carried if k.endswith(".qweight")):
+                ours, theirs = ({k[len(name) + 1:]: v for k, v in t.items() if k.startswith(name + ".")}
+                                for t in (carried, floats))
+                want = dequantize(theirs)
+                np.testing.assert_allclose(dequantize(ours), want, rtol=0, atol=1e-6 * np.abs(want).max())
+    m = import_model(path, weights="auto", store=ModelStore(tmp_path / "home"), progress=False)
+    assert m.weight_format == "mixed"
+    float_file = write_gguf_from_hf(model, tmp_path / "f.gguf", arch)
+    assert auto_weights(GgufSource(float_file)) == "f32"

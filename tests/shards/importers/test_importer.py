@@ -13,7 +13,8 @@ import pytest
 
 from shards.errors import ModelFormatError, TokenizerError, UnmappedTensorError, UnsupportedArchitectureError
 from shards.importers.gguf import unpermute_rope_rows
-from shards.importers.importer import default_name, import_model
+from shards.importers.importer import convert_tensors, default_name, import_model
+from shards.importers.quant import dequantize
 from shards.runtime.chain import chain_forward, open_chain
 from shards.store.model_store import ModelStore
 from shards.store.tensorfile import read_tensors
@@ -243,3 +244,23 @@ def test_tied_lm_head_copy_is_accepted_a_different_one_refused(tiny_llama, tmp_p
     with pytest.raises(UnmappedTensorError, match="lm_head.weight"):
         import_model(other, name="other", store=store, progress=False)
     assert [p.name for p in store.models_dir.iterdir()] == ["same"]
+
+
+def test_an_embedding_table_keeps_the_files_blocks_where_8_bits_hold_them() -> None:
+    """In a block store, a Q4_0 or Q8_0 table is stored as its own blocks (exactly, 8 bits); a
+    Q4_1 one (whose mins 8-bit blocks cannot hold) as float16, or requantised to 8 bits when the
+    output layer shares it."""
+    from tests.shards.importers.test_gguf_blocks import random_blocks
+
+    for type_name in ("Q4_0", "Q8_0"):
+        table = random_blocks(type_name, 96, 64)
+        stored = convert_tensors({"embed": table}, "mixed")
+        parts = {k.removeprefix("embed."): v for k, v in stored.items()}
+        assert set(parts) == {"qweight", "scales", "zeros"}
+        np.testing.assert_allclose(dequantize(parts), table.to_float(), rtol=0, atol=1e-7)
+    table = random_blocks("Q4_1", 96, 64)
+    stored = convert_tensors({"embed": table}, "q4")
+    assert stored["embed"].dtype == np.float16
+    np.testing.assert_array_equal(stored["embed"], table.to_float().astype(np.float16))
+    assert set(convert_tensors({"embed": table}, "q4", shared_table=True)) == {"embed.qweight", "embed.scales",
+                                                                               "embed.zeros"}

@@ -89,7 +89,11 @@ def test_a_fragment_of_q4_0_weights_has_no_offsets_matmul(tmp_path) -> None:
 
     source = write_tiny_checkpoint(tmp_path / "checkpoint", q4_0_grid=True)
     store = ModelStore(tmp_path / "home")
-    import_model(source, name="m", weights="q4", store=store, progress=False)
+    m = import_model(source, name="m", weights="q4", store=store, progress=False)
+    from shards.store.tensorfile import read_tensors
+
+    stored = read_tensors(store.model_dir("m") / m.files["layer.0"].path)
+    assert "q_proj.qweight" in stored and not any(k.endswith(".offsets") for k in stored)  # none stored either
     graph = onnx.load(build_fragment(store.model_dir("m"), 0, 1, cache_dir=tmp_path / "cache"), load_external_data=False)
     names = [i.name for i in graph.graph.initializer]
     assert any(n.endswith(".qweight") for n in names) and not any(n.endswith(".offsets") for n in names)
