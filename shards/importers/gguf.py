@@ -339,9 +339,9 @@ class GgufSource:
 
     def quantised(self) -> bool:
         """Whether any of the layers' linear weights is in a quantised type."""
-        return any(self.tensors[f"blk.{i}.{gname}"].tensor_type.name not in FLOAT_TYPES
-                   for i in range(self.params["n_layers"]) for gname, cname in self._layer_map.items()
-                   if _linear(gname, cname))
+        types = (self.tensors.get(f"blk.{i}.{gname}") for i in range(self.params["n_layers"])
+                 for gname, cname in self._layer_map.items() if _linear(gname, cname))
+        return any(t is not None and t.tensor_type.name not in FLOAT_TYPES for t in types)  # (missing: refused later)
 
     def embed(self, blocks: bool = False) -> np.ndarray | QuantBlocks:
         return self._matrix("token_embd.weight", blocks)
