@@ -33,10 +33,10 @@ if str(REPO_ROOT) not in sys.path:
 from bench.gguf_reference import gguf_tensor_bytes  # noqa: E402 - after the path
 from bench.model_shapes import shape_gguf  # noqa: E402
 from shards.importers.importer import import_model  # noqa: E402
+from shards.store.manifest import AUTO_WEIGHTS, BLOCK_FORMATS  # noqa: E402
 from shards.store.model_store import ModelStore  # noqa: E402
 
 READ_CHUNK_BYTES = 8 << 20
-BLOCK_FORMATS = ("mixed", "q4")
 
 
 def read_seconds(path: Path, direct: bool) -> float | None:
@@ -96,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  {'format':<28} {'import':>8} {'/ read':>7} {'store / file':>13}")
         rows = [(f, True) for f in formats]
         if not args.no_float_path:
-            rows += [(f, False) for f in formats if f in BLOCK_FORMATS or f == "auto"]
+            rows += [(f, False) for f in formats if f in (*BLOCK_FORMATS, AUTO_WEIGHTS)]
         for weights, carried in rows:
             seconds, size, stored = import_seconds(path, weights, args.rounds, carried)
             if not carried and stored not in BLOCK_FORMATS:

@@ -25,7 +25,6 @@ import numpy as np
 from shards.importers.quant import BLOCK, Q4_ZERO, Q8_ZERO
 
 _F16 = np.dtype("<f2")
-SUPER_BLOCK = 256  # weights per K-quant super-block
 # bytes per block of each type carried over (per super-block for Q4_K)
 BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q4_K": 144, "Q8_0": 34, "Q5_0": 22}
 CARRIED = {4: ("Q4_0", "Q4_1", "Q4_K"), 8: ("Q8_0", "Q5_0", "Q4_0")}
@@ -65,10 +64,10 @@ def carry(blocks: QuantBlocks, bits: int) -> dict[str, np.ndarray] | None:
     if blocks.type_name not in CARRIED.get(bits, ()) or blocks.cols % BLOCK:
         return None
     size = BLOCK_BYTES[blocks.type_name]
+    if blocks.data.size % size:
+        return None
     rows = blocks.shape[0]
     raw = np.ascontiguousarray(blocks.data).reshape(-1, size)
-    if raw.shape[0] * size != blocks.data.size:
-        return None
     if blocks.type_name == "Q4_K":
         return _four_bit(*_q4_k(raw), rows)
     d = raw[:, :2].copy().view(_F16)[:, 0].astype(np.float32)
