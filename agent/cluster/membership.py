@@ -61,9 +61,11 @@ class Membership:
     election together; the parts that decide are pure (``agent.core.peers``, ``election``)."""
 
     def __init__(self, config: AgentConfig, node_id: str, client: PeerClient, *, api_port: int,
-                 peer_port: int, events: EventLog, describe_extra: Callable[[], NodeReport] = NodeReport) -> None:
+                 peer_port: int, events: EventLog, describe_extra: Callable[[], NodeReport] = NodeReport,
+                 held_bytes: Callable[[], int] = lambda: 0) -> None:
         """``describe_extra``: what this node tells peers besides its advert (its models, its
-        worker's state, its device memory)."""
+        worker's state, its device memory); ``held_bytes``: the memory its loaded models hold,
+        which its capacity counts as usable."""
         self.config = config
         self.events = events
         self.node_id = node_id
@@ -80,6 +82,7 @@ class Membership:
         self._subscribers: list[asyncio.Event] = []
         self._capacity_at = time.monotonic()
         self._describe_extra = describe_extra
+        self._held_bytes = held_bytes
         self._reports: dict[str, NodeReport] = {}  # by URL: what each peer said in its last describe
         self._seen_as: str | None = None
         self._refused_as_stale: set[str] = set()  # peers whose refusal of our clock was logged
@@ -306,7 +309,8 @@ class Membership:
             self._capacity_at = now
             latencies = [e.latency_ms for e in self.table.entries.values() if e.alive and e.latency_ms is not None]
             self.detected = await asyncio.to_thread(
-                detect_capacity, self.node_id, latency_ms=statistics.median(latencies) if latencies else 0.0)
+                detect_capacity, self.node_id, latency_ms=statistics.median(latencies) if latencies else 0.0,
+                held_bytes=self._held_bytes())
             self._update_capacity()
         self._recompute_election()
 

@@ -10,10 +10,9 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
-import psutil
-
 from agent.core.capacity import NodeCapacity
 from agent.core.npu_table import npu_tops_for
+from agent.local.memory_limit import memory_view
 from shards.errors import RunnerError
 from shards.providers.backends import CPU_BACKEND, Calibration, backend_chain, calibrate, detect_platform, self_test
 
@@ -73,17 +72,21 @@ def _round_gib(value_bytes: float) -> float:
     return round(value_bytes / GIB / ROUND_GIB) * ROUND_GIB
 
 
-def detect_capacity(node_id: str, *, latency_ms: float = 0.0) -> NodeCapacity:
-    """What this device has now, as found: free RAM, NVML's VRAM (on Jetson the free unified
-    memory), the board table's NPU TOPS. ``latency_ms`` is the median round trip to peers.
+def detect_capacity(node_id: str, *, latency_ms: float = 0.0, held_bytes: int = 0) -> NodeCapacity:
+    """What this device has now, as found: the RAM models may use (within the agent's cgroup
+    memory limit), NVML's VRAM (on Jetson the unified memory models may use), the board table's
+    NPU TOPS. Models may use what is free and what this agent's own models hold (``held_bytes``):
+    a plan should not shrink a device's share because it loaded the last one.
+    ``latency_ms`` is the median round trip to peers.
     :func:`agent.core.capacity.credited_capacity` decides what of it the score counts."""
-    memory = psutil.virtual_memory()
-    measured_ram_gib = _round_gib(memory.available)
+    memory = memory_view()
+    usable_bytes = min(memory.total_bytes, memory.available_bytes + held_bytes)
+    measured_ram_gib = _round_gib(usable_bytes)
     vram_bytes, _ = nvml_total_vram_bytes()
     board = _read_text("/proc/device-tree/model")
     if vram_bytes == 0 and ("jetson" in board.lower() or "nvidia,tegra" in _read_text("/proc/device-tree/compatible")):
-        # Jetson: the GPU shares system memory and NVML reports no memory; count what is free.
-        vram_bytes = memory.available
+        # Jetson: the GPU shares system memory and NVML reports no memory; count what models may use.
+        vram_bytes = usable_bytes
         measured_ram_gib = 0.0
     npu_tops, _ = npu_tops_for([board, _read_text("/proc/device-tree/compatible"), _cpu_model(), " ".join(os.listdir("/dev"))])
     try:
@@ -156,9 +159,10 @@ def device_memory(*, vram_gib: float | None, ram_gib: float | None, held_bytes: 
     ``external_bytes`` (what else uses it). A configured ``vram_gib`` / ``ram_gib`` is a
     budget the operator reserved for ncm: its external use is what the agent holds in RAM beside
     its fragments (``beside_bytes``: its embedding models) for a RAM budget, 0 for a VRAM one.
-    Otherwise, on GPUs the total VRAM with nothing external known, and on CPUs the RAM, where
-    external = total − available − the models this agent holds (``held_bytes``; the agent's own
-    runtime and what it holds beside the fragments count as external)."""
+    Otherwise, on GPUs the total VRAM with nothing external known, and on CPUs the RAM (the
+    agent's cgroup memory limit where that is smaller), where external = total − available −
+    the models this agent holds (``held_bytes``; the agent's own runtime and what it holds
+    beside the fragments count as external)."""
     if vram_gib:
         return {"total_bytes": int(vram_gib * GIB), "external_bytes": 0}
     if ram_gib:
@@ -166,6 +170,6 @@ def device_memory(*, vram_gib: float | None, ram_gib: float | None, held_bytes: 
     vram_bytes, _ = nvml_total_vram_bytes()
     if vram_bytes:
         return {"total_bytes": vram_bytes, "external_bytes": 0}
-    memory = psutil.virtual_memory()
-    external = memory.total - memory.available - held_bytes
-    return {"total_bytes": memory.total, "external_bytes": max(0, external)}
+    memory = memory_view()
+    external = memory.total_bytes - memory.available_bytes - held_bytes
+    return {"total_bytes": memory.total_bytes, "external_bytes": max(0, external)}

@@ -463,7 +463,8 @@ def build_app(config: AgentConfig, *, node_id: str, store: ModelStore, api_port:
         app[MEMBERSHIP] = Membership(
             config, node_id, client, api_port=api_port, peer_port=peer_port, events=events,
             describe_extra=lambda: NodeReport(complete_models(store), WorkerReport.from_json(app[WORKER].status()),
-                                              app[WORKER].device_memory(), app[EMBEDDINGS].open_models(time.monotonic())))
+                                              app[WORKER].device_memory(), app[EMBEDDINGS].open_models(time.monotonic())),
+            held_bytes=lambda: app[WORKER].held_bytes())
         app[WORKER] = Worker(node_id, config, store, client, app[LINKS], app[RESULTS], app[METRICS],
                              app[MEMBERSHIP].agents_on_host, beside_bytes=app[EMBEDDINGS].held_bytes)
         app[ROUTER] = ModelRouter(config, store, app[MEMBERSHIP], events, lambda models: Orchestrator(

@@ -80,7 +80,7 @@ def min_bytes_per_node(manifest: Manifest, ranges: dict[str, set[tuple[int, int]
     for node, node_ranges in ranges.items():
         files = {key for a, b in node_ranges for key in manifest.fragment_files(a, b)}
         layers = {layer for a, b in node_ranges for layer in range(a, b + 1)}
-        need[node] = (sum(manifest.files[key].bytes for key in files)
+        need[node] = (sum(manifest.files[key].loaded_bytes for key in files)
                       + manifest.kv_bytes_per_token(len(layers)) * max_context
                       + RUNTIME_OVERHEAD_BYTES * len(node_ranges))
     return need

@@ -328,10 +328,14 @@ class Worker:
     def max_frame_bytes(self) -> int:
         return max_frame_bytes(self.store)
 
+    def held_bytes(self) -> int:
+        """The memory this worker's loaded models hold."""
+        return sum(self.memory_bytes.values())
+
     def device_memory(self) -> dict[str, int]:
         """The device the fragments live in, for the router's memory ledger."""
         return device_memory(vram_gib=self.config.vram_gib, ram_gib=self.config.ram_gib,
-                             held_bytes=sum(self.memory_bytes.values()), beside_bytes=self.beside_bytes())
+                             held_bytes=self.held_bytes(), beside_bytes=self.beside_bytes())
 
     def _retire(self) -> None:
         """Forget orders no request uses any more, and free the fragments none of the rest needs

@@ -6,7 +6,8 @@ import threading
 
 import pytest
 
-from agent.local.probe import find_accelerators
+from agent.local.memory_limit import memory_view
+from agent.local.probe import detect_capacity, find_accelerators
 from shards.errors import RunnerError
 from shards.providers.backends import CPU_BACKEND, calibrate
 
@@ -34,3 +35,15 @@ def test_a_stopped_probe_returns_at_its_next_step():
     assert found.usable == () and found.unusable == ()
     with pytest.raises(RunnerError, match="stopped"):
         calibrate(CPU_BACKEND, stop=stop)
+
+
+def test_the_memory_an_agents_models_hold_counts_as_usable():
+    """A plan made after a load must not see the loaded device as smaller: what its own models
+    hold counts beside what is free, never past what the device (or its cgroup) has."""
+    held = 2 * 1024**3
+    view = memory_view()
+    free_only = detect_capacity("n").ram_gib
+    with_held = detect_capacity("n", held_bytes=held).ram_gib
+    want = min(view.total_bytes, view.available_bytes + held) / 1024**3
+    assert with_held == pytest.approx(want, abs=0.5) and with_held >= free_only
+    assert detect_capacity("n", held_bytes=1 << 50).ram_gib == pytest.approx(view.total_bytes / 1024**3, abs=0.5)
