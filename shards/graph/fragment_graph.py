@@ -17,8 +17,8 @@ import onnx
 from onnx import TensorProto, helper
 
 from shards.graph.spec import FINAL_HIDDEN, FUSED_FLAVOURS, IR_VERSION, ONNX_FILE, FragmentSpec
+from shards.importers.stored_form import load_stored
 from shards.store.manifest import BLOCK_FORMATS, Manifest, layer_key
-from shards.store.tensorfile import read_tensors
 
 log = logging.getLogger(__name__)
 INT8_ACTIVATIONS = 4  # MatMulNBits' accuracy_level that quantises x to int8 (per block of 32)
@@ -148,7 +148,7 @@ class _Builder:
 
     # --- weights ------------------------------------------------------------------------
     def _load(self, key: str) -> dict[str, np.ndarray]:
-        return read_tensors(self.dir / self.m.files[key].path)
+        return load_stored(self.dir, self.m, key)
 
     def linear(self, x: str, t: dict[str, np.ndarray], names: list[str], label: str) -> str:
         """x @ concat(W_names)^T, float32 MatMul or MatMulNBits."""

@@ -20,7 +20,11 @@ Weights are stored per layer (``weights/layer_NNN.safetensors``) plus ``weights/
 
 In the block formats a GGUF file's blocks that the stored ones hold as they are (Q4_0, Q4_1,
 Q4_K in 4 bits; Q8_0, Q5_0 in 8) are carried over byte to byte (:mod:`shards.importers.gguf_blocks`),
-the others dequantised and quantised again.
+Q6_K, Q5_K and Q5_1 ones moved to 8-bit blocks straight from their codes, the others dequantised and quantised
+again. A ``mixed`` store keeps those carried blocks as the file holds them, shuffled into ncm's
+when a fragment is built (:mod:`shards.importers.stored_form`): the store is about the file's
+size and the import about a copy. Each file is written by a thread of its own while another
+hashes the same bytes from memory and the next file is converted; a third hashes the source.
 
 Every tensor of the checkpoint is used or the import is refused (UnmappedTensorError, naming
 them): a tensor the importer does not map would be a weight silently dropped. Each source
@@ -31,6 +35,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -38,13 +43,13 @@ import numpy as np
 from tqdm import tqdm
 
 from shards.errors import ModelFormatError, UnmappedTensorError
-from shards.importers.gguf_blocks import QuantBlocks, carry
-from shards.importers.linear import EXPERT_LINEAR, is_linear
-from shards.importers.quant import exact_q8, quantize_q4, quantize_q8, without_zero_offsets
+from shards.importers.gguf_blocks import QuantBlocks
+from shards.importers.linear import EXPERT_LINEAR
+from shards.importers.stored_form import convert_tensors, loaded_nbytes, shares_table
 from shards.store.manifest import AUTO_WEIGHTS, BLOCK_FORMATS, WEIGHT_FORMATS, Manifest, WeightFile, layer_key
 from shards.store.model_store import ModelStore
-from shards.store.tensorfile import write_tensors
-from shards.store.verify import hash_file
+from shards.store.tensorfile import file_chunks, write_chunks
+from shards.store.verify import hash_chunks
 
 log = logging.getLogger(__name__)
 WEIGHTS_DIR = "weights"
@@ -113,79 +118,34 @@ def default_name(path: Path) -> str:
     return clean.lower()[:100]
 
 
-def shares_table(params: dict[str, Any], weights: str, lm_head_bits: int = 8) -> bool:
-    """Whether a store keeps its tied table once, in 8-bit blocks the embedding and the output
-    layer both read (a block format with an 8-bit output layer)."""
-    return bool(params["tied_embeddings"]) and weights in BLOCK_FORMATS and lm_head_bits == 8
+class _Writes:
+    """The import's weight files, each written by ``pool`` while another of its threads hashes
+    the same bytes from memory and the caller converts the next one: one file in flight, so one
+    more file's tensors in memory at most."""
 
+    def __init__(self, pool: ThreadPoolExecutor, model_dir: Path, bar: tqdm) -> None:
+        self.files: dict[str, WeightFile] = {}
+        self._pool, self._model_dir, self._bar = pool, model_dir, bar
+        self._pending: tuple[str, str, int, Future[None], Future[Any]] | None = None
 
-def convert_tensors(tensors: dict[str, np.ndarray | QuantBlocks], weights: str, lm_head_bits: int = 8,
-                    narrow: frozenset[str] = frozenset(), shared_table: bool = False) -> dict[str, np.ndarray]:
-    """Canonical tensors -> the stored form for ``weights`` (pure); float32 arrays, or a GGUF
-    file's blocks (:class:`QuantBlocks`, carried over as they are where the stored blocks hold
-    them, dequantised otherwise); ``narrow``: the linear weights the source holds in at most 4
-    bits (the 4-bit ones of a ``mixed`` store); ``shared_table``: the embedding is the output
-    layer's too (:func:`shares_table`), in its 8 bits."""
-    out: dict[str, np.ndarray] = {}
-    for name, arr in tensors.items():
-        if is_linear(name) or name == "lm_head":
-            if weights in BLOCK_FORMATS:
-                eight = (name == "lm_head" and lm_head_bits == 8) or (weights == "mixed" and is_linear(name)
-                                                                       and name not in narrow)
-                for part, val in _block_parts(name, arr, 8 if eight else 4).items():
-                    out[f"{name}.{part}"] = val
-            elif weights == "f16":
-                out[name] = _float(name, arr).astype(np.float16)
-            else:
-                out[name] = _float(name, arr).astype(np.float32, copy=False)
-        elif name == "embed" and weights in BLOCK_FORMATS:
-            # 8-bit blocks: the file's own where they fit it as it is, a GGUF Q8_0 table's own
-            # grid (where float16 would round its values), or the output layer's 8 bits
-            parts = _carried(name, arr, 8)
-            if parts is None:
-                values = _float(name, arr)
-                parts = quantize_q8(values) if shared_table or exact_q8(values) else None
-            if parts is None:
-                out[name] = values.astype(np.float16)
-            else:
-                out |= {f"{name}.{part}": val for part, val in parts.items()}
-        elif name == "embed":
-            out[name] = _float(name, arr).astype(np.float32 if weights == "f32" else np.float16)
-        else:
-            out[name] = _float(name, arr).astype(np.float32, copy=False)
-    return out
+    def submit(self, key: str, rel: str, tensors: dict[str, np.ndarray]) -> None:
+        self.wait()
+        chunks = file_chunks(tensors)
+        grown = loaded_nbytes(tensors) - sum(v.nbytes for v in tensors.values())  # file blocks, once loaded
+        self._pending = (key, rel, grown, self._pool.submit(write_chunks, self._model_dir / rel, chunks),
+                         self._pool.submit(hash_chunks, chunks))
 
-
-def _float(name: str, arr: np.ndarray | QuantBlocks) -> np.ndarray:
-    """Float32 values of a tensor (a file's blocks dequantised, checked finite)."""
-    if not isinstance(arr, QuantBlocks):
-        return arr
-    values = arr.to_float()
-    if not np.isfinite(values).all():
-        raise ModelFormatError(f"{name} holds NaN or infinite values")
-    return values
-
-
-def _carried(name: str, arr: np.ndarray | QuantBlocks, bits: int) -> dict[str, np.ndarray] | None:
-    """A file's blocks as ``bits``-bit stored ones, where those hold them as they are."""
-    parts = carry(arr, bits) if isinstance(arr, QuantBlocks) else None
-    if parts is not None and not all(np.isfinite(v).all() for v in parts.values() if v.dtype.kind == "f"):
-        raise ModelFormatError(f"{name} holds NaN or infinite scales")
-    return parts
-
-
-def _block_parts(name: str, arr: np.ndarray | QuantBlocks, bits: int) -> dict[str, np.ndarray]:
-    """``bits``-bit stored blocks: the file's own where they fit, else quantised from float32."""
-    parts = _carried(name, arr, bits)
-    if parts is None:
-        parts = (quantize_q8 if bits == 8 else quantize_q4)(_float(name, arr))
-    return without_zero_offsets(parts)
-
-
-def _write(model_dir: Path, rel: str, tensors: dict[str, np.ndarray]) -> WeightFile:
-    path = model_dir / rel
-    write_tensors(path, tensors)
-    return WeightFile(path=rel, bytes=path.stat().st_size, sha256=hash_file(path).hexdigest())
+    def wait(self) -> None:
+        """The file in flight, written and hashed (an error of either raised here) and counted."""
+        if self._pending is None:
+            return
+        key, rel, grown, written, hashed = self._pending
+        self._pending = None
+        digest = hashed.result().hexdigest()
+        written.result()
+        size = (self._model_dir / rel).stat().st_size
+        self.files[key] = WeightFile(path=rel, bytes=size, sha256=digest, memory_bytes=size + grown if grown else 0)
+        self._bar.update(size)
 
 
 def _check_layer(src_params: dict[str, Any], i: int, t: dict[str, np.ndarray]) -> None:
@@ -255,12 +215,14 @@ def import_model(path: Path | str, *, name: str | None = None, weights: str = "f
     n = params["n_layers"]
     from shards.text.tokenizer_spec import save_tokenizer_spec
 
-    with store.staging(name) as tmp:
+    # three threads: the source's digest from the start, and each file's write and hash
+    with store.staging(name) as tmp, ThreadPoolExecutor(3, thread_name_prefix="ncm-import") as pool:
+        source_digest = pool.submit(src.digest)
         (tmp / WEIGHTS_DIR).mkdir()
-        files: dict[str, WeightFile] = {}
         # Bytes written; the total is estimated once the first layer is written (layers are
         # alike) and set exactly at the end.
         bar = tqdm(desc=f"import {name}", unit="B", unit_scale=True, unit_divisor=1024, disable=not progress)
+        writes = _Writes(pool, tmp, bar)
         try:
             blocks = weights in BLOCK_FORMATS  # a GGUF file's blocks, carried over where they fit
             emb = src.embed(blocks=blocks)
@@ -268,31 +230,32 @@ def import_model(path: Path | str, *, name: str | None = None, weights: str = "f
                 raise ModelFormatError(f"embedding has shape {emb.shape}, expected "
                                        f"({params['vocab_size']}, {params['hidden_size']})")
             shared = shares_table(params, weights, lm_head_bits)
-            files["embed"] = _write(tmp, f"{WEIGHTS_DIR}/embed.safetensors",
-                                    convert_tensors({"embed": emb}, weights, shared_table=shared))
+            writes.submit("embed", f"{WEIGHTS_DIR}/embed.safetensors",
+                          convert_tensors({"embed": emb}, weights, shared_table=shared))
             del emb
-            bar.update(files["embed"].bytes)
             for i in range(n):
                 t = src.layer(i, blocks=blocks)
                 _check_layer(params, i, t)
-                files[layer_key(i)] = _write(tmp, f"{WEIGHTS_DIR}/layer_{i:03d}.safetensors",
-                                             convert_tensors(t, weights, narrow=src.narrow_tensors(i)))
-                if i == 0:
-                    bar.total = _estimated_bytes(files["embed"].bytes, files[layer_key(0)].bytes, n, shared)
-                bar.update(files[layer_key(i)].bytes)
+                writes.submit(layer_key(i), f"{WEIGHTS_DIR}/layer_{i:03d}.safetensors",
+                              convert_tensors(t, weights, narrow=src.narrow_tensors(i)))
+                del t
+                if i == 1:
+                    bar.total = _estimated_bytes(writes.files["embed"].bytes, writes.files[layer_key(0)].bytes, n,
+                                                 shared)
             head = src.head(blocks=blocks)
             if head["lm_head"].shape != (params["vocab_size"], params["hidden_size"]):
                 raise ModelFormatError(f"lm_head has shape {head['lm_head'].shape}")
             if shared:  # the embed file's table is the output layer's
                 del head["lm_head"]
-            files["head"] = _write(tmp, f"{WEIGHTS_DIR}/head.safetensors", convert_tensors(head, weights, lm_head_bits))
-            bar.update(files["head"].bytes)
+            writes.submit("head", f"{WEIGHTS_DIR}/head.safetensors", convert_tensors(head, weights, lm_head_bits))
+            writes.wait()
             bar.total = bar.n
             refuse_unused(path.name, everything - src.consumed - ignored)  # what was actually read
         finally:
             bar.close()
+        files = writes.files
         save_tokenizer_spec(spec, tmp)
-        manifest = Manifest(name=name, weight_format=weights, files=files, source_digest=src.digest(),
+        manifest = Manifest(name=name, weight_format=weights, files=files, source_digest=source_digest.result(),
                             source=path.name, shared_table=shared, **params)
         store.write_manifest(tmp, manifest)
     log.info("imported %s (%s, %d layers, %s)", name, params["architecture"], n, weights)

@@ -105,11 +105,13 @@ def _q8(w: np.ndarray) -> dict[str, np.ndarray]:
     scale = np.where(scale > 0, scale, np.float32(1.0)).astype(np.float32)
     zero = np.clip(np.round(-lo / scale), 0, 255)
     codes = np.clip(np.round(b / scale[..., None]) + zero[..., None], 0, 255)
-    # its own grid when that puts zero on an integer code (a GGUF Q5_0 block, d * (q - 16))
+    # its own grid when that puts zero on an integer code (a GGUF Q5_0 block, d * (q - 16)); a
+    # block of positive values whose lowest is a whole number of steps counts from code 0
     on_grid, step = _grid(b, 256)
     grid_zero = -b.min(axis=2) / step
     on_grid &= np.abs(grid_zero - np.round(grid_zero)) <= GRID_TOLERANCE
-    grid_zero = np.round(grid_zero)
+    grid_zero = np.maximum(np.round(grid_zero), 0)
+    on_grid &= np.round(b.max(axis=2) / step) + grid_zero <= 255
     codes = np.where(on_grid[..., None], np.round(b / step[..., None]) + grid_zero[..., None], codes)
     scale = np.where(on_grid, step, scale)
     zero = np.where(on_grid, grid_zero, zero)

@@ -35,11 +35,19 @@ def layer_key(i: int) -> str:
 
 @dataclass(frozen=True)
 class WeightFile:
-    """One stored weight file: path relative to the model directory, size and checksum."""
+    """One stored weight file: path relative to the model directory, size and checksum;
+    ``memory_bytes``: what its tensors take once loaded where that differs from the size (a
+    GGUF file's blocks kept as they are, shuffled into ncm's at load), else 0."""
 
     path: str
     bytes: int
     sha256: str
+    memory_bytes: int = 0
+
+    @property
+    def loaded_bytes(self) -> int:
+        """Memory its tensors take once loaded (the planner's measure of a layer)."""
+        return self.memory_bytes or self.bytes
 
     def __post_init__(self) -> None:
         p = self.path
@@ -49,6 +57,8 @@ class WeightFile:
             raise ModelFormatError(f"bad byte count {self.bytes!r} for {p}")
         if not isinstance(self.sha256, str) or not _SHA_RE.match(self.sha256):
             raise ModelFormatError(f"bad sha256 for {p}")
+        if not isinstance(self.memory_bytes, int) or isinstance(self.memory_bytes, bool) or self.memory_bytes < 0:
+            raise ModelFormatError(f"bad loaded byte count {self.memory_bytes!r} for {p}")
 
 
 def _pos_int(name: str, v: Any) -> None:
@@ -281,7 +291,9 @@ class Manifest:
     def to_dict(self) -> dict[str, Any]:
         d = {f.name: getattr(self, f.name) for f in fields(self)
              if f.name not in _OPTIONAL_DEFAULTS or getattr(self, f.name) != _OPTIONAL_DEFAULTS[f.name]}
-        d["files"] = {k: asdict(v) for k, v in self.files.items()}
+        # memory_bytes only where set: other stores keep the manifests (and fragment keys) they had
+        d["files"] = {k: {f: v for f, v in asdict(w).items() if f != "memory_bytes" or v}
+                      for k, w in self.files.items()}
         d["rope_freq_factors"] = list(self.rope_freq_factors) if self.rope_freq_factors else None
         return {k: list(v) if isinstance(v, tuple) else v for k, v in d.items()}
 

@@ -89,8 +89,9 @@ def read_tensors(path: Path, names: list[str] | None = None) -> dict[str, np.nda
     return out
 
 
-def write_tensors(path: Path, tensors: Mapping[str, np.ndarray]) -> None:
-    """Write ``tensors`` to ``path`` in safetensors format (names kept in the given order)."""
+def file_chunks(tensors: Mapping[str, np.ndarray]) -> list[memoryview | bytes]:
+    """The bytes of a safetensors file holding ``tensors`` (names kept in the given order), in
+    pieces: the header, then each tensor's bytes (views of the arrays, no copy)."""
     header: dict[str, dict] = {}
     offset = 0
     arrays = []
@@ -111,8 +112,16 @@ def write_tensors(path: Path, tensors: Mapping[str, np.ndarray]) -> None:
         arrays.append(a)
     blob = json.dumps(header, separators=(",", ":")).encode()
     blob += b" " * (-len(blob) % 8)
+    return [struct.pack("<Q", len(blob)) + blob, *(memoryview(a.reshape(-1)).cast("B") for a in arrays)]
+
+
+def write_tensors(path: Path, tensors: Mapping[str, np.ndarray]) -> None:
+    """Write ``tensors`` to ``path`` in safetensors format (names kept in the given order)."""
+    write_chunks(path, file_chunks(tensors))
+
+
+def write_chunks(path: Path, chunks: list[memoryview | bytes]) -> None:
+    """Write a file's :func:`file_chunks` to ``path``."""
     with open(path, "wb") as f:
-        f.write(struct.pack("<Q", len(blob)))
-        f.write(blob)
-        for a in arrays:
-            f.write(memoryview(a.reshape(-1)).cast("B"))  # (no copy of the array)
+        for chunk in chunks:
+            f.write(chunk)

@@ -30,12 +30,19 @@ def hash_file(path: Path, digest: Any = None, *, after_block: Callable[[bytes], 
     """The sha256 object of ``path``'s bytes (it can go on hashing bytes appended later), or
     ``digest`` (a hashlib object) fed with them: the one file hasher of ncm. ``after_block``
     sees each block once hashed (the scrub paces its reads with it)."""
-    digest = hashlib.sha256() if digest is None else digest
     with Path(path).open("rb") as handle:
-        for block in iter(lambda: handle.read(_CHUNK_BYTES), b""):
-            digest.update(block)
-            if after_block is not None:
-                after_block(block)
+        return hash_chunks(iter(lambda: handle.read(_CHUNK_BYTES), b""), digest, after_block=after_block)
+
+
+def hash_chunks(chunks: Iterable[bytes | memoryview], digest: Any = None, *,
+                after_block: Callable[[bytes], None] | None = None) -> Any:
+    """:func:`hash_file` of a file's bytes given in pieces (a file being written, hashed from
+    memory rather than read back)."""
+    digest = hashlib.sha256() if digest is None else digest
+    for block in chunks:
+        digest.update(block)
+        if after_block is not None:
+            after_block(block)
     return digest
 
 

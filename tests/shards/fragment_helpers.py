@@ -406,14 +406,14 @@ def load_dequantised(model, model_dir: Path, manifest) -> None:
     import torch
 
     from shards.importers.quant import dequantize
-    from shards.store.tensorfile import read_tensors
+    from shards.importers.stored_form import load_stored
 
     def deq(t: dict, name: str) -> torch.Tensor:
         return torch.from_numpy(dequantize({k[len(name) + 1:]: v for k, v in t.items() if k.startswith(name + ".")}))
 
     with torch.no_grad():
         for i, layer in enumerate(model.model.layers):
-            t = read_tensors(model_dir / manifest.files[f"layer.{i}"].path)
+            t = load_stored(model_dir, manifest, f"layer.{i}")
             fused = hasattr(layer.self_attn, "qkv_proj")  # phi3: q, k, v and gate, up in one matrix each
             if fused:
                 layer.self_attn.qkv_proj.weight.copy_(torch.cat([deq(t, p) for p in ("q_proj", "k_proj", "v_proj")]))
@@ -428,8 +428,7 @@ def load_dequantised(model, model_dir: Path, manifest) -> None:
                 continue
             for proj in ("down_proj",) if fused else ("gate_proj", "up_proj", "down_proj"):
                 getattr(layer.mlp, proj).weight.copy_(deq(t, proj))
-        head = read_tensors(model_dir / manifest.files["head"].path)
-        table = read_tensors(model_dir / manifest.files["embed"].path)
+        head, table = load_stored(model_dir, manifest, "head"), load_stored(model_dir, manifest, "embed")
         emb = table["embed"] if "embed" in table else deq(table, "embed").numpy()  # float16, or 8-bit
         hidden, vocab = model.config.hidden_size, model.config.vocab_size
         model.lm_head = torch.nn.Linear(hidden, vocab, bias=False)  # untie: the q4 head is 8-bit, the table f16

@@ -39,6 +39,7 @@ from shards.graph.spec import FINAL_HIDDEN, IR_VERSION, ONNX_FILE, FragmentSpec
 from shards.importers.hf import llama3_freq_factors
 from shards.importers.importer import import_model
 from shards.importers.quant import dequantize
+from shards.importers.stored_form import load_stored
 from shards.store.manifest import Manifest, WeightFile, layer_key
 from shards.store.model_store import ModelStore
 from shards.store.tensorfile import read_tensors
@@ -103,7 +104,7 @@ def stored_weights(model_dir: Path, m: Manifest) -> dict[str, np.ndarray]:
             return t[name].astype(np.float64)
         return dequantize({k[len(name) + 1:]: v for k, v in t.items() if k.startswith(name + ".")}).astype(np.float64)
 
-    embed, head = read_tensors(model_dir / m.files["embed"].path), read_tensors(model_dir / m.files["head"].path)
+    embed, head = load_stored(model_dir, m, "embed"), load_stored(model_dir, m, "head")
     out = {"model.embed_tokens.weight": value(embed, "embed"), "model.norm.weight": value(head, "norm")}
     shared = m.shared_table  # the output layer is the embedding file's table (its 8-bit blocks)
     out["lm_head.weight"] = value(embed, "embed") if shared else value(head, "lm_head")
@@ -111,7 +112,7 @@ def stored_weights(model_dir: Path, m: Manifest) -> dict[str, np.ndarray]:
         p: f"self_attn.{p}" for p in ("q_proj", "k_proj", "v_proj", "o_proj")} | {
         p: f"mlp.{p}" for p in ("gate_proj", "up_proj", "down_proj")}
     for i in range(m.n_layers):
-        t = read_tensors(model_dir / m.files[layer_key(i)].path)
+        t = load_stored(model_dir, m, layer_key(i))
         out |= {f"model.layers.{i}.{hf}.weight": value(t, ours) for ours, hf in names.items()}
     return out
 

@@ -109,7 +109,8 @@ def test_a_mixed_store_keeps_each_tensor_in_the_blocks_of_its_precision(tmp_path
     import torch
 
     from shards.importers.quant import dequantize
-    from shards.store.tensorfile import read_tensors
+    from shards.importers.stored_form import load_stored
+    from shards.store.verify import verify_weight_files
 
     model = make_hf_checkpoint(tmp_path / "hf", "qwen2", seed=13)
     types = {"attn_q": "Q4_0", "attn_k": "Q4_0", "attn_v": "Q8_0", "attn_output": "Q8_0", "ffn_gate": "Q4_0",
@@ -117,7 +118,10 @@ def test_a_mixed_store_keeps_each_tensor_in_the_blocks_of_its_precision(tmp_path
     path = write_gguf_from_hf(model, tmp_path / "m.gguf", "qwen2", types=types)
     store = ModelStore(tmp_path / "home")
     m = import_model(path, name="mixed", weights="mixed", store=store, progress=False)
-    layer = read_tensors(store.model_dir("mixed") / m.files["layer.0"].path)
+    layer = load_stored(store.model_dir("mixed"), m, "layer.0")
+    entry = m.files["layer.0"]  # the file's blocks on disk, ncm's (bigger) once loaded, for the planner
+    assert entry.bytes < sum(v.nbytes for v in layer.values()) <= entry.memory_bytes
+    verify_weight_files(store.model_dir("mixed"), m, list(m.files))  # the hashes taken from memory
     bits = {name: layer[f"{name}.qweight"].shape[-1] // 4 for name in ("q_proj", "k_proj", "v_proj", "o_proj",
                                                                         "gate_proj", "up_proj", "down_proj")}
     assert bits == {"q_proj": 4, "k_proj": 4, "v_proj": 8, "o_proj": 8, "gate_proj": 4, "up_proj": 8, "down_proj": 8}
@@ -171,11 +175,13 @@ def test_gguf_unmapped_tensor_is_refused(tmp_path, extra) -> None:
 def test_block_stores_carry_the_files_blocks_over(tmp_path, arch) -> None:
     """A quantised file's blocks carried over as they are (rows permuted back for llama's
     rotary, phi3's fused matrices split, experts sliced) hold what a round trip through float32
-    stores, in q4 and mixed stores; the import's default format follows the file."""
+    stores, in q4 and mixed stores (these keep them as the file's, carried when loaded); the
+    import's default format follows the file."""
     from shards.importers.gguf import GgufSource
     from shards.importers.gguf_blocks import QuantBlocks
     from shards.importers.importer import auto_weights, convert_tensors
     from shards.importers.quant import dequantize
+    from shards.importers.stored_form import loaded_tensors
 
     model = make_hf_checkpoint(tmp_path / "hf", arch, seed=5)
     types = {"attn_q": "Q4_1", "attn_k": "Q4_0", "attn_v": "Q8_0", "attn_output": "Q5_0", "attn_qkv": "Q4_1",
@@ -189,7 +195,7 @@ def test_block_stores_carry_the_files_blocks_over(tmp_path, arch) -> None:
             narrow = source.narrow_tensors(i)
             blocks = source.layer(i, blocks=True)
             assert all(isinstance(v, QuantBlocks) for k, v in blocks.items() if k.endswith("_proj"))
-            carried = convert_tensors(blocks, weights, narrow=narrow)
+            carried = loaded_tensors(convert_tensors(blocks, weights, narrow=narrow), weights)  # (mixed: at load)
             floats = convert_tensors(source.layer(i), weights, narrow=narrow)
             assert carried.keys() == floats.keys()
             for name in (k.removesuffix(".qweight") for k in carried if k.endswith(".qweight")):

@@ -133,6 +133,19 @@ def test_blocks_of_a_quantised_file_keep_their_grid_when_their_codes_miss_its_en
     np.testing.assert_array_equal(dequantize(quantize_q8(q5_0)), q5_0)
 
 
+def test_positive_blocks_on_a_grid_from_a_whole_number_of_steps_keep_it_in_8_bits() -> None:
+    """d * q blocks with q in 1..31 (a GGUF Q5_K or Q4_K block of positive weights: no min)
+    count from code 0 (the grid's own zero, -min / d, would be a negative code); a block whose
+    codes would pass 255 so is spread instead."""
+    rng = np.random.default_rng(9)
+    d = rng.uniform(1e-3, 1e-1, size=(16, 4, 1)).astype(np.float16).astype(np.float32)
+    positive = (d * rng.integers(1, 32, size=(16, 4, 32))).astype(np.float32).reshape(16, 128)
+    np.testing.assert_array_equal(dequantize(quantize_q8(positive)), positive)
+    far = (d * rng.integers(250, 300, size=(16, 4, 32))).astype(np.float32).reshape(16, 128)
+    q = quantize_q8(far)
+    assert (np.abs(dequantize(q) - far) <= 0.5 * np.repeat(q["scales"], 32, axis=1) * (1 + 1e-5)).all()
+
+
 def test_degenerate_blocks() -> None:
     w = np.zeros((2, 64), np.float32)
     w[1, 32:] = 3.0

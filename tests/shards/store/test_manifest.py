@@ -101,6 +101,20 @@ def test_a_weight_file_entry_is_refused_with_the_reason(path, size, sha, message
         WeightFile(path, size, sha)
 
 
+@pytest.mark.parametrize("memory", [-1, 1.5, True, "9"])
+def test_a_weight_files_loaded_size_is_a_count_of_bytes(memory) -> None:
+    with pytest.raises(ModelFormatError, match="bad loaded byte count"):
+        WeightFile("w", 1, SHA, memory)
+
+
+def test_a_weight_files_loaded_size_is_its_size_unless_set_and_written_only_when_set() -> None:
+    assert (WeightFile("w", 10, SHA).loaded_bytes, WeightFile("w", 10, SHA, 14).loaded_bytes) == (10, 14)
+    files = files_for(4)
+    assert all("memory_bytes" not in f for f in manifest().to_dict()["files"].values())  # other stores' as before
+    grown = manifest(files=files | {"layer.0": WeightFile(files["layer.0"].path, 100, SHA, 133)})
+    assert Manifest.from_dict(json.loads(grown.to_json())).files["layer.0"].loaded_bytes == 133
+
+
 def test_a_weight_file_entry_may_lie_in_a_subfolder_with_dots_in_its_name() -> None:
     entry = WeightFile("weights/layer.0.v2..safetensors", 1, SHA)
     assert entry.path == "weights/layer.0.v2..safetensors"

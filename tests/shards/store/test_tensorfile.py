@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from shards.errors import ModelFormatError
-from shards.store.tensorfile import read_header, read_tensors, write_tensors
+from shards.store.tensorfile import file_chunks, read_header, read_tensors, write_chunks, write_tensors
 
 
 def test_round_trip(tmp_path) -> None:
@@ -23,6 +23,15 @@ def test_round_trip(tmp_path) -> None:
         assert back[k].dtype == v.dtype and back[k].shape == v.shape
         np.testing.assert_array_equal(back[k], v)
     assert list(read_tensors(tmp_path / "t.safetensors", ["b"])) == ["b"]
+
+
+def test_the_chunks_are_the_files_bytes_and_write_as_the_tensors_do(tmp_path) -> None:
+    tensors = {"w": np.arange(40, dtype=np.float32).reshape(5, 8)[:, ::2], "z": np.arange(9, dtype=">i4")}
+    chunks = file_chunks(tensors)  # (a non-contiguous and a big-endian array: copied, as written)
+    write_tensors(tmp_path / "a.safetensors", tensors)
+    write_chunks(tmp_path / "b.safetensors", chunks)
+    assert (tmp_path / "a.safetensors").read_bytes() == b"".join(chunks) == (tmp_path / "b.safetensors").read_bytes()
+    np.testing.assert_array_equal(read_tensors(tmp_path / "b.safetensors")["w"], tensors["w"])
 
 
 def test_readable_by_the_safetensors_package(tmp_path) -> None:

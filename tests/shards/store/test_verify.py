@@ -46,6 +46,15 @@ def test_intact_files_pass_and_a_flipped_byte_is_named(tiny) -> None:
     assert caught.value.paths == (manifest.files["layer.1"].path,)
 
 
+def test_a_files_bytes_hashed_in_pieces_from_memory_hash_as_the_file(tiny) -> None:
+    model_dir, manifest = tiny
+    path = model_dir / manifest.files["layer.0"].path
+    data = path.read_bytes()
+    pieces = [data[:8], memoryview(data)[8:1000], data[1000:]]
+    assert verify.hash_chunks(pieces).hexdigest() == verify.hash_file(path).hexdigest()
+    assert verify.hash_chunks(pieces).hexdigest() == manifest.files["layer.0"].sha256
+
+
 def test_a_missing_or_truncated_file_is_corrupt(tiny) -> None:
     model_dir, manifest = tiny
     (model_dir / manifest.files["layer.0"].path).unlink()
