@@ -19,10 +19,13 @@ ms/token, what it would be if each token crossed each link once (the 0 ms figure
 delay per crossing: orchestrator to head, stage to stage, tail back to the orchestrator) and
 what it would be if the answer came back through every stage (two crossings per link).
 
-With ``--speculative`` (and ``--delays``): per delay, a greedy summary of a text (the answer
-quotes it) with speculative decoding by prompt lookup and without (``speculative.n_max`` 0),
-taking turns; prints tokens/s of both, their ratio (aim >= 1.3) and the share of drafted
-tokens kept, and whether both answers were the same text.
+With ``--speculative`` (and ``--delays``): per delay, 3 agents serve the default model (f32)
+with its q4 store as draft model (``model-draft``) and, under a second name, without one
+(drafts by prompt lookup). Two greedy answers, a story and a summary of a text (the summary
+quotes it), each three ways taking turns: plain steps (``speculative.n_max`` 0), the draft
+model, prompt lookup; prints tokens/s of each, the ratios to plain steps (aim >= 2 with the
+draft model, >= 1.3 with prompt lookup on the summary), the share of drafted tokens kept, and
+whether the three answers were the same text.
 
 With ``--streams N``: per cluster size, N greedy streams (each its own prompt) one after the
 other and then all at once, each from a loopback address of its own (a device each) under the
@@ -255,24 +258,32 @@ def draft_counts(url: str) -> tuple[float, float]:
     return counts["drafted"], counts["kept"]
 
 
-def measure_speculative(status: dict, port: int, tokens: int, rounds: int) -> dict:
-    """Greedy summaries with and without prompt-lookup drafts, taking turns, the best of each kept."""
+DRAFT_MODEL = "smollm2-135m-q4"
+LOOKUP_ONLY = "smollm2-lookup"  # the default model under a name whose preset names no draft model
+SPECULATIVE_PRESETS = f"[smollm2-135m]\nmodel-draft = {DRAFT_MODEL}\n\n[{LOOKUP_ONLY}]\nmodel = smollm2-135m\n"
+SPECULATIVE_WAYS = {"plain": {"speculative.n_max": 0}, "draft model": {}, "prompt lookup": {"model": LOOKUP_ONLY}}
+
+
+def measure_speculative(port: int, tokens: int, rounds: int) -> dict[str, dict]:
+    """Per prompt (a story, a summary), greedy answers the three ways of SPECULATIVE_WAYS,
+    taking turns, the best of each kept, with the share of drafted tokens kept."""
     url = f"http://127.0.0.1:{port}"
-    best = {0: 0.0, 1: 0.0}
-    texts = {}
-    drafted = kept = 0.0
-    for _ in range(rounds):
-        for speculative in (0, 1):
-            before = draft_counts(url)
-            count, seconds, text = stream_timings(url, tokens, SUMMARY_PROMPT,
-                                                  **({} if speculative else {"speculative.n_max": 0}))
-            after = draft_counts(url)
-            best[speculative] = max(best[speculative], count / seconds)
-            texts[speculative] = text
-            if speculative:
-                drafted, kept = drafted + after[0] - before[0], kept + after[1] - before[1]
-    return {"plain_tok_per_s": best[0], "speculative_tok_per_s": best[1], "kept_share": kept / drafted if drafted else 0.0,
-            "same_text": texts[0] == texts[1]}
+    rows = {}
+    for prompt_name, prompt in (("story", PROMPT), ("summary", SUMMARY_PROMPT)):
+        best = dict.fromkeys(SPECULATIVE_WAYS, 0.0)
+        texts, drafted, kept = {}, dict.fromkeys(SPECULATIVE_WAYS, 0.0), dict.fromkeys(SPECULATIVE_WAYS, 0.0)
+        for _ in range(rounds):
+            for way, fields in SPECULATIVE_WAYS.items():
+                before = draft_counts(url)
+                count, seconds, texts[way] = stream_timings(url, tokens, prompt, **fields)
+                after = draft_counts(url)
+                best[way] = max(best[way], count / seconds)
+                drafted[way] += after[0] - before[0]
+                kept[way] += after[1] - before[1]
+        rows[prompt_name] = {"tok_per_s": best, "kept_share": {w: kept[w] / drafted[w] if drafted[w] else 0.0
+                                                                for w in SPECULATIVE_WAYS},
+                             "same_text": len(set(texts.values())) == 1}
+    return rows
 
 
 class SimulatedLan:
@@ -450,16 +461,27 @@ def main() -> None:
                         help="with --streams: the same streams against llama.cpp's server (this binary) on the same GGUF")
     parser.add_argument("--delays", help="one-way delays in ms of a simulated LAN between 3 agents (e.g. 0,1,2,5)")
     parser.add_argument("--speculative", action="store_true",
-                        help="with --delays: speculative decoding by prompt lookup against plain steps, on a summary")
+                        help="with --delays: speculative decoding with a draft model and by prompt lookup "
+                             "against plain steps")
     args = parser.parse_args()
     if args.delays and args.speculative:
+        from shards.importers.pull import pull_model
+
         _ensure_model("smollm2-135m")
-        for i, d in enumerate(args.delays.split(",")):
-            with serving(3, args.port + 10 * i, args.threads, args.spin, float(d)) as status:
-                row = measure_speculative(status, args.port + 10 * i, args.tokens, args.rounds)
-            print(f"{float(d):4g} ms per link: plain {row['plain_tok_per_s']:6.1f} tok/s, speculative "
-                  f"{row['speculative_tok_per_s']:6.1f} tok/s: {row['speculative_tok_per_s'] / row['plain_tok_per_s']:.2f}x "
-                  f"(aim >= 1.3); drafted tokens kept: {100 * row['kept_share']:.0f} %; same text: {row['same_text']}")
+        pull_model("smollm2-135m", weights="q4", progress=False)  # the draft model, beside the model
+        with tempfile.TemporaryDirectory(prefix="ncm-bench-") as base:
+            presets = Path(base) / "models.ini"
+            presets.write_text(SPECULATIVE_PRESETS)
+            for i, d in enumerate(args.delays.split(",")):
+                with serving(3, args.port + 10 * i, args.threads, args.spin, float(d),
+                             env={"NCM_MODELS_PRESET": str(presets)}):
+                    rows = measure_speculative(args.port + 10 * i, args.tokens, args.rounds)
+                for prompt_name, row in rows.items():
+                    speed, share = row["tok_per_s"], row["kept_share"]
+                    print(f"{float(d):4g} ms per link, {prompt_name:7}: plain {speed['plain']:6.1f} tok/s; "
+                          + "; ".join(f"{way} {speed[way]:6.1f} tok/s, {speed[way] / speed['plain']:.2f}x, "
+                                      f"{100 * share[way]:.0f} % of drafts kept" for way in ("draft model", "prompt lookup"))
+                          + f"; same text: {row['same_text']}")
         return
     if args.delays:
         _ensure_model("smollm2-135m")

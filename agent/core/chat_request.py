@@ -80,6 +80,7 @@ class ChatRequest:
     think_field: str = "think"  # the field that said whether to think, for errors to name
     cache_prompt: bool = True  # start from a kept KV cache of a request that began the same way
     draft_tokens: int | None = None  # most tokens a speculative step drafts (None: the agent's setting)
+    draft_p_min: float | None = None  # a draft model's token less likely than this ends its draft (None: 0.2)
 
     @property
     def calls_tools(self) -> bool:
@@ -212,6 +213,7 @@ def parse_request(body: Any, *, chat: bool) -> ChatRequest:
         logprobs=_logprobs(body, chat=chat),
         cache_prompt=_flag(body, "cache_prompt", True),
         draft_tokens=_integer(body, "speculative.n_max", 0, MAX_DRAFT_TOKENS),
+        draft_p_min=None if body.get("speculative.p_min") is None else _number(body, "speculative.p_min", 0, 0, 1),
         **_reasoning(body),
     )
 

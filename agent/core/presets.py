@@ -33,8 +33,10 @@ SETTING_KEYS: Mapping[str, str] = MappingProxyType({
     "stop-timeout": "stop_timeout_s",
     "sleep-idle-seconds": "sleep_idle_s",
     "weights": "weights",
+    "model-draft": "draft_model",
 })
 MODEL_KEYS = ("model", "aliases")  # per-model only, never in [*]
+MODEL_ONLY_SETTINGS = ("draft_model",)  # settings a model's section may hold, never [*]
 
 _MODEL_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 _INT_RE = re.compile(r"^[+-]?[0-9]+$")
@@ -72,6 +74,12 @@ def _bool(value: Any) -> bool:
     raise ValueError("true/false, yes/no, on/off or 1/0")
 
 
+def _draft_model(value: Any) -> str | None:
+    if value is not None and not valid_model_name(value):
+        raise ValueError("a stored model's name")
+    return value
+
+
 def _weights(value: Any) -> str | None:
     if value is not None and value not in WEIGHT_FORMATS:
         raise ValueError(f"one of {', '.join(WEIGHT_FORMATS)} or 'auto'")
@@ -87,6 +95,7 @@ _CHECKS: Mapping[str, Callable[[Any], Any]] = MappingProxyType({
     "stop_timeout_s": lambda v: _float(v, lambda x: x > 0.0, "a number of seconds > 0"),
     "sleep_idle_s": lambda v: _float(v, lambda x: x >= 0.0, "a number of seconds >= 0 (0 = never)"),
     "weights": _weights,
+    "draft_model": _draft_model,
 })
 
 
@@ -107,6 +116,7 @@ class ModelSettings:
     stop_timeout_s: float = 10.0
     sleep_idle_s: float = 0.0
     weights: str | None = None
+    draft_model: str | None = None  # a smaller model with the same vocabulary whose tokens are verified in one trip
 
     def __post_init__(self) -> None:
         for field in _CHECKS:
@@ -139,6 +149,8 @@ class ModelPreset:
 def _check_layer(values: Mapping[str, Any], where: str, *, model_keys: bool) -> dict[str, Any]:
     checked: dict[str, Any] = {}
     for key, value in values.items():
+        if key in MODEL_ONLY_SETTINGS and not model_keys:
+            raise PresetError(f"{where}: {key} is set per model only")
         if key == "model" and model_keys:
             if not valid_model_name(value):
                 raise PresetError(f"{where}: model must be a valid model name, got {value!r}")
@@ -208,6 +220,8 @@ def _parse_value(field: str, text: str) -> Any:
             return text
     if field == "load_on_startup":
         return _BOOLS.get(lowered, text)
+    if field == "draft_model":
+        return text.strip()
     return None if lowered == "auto" else lowered  # weights
 
 
@@ -239,6 +253,8 @@ def _parse_section(origin: str, section: str, items: Iterable[tuple[str, str]]) 
             values["aliases"] = _aliases(text, section, where)
         elif key in SETTING_KEYS:
             field = SETTING_KEYS[key]
+            if field in MODEL_ONLY_SETTINGS and is_global:
+                raise PresetError(f"{where}: {key!r} is not allowed in [*], only in a model's section")
             try:
                 values[field] = _CHECKS[field](_parse_value(field, text))
             except ValueError as error:
@@ -329,6 +345,8 @@ def build_models(
             settings = ModelSettings(**values)
         except PresetError as error:
             raise PresetError(f"model {name!r}: {error}") from None
+        if settings.draft_model in (name, store_model):
+            raise PresetError(f"[{name}] model-draft names the model itself; name a smaller model with its vocabulary")
         models[name] = ModelPreset(name, store_model, tuple(aliases), settings, "preset" if name in sections else "store")
 
     owners: dict[str, str] = {}

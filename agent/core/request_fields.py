@@ -68,6 +68,9 @@ _SAMPLING_OPENAI = (
     Field("speculative.n_max", HONOURED, "most tokens a step drafts from the context and verifies in one trip "
                                          "(llama.cpp's extension; 0-16, 0: no speculative decoding; default: the "
                                          "agent's draft_tokens, 8); the answer is the same either way"),
+    Field("speculative.p_min", HONOURED, "a draft model's token less likely than this ends its draft (llama.cpp's "
+                                         "extension; 0-1, default 0.2; drafts from the context have no "
+                                         "probabilities); the answer is the same either way"),
     Field("n", REFUSED, "one choice per request", (1,)),
     Field("user", NO_EFFECT, "an end-user id for the app's own records"),
 )

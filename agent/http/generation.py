@@ -147,7 +147,8 @@ def start_generation(request: web.Request, parsed: ChatRequest, deployment: Depl
     events = request.app[METRICS].observe_generation(
         deployment.name, request.app[ORCHESTRATOR].complete(deployment, prompt_ids, params, resume,
                                                             cache_prompt=parsed.cache_prompt,
-                                                            draft_tokens=parsed.draft_tokens))
+                                                            draft_tokens=parsed.draft_tokens,
+                                                            draft_p_min=parsed.draft_p_min))
     return Generation(events, reader)
 
 

@@ -49,8 +49,8 @@ class Metrics:
             "the tail's result (subtract the stages' ncm_stage_compute_seconds for the network)", ["model"],
             buckets=LATENCY_BUCKETS_S, registry=r)
         self.draft_tokens = Counter(
-            "ncm_draft_tokens", "Tokens drafted by prompt lookup for speculative steps, by outcome (drafted; kept: "
-            "the model chose them too)", ["model", "outcome"], registry=r)
+            "ncm_draft_tokens", "Tokens drafted for speculative steps (by a draft model or prompt lookup), by "
+            "outcome (drafted; kept: the model chose them too)", ["model", "outcome"], registry=r)
         self.stage_compute = Histogram(
             "ncm_stage_compute_seconds", "Compute of one step on this node's fragment", ["model"],
             buckets=LATENCY_BUCKETS_S, registry=r)

@@ -54,6 +54,7 @@ from agent.local.compat import timeout
 from agent.local.config import AgentConfig
 from agent.local.events import EventLog
 from agent.orchestration.deployer import Deployer, Deployment, PlannedModel
+from agent.orchestration.drafts import Drafts
 from agent.orchestration.token_loop import Completion, TokenLoop
 from agent.stage.worker import Worker
 from shards.errors import ShardsError
@@ -104,7 +105,8 @@ class Orchestrator:
         self.membership = membership
         self.worker = worker
         self.deployer = Deployer(node_id, config, membership, worker, client, store, models.on_progress)
-        self.requests = TokenLoop(node_id, membership, worker, client, results, self.recover)
+        self.requests = TokenLoop(node_id, membership, worker, client, results, self.recover,
+                                  Drafts(worker.fragments, self.deployer))
         self.deployments: dict[str, Deployment] = {}
         self.planned: dict[str, PlannedModel] = {}  # measured, and kept while a model sleeps
         self.state = ClusterState.STARTING
@@ -219,6 +221,9 @@ class Orchestrator:
             if not keep_plan:
                 self.forget_plan(name)
             await self.deployer.drop_orders(name)
+            drafting = {d.settings.draft_model for d in self.deployments.values() if d.settings.draft_model}
+            for draft in self.requests.drafts.take_unused(drafting):
+                await asyncio.to_thread(draft.close)  # waits for a draft still running
             self._settle_state()
 
     def forget_plan(self, name: str) -> None:
@@ -412,10 +417,11 @@ class Orchestrator:
     # --- requests ---------------------------------------------------------------------------
     def complete(self, deployment: Deployment, prompt_ids: list[int], params: SamplingParams,
                  generated: Sequence[int] = (), *, cache_prompt: bool = True,
-                 draft_tokens: int | None = None) -> AsyncIterator[Completion]:
+                 draft_tokens: int | None = None,
+                 draft_p_min: float | None = None) -> AsyncIterator[Completion]:
         """Generate from ``prompt_ids`` (see :meth:`agent.orchestration.token_loop.TokenLoop.complete`)."""
         return self.requests.complete(deployment, prompt_ids, params, generated, cache_prompt=cache_prompt,
-                                      draft_tokens=draft_tokens)
+                                      draft_tokens=draft_tokens, draft_p_min=draft_p_min)
 
     async def embed(self, deployment: Deployment, ids: list[int]) -> np.ndarray:
         """The embedding of ``ids`` (see :meth:`agent.orchestration.token_loop.TokenLoop.embed`)."""

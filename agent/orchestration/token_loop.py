@@ -27,7 +27,9 @@ from agent.core.protocol import CloseFrame, ResultFrame, StepFrame
 from agent.dataplane.links import SILENCE_S, Links, Replies, StageError, StageLink
 from agent.local.compat import timeout
 from agent.orchestration.deployer import Deployment
+from agent.orchestration.drafts import Drafts
 from agent.stage.worker import Worker
+from shards.errors import ShardsError
 from shards.runtime.generate import FINISH_LENGTH, TextStream
 from shards.runtime.sampling import SamplingParams, TokenLogprobs
 from shards.runtime.speculation import DraftLength, PromptLookup
@@ -60,13 +62,14 @@ class TokenLoop:
     failover are one request's path, read in one place."""
 
     def __init__(self, node_id: str, membership: Membership, worker: Worker, client: PeerClient, results: Replies,
-                 recover: Callable[[Deployment, set[str]], Awaitable[Deployment]]) -> None:
+                 recover: Callable[[Deployment, set[str]], Awaitable[Deployment]], drafts: Drafts) -> None:
         self.node_id = node_id
         self.membership = membership
         self.worker = worker  # this node's own stage: runs a step whose head is here, frees its sessions
         self.links = Links(client)  # this node's own links to the stages of its requests' routes
         self.results = results  # the results tails send straight here (llama.cpp's response queue)
         self._recover = recover
+        self.drafts = drafts  # the draft models of the models whose presets name one
         self._running = 0
         self._caches: dict[str, PromptCache] = {}  # per model: the KV caches its stages keep
         self._none_running = asyncio.Event()
@@ -85,8 +88,9 @@ class TokenLoop:
                 self._none_running.set()
 
     async def close(self) -> None:
-        """Close this node's links to the stages (the agent is stopping)."""
+        """Close this node's links to the stages and its draft models (the agent is stopping)."""
         await self.links.close()
+        self.drafts.close()
 
     async def drained(self, timeout_s: float) -> bool:
         """Wait until no request runs here (an agent that stops lets them finish); False when
@@ -204,15 +208,18 @@ class TokenLoop:
 
     async def complete(self, deployment: Deployment, prompt_ids: list[int], params: SamplingParams,
                        generated: Sequence[int] = (), *, cache_prompt: bool = True,
-                       draft_tokens: int | None = None) -> AsyncIterator[Completion]:
+                       draft_tokens: int | None = None,
+                       draft_p_min: float | None = None) -> AsyncIterator[Completion]:
         """Generate from ``prompt_ids``: yields text pieces, the last event has the finish reason.
 
         ``generated``: the ids an earlier orchestrator sampled for this request before it was
         lost (their text was sent already): the request goes on after them. ``cache_prompt``:
         start from the KV cache of an earlier request that began the same way, where the
         stages keep one, and keep this one's for the next (:mod:`agent.core.prompt_cache`).
-        ``draft_tokens``: most tokens a step drafts by prompt lookup and verifies in one trip
-        (:mod:`shards.runtime.speculation`; None: the agent's ``draft_tokens``, 0: none).
+        ``draft_tokens``: most tokens a step drafts and verifies in one trip, with the model's
+        draft model where its preset names one, else by prompt lookup
+        (:mod:`shards.runtime.speculation`; None: the agent's ``draft_tokens``, 0: none); a draft
+        model's token less likely than ``draft_p_min`` ends its draft (None: its default).
         """
         max_context = deployment.settings.max_context
         if len(prompt_ids) + len(generated) + 1 > max_context:
@@ -233,9 +240,11 @@ class TokenLoop:
             for old in expired:
                 await self._close(deployment.order, old.sid)
         finished = False  # the stages hold the KV of every token of context: it may be kept
-        # Prompt-lookup drafts (shards/runtime/speculation.py), unless the request reads log-probabilities
+        # Drafts (shards/runtime/speculation.py), unless the request reads log-probabilities
         most = self.worker.config.draft_tokens if draft_tokens is None else draft_tokens
         lookup = PromptLookup(context) if most and params.logprobs is None else None
+        drafter = await self.drafts.get(deployment, time.monotonic()) if lookup is not None else None
+        drafter_sid = await asyncio.to_thread(drafter.session, context) if drafter is not None else ""
         draft_length = DraftLength(most)
         draft: tuple[int, ...] = ()  # what the step under way drafted
         unsent: list[int] = []  # sampled ids whose text has not gone out yet
@@ -283,8 +292,18 @@ class TokenLoop:
                         draft = ()
                         if lookup is not None:
                             lookup.extend(result.tokens)
-                            if self._running == 1:  # alone: with other requests, plain steps batch instead
-                                draft = lookup.draft(min(draft_length.next(), max_context - len(context) - 1))
+                            if self._running == 1 and most:  # alone: with other requests, plain steps batch instead
+                                count = min(draft_length.next(), max_context - len(context) - 1)
+                                if drafter is not None and not deployment.order.degraded and count > 0:
+                                    try:
+                                        draft = await asyncio.to_thread(drafter.draft, drafter_sid, context, count,
+                                                                      draft_p_min)
+                                    except ShardsError as error:  # the request goes on with plain steps
+                                        log.warning("request %s: its draft model failed (%s); no more drafts",
+                                                    sid[:8], error)
+                                        most = 0
+                                else:
+                                    draft = lookup.draft(count)
                         step = StepFrame(sid, len(context), 0, len(context) - 1, order.epoch, order.plan_version, True,
                                          draft=draft)
                         result = None
@@ -315,6 +334,8 @@ class TokenLoop:
                         kept, reused = None, 0  # the new route keeps nothing of this request
                         result = None  # replay everything so far on the new route
             finally:
+                if drafter is not None:  # waits for a draft still running on its thread
+                    await asyncio.to_thread(drafter.release, drafter_sid)
                 order = deployment.order
                 if finished and cache is not None and cache.entries and not recoveries \
                         and len(context) > cache.min_reused_tokens:

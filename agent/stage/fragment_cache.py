@@ -18,7 +18,7 @@ from agent.cluster.peer_client import PeerClient
 from agent.core.orders import RoutingOrder
 from agent.core.threads import ThreadPlan, thread_plan
 from agent.local.config import AgentConfig
-from agent.stage.weights import WeightTransferError, ensure_model_files
+from agent.stage.weights import Source, WeightTransferError, ensure_model_files
 from shards.errors import CorruptWeightsError
 from shards.graph.fragment import prune_blobs
 from shards.providers.backends import backend_chain, detect_platform
@@ -82,6 +82,17 @@ class FragmentCache:
         else:
             self.runners[key] = runner
 
+    async def open_whole(self, model: str, max_context: int, prefill_chunk: int,
+                         sources: list[Source]) -> FragmentRunner:
+        """A runner of the whole of ``model`` (a draft model), its files fetched from ``sources``
+        where this node lacks some; not held in :attr:`runners`: the caller closes it. It runs
+        while the stages wait for its draft, so on every core (or the configured threads)."""
+        manifest = await ensure_model_files(self.client, self.store, model, lambda m: sorted(m.files), sources)
+        key = RunnerKey(model, 0, manifest.n_layers - 1, min(max_context, manifest.context_length),
+                        min(prefill_chunk, max_context))
+        return await asyncio.get_running_loop().run_in_executor(self.builder, self._open_runner,
+                                                                self.store.models_dir / model, key, True)
+
     def memory_bytes(self, keys: set[RunnerKey]) -> int:
         """What the runners of ``keys`` held here report they take."""
         return sum(self.runners[k].memory_bytes() for k in keys if k in self.runners)
@@ -120,9 +131,15 @@ class FragmentCache:
             log.warning("fetched %s of %s again from a peer", ", ".join(corrupt.paths), order.model)
             return await loop.run_in_executor(self.builder, self._open_runner, model_dir, key)
 
-    def _open_runner(self, model_dir: Path, key: RunnerKey) -> FragmentRunner:
+    def _open_runner(self, model_dir: Path, key: RunnerKey, every_core: bool = False) -> FragmentRunner:
         plan = thread_plan(configured_threads=self.config.threads, spin=self.config.spin,
                            agents_on_host=self.agents_on_host(), cores=os.cpu_count() or 1)
+        if every_core:  # a draft model: one session on the configured threads, else every core
+            return open_range(model_dir, key.first_layer, key.last_layer, 1,
+                              providers=list(self.config.providers) or None,
+                              threads=self.config.threads or os.cpu_count() or 1, spinning=plan.spinning,
+                              spin_after_run=plan.spin_after_run, max_context=key.max_context,
+                              prefill_chunk=key.prefill_chunk)
         if plan != self.thread_plan:
             log.info("fragments run on %s thread(s), %s, %s (%s)", plan.threads or "all",
                      "not spinning" if not plan.spinning else

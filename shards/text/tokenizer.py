@@ -118,6 +118,11 @@ class Tokenizer:
     def token_to_id(self, token: str) -> int | None:
         return self._backend.token_to_id(token)
 
+    def same_vocabulary(self, other: Tokenizer) -> bool:
+        """Whether ``other`` maps every token to the same id (a draft model's tokens are the
+        served model's)."""
+        return self._backend.get_vocab(with_added_tokens=True) == other._backend.get_vocab(with_added_tokens=True)
+
     def id_to_token(self, token_id: int) -> str | None:
         return self._backend.id_to_token(token_id)
 

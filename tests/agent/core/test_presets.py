@@ -182,7 +182,7 @@ def test_bad_values_name_section_key_and_expectation(line, expected):
     assert expected in str(error.value) and "[llama]" in str(error.value) and key in str(error.value)
 
 
-@pytest.mark.parametrize("key", ["model = llama", "aliases = x"])
+@pytest.mark.parametrize("key", ["model = llama", "aliases = x", "model-draft = tiny"])
 def test_global_section_refuses_model_and_aliases(key):
     with pytest.raises(PresetError, match=r"not allowed in \[\*\]"):
         parse_presets(f"[*]\n{key}\n")
@@ -264,6 +264,7 @@ def test_bad_overrides_and_store_entries():
         ({"stop_timeout_s": float("inf")}, "stop_timeout_s"),
         ({"sleep_idle_s": -1.0}, "sleep_idle_s"),
         ({"weights": "int8"}, "weights"),
+        ({"draft_model": "../x"}, "draft_model"),
     ],
 )
 def test_model_settings_validate_each_field(kwargs, field):
@@ -320,3 +321,14 @@ def test_highest_layer_that_sets_a_value_wins(chosen):
         assert getattr(models["llama"].settings, field) == expected
         tiny_layers = [v for v in (values[0], values[2]) if v is not None]
         assert getattr(models["tiny"].settings, field) == (tiny_layers[-1] if tiny_layers else getattr(defaults, field))
+
+
+def test_a_draft_model_is_named_per_model_as_it_is_written_and_never_the_model_itself():
+    presets = parse_presets("[llama]\nmodel-draft = Tiny-Q4\n[big]\nmodel = llama\nmodel-draft = big\n")
+    assert presets.sections["llama"]["draft_model"] == "Tiny-Q4"  # model names keep their case
+    with pytest.raises(PresetError, match=r"\[big\] model-draft names the model itself"):
+        build_models(STORE, presets)
+    with pytest.raises(PresetError, match=r"\[llama\] model-draft names the model itself"):
+        build_models(STORE, parse_presets("[llama]\nmodel-draft = llama\n"))
+    models = build_models(STORE, parse_presets("[llama]\nmodel-draft = tiny\n"))
+    assert models["llama"].settings.draft_model == "tiny" and models["tiny"].settings.draft_model is None

@@ -1,18 +1,25 @@
-"""Speculative decoding by prompt lookup (shards/runtime/speculation.py): drafts are what
-followed the latest earlier occurrence of the context's last tokens, the verification keeps
-exactly the tokens the sampler would have chosen one step at a time, and the draft length
-follows what was kept."""
+"""Speculative decoding (shards/runtime/speculation.py): prompt-lookup drafts are what
+followed the latest earlier occurrence of the context's last tokens, a draft model's are its
+greedy tokens whatever its cache held before, the verification keeps exactly the tokens the
+sampler would have chosen one step at a time, and the draft length follows what was kept."""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from shards.importers.importer import import_model
+from shards.runtime.chain import open_chain
 from shards.runtime.sampling import Sampler, SamplingParams
-from shards.runtime.speculation import MAX_NGRAM, MIN_NGRAM, DraftLength, PromptLookup, verify
+from shards.runtime.speculation import MAX_NGRAM, MIN_NGRAM, DraftLength, DraftModel, PromptLookup, verify
+from shards.store.model_store import ModelStore
 from tests.examples import examples
+from tests.shards.fragment_helpers import VOCAB, chain, write_tiny_checkpoint
+from tests.shards.fragment_helpers import greedy as greedy_tokens
 
 
 def reference_draft(tokens: list[int], count: int) -> tuple[int, ...]:
@@ -98,3 +105,53 @@ def test_the_draft_length_grows_when_kept_shrinks_when_rejected_and_pauses_after
     assert [length.next(), length.next(), length.next()] == [0, 0, 2]  # paused two steps, then the least
     assert (length.drafted, length.kept) == (4 + 5 + 5 + 4 + 3, 4 + 2)
     assert DraftLength(most=0).next() == 0
+
+
+# --- a draft model: the tiny random model drafting for itself ---------------------------
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory) -> Path:
+    tmp = tmp_path_factory.mktemp("draft")
+    store = ModelStore(tmp / "home")
+    import_model(write_tiny_checkpoint(tmp / "checkpoint"), name="tiny", store=store, progress=False)
+    return store.model_dir("tiny")
+
+
+def reference(tiny_dir: Path, context: list[int], count: int) -> tuple[int, ...]:
+    """The model's greedy tokens after ``context``, read in a fresh session."""
+    return tuple(greedy_tokens(chain(tiny_dir, [(0, 1)]), "reference", np.array(context), count)[1])
+
+
+def test_a_draft_models_drafts_are_its_greedy_tokens_whatever_its_cache_held(tiny_dir):
+    """The draft session follows the request's context: the positions of drafted tokens the
+    step did not keep are cut, a finished request's session is taken by the next that begins
+    the same way, and the drafts are always what a fresh session would draft."""
+    prompt = [1, 5, 9, 13, 17, 21, 25]
+    draft = DraftModel(open_chain(tiny_dir, [(0, 1)]), kept_sessions=1)
+    try:
+        sid = draft.session(prompt)
+        first = draft.draft(sid, prompt, 4, p_min=0.0)
+        assert first == reference(tiny_dir, prompt, 4)
+        # the step kept two drafted tokens and chose another third one
+        context = [*prompt, *first[:2], (first[2] + 1) % VOCAB]
+        assert draft.draft(sid, context, 3, p_min=0.0) == reference(tiny_dir, context, 3)
+        # a whole draft kept, and the token after it
+        second = draft.draft(sid, context, 2, p_min=0.0)
+        context = [*context, *second, 3]
+        assert draft.draft(sid, context, 3, p_min=0.0) == reference(tiny_dir, context, 3)
+        assert draft.draft(sid, context, 3, p_min=1.0) == ()  # no token is that sure
+        assert draft.draft(sid, context, draft.max_context - len(context) + 1, p_min=0.0) == ()  # no room
+        draft.release(sid)
+
+        assert draft.session([*context, 7]) == sid  # a request that begins the same way takes it
+        draft.release(sid)
+        other = draft.session([2, 4])  # nothing in common: a session of its own
+        assert other != sid
+        assert draft.draft(other, [2, 4], 2, p_min=0.0) == reference(tiny_dir, [2, 4], 2)
+        draft.release(other)  # one session kept: the older one is closed
+        assert [r.sessions() for r in draft.runners] == [[other]]
+    finally:
+        draft.close()
+    with pytest.raises(ValueError, match="whole model"):
+        DraftModel(chain(tiny_dir, [(0, 0), (1, 1)])[:1])  # the head alone
