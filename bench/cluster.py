@@ -241,21 +241,22 @@ def stream_timings(url: str, tokens: int, prompt: str = PROMPT, **fields) -> tup
     return count or len(stamps), stamps[-1] - stamps[0], "".join(pieces)
 
 
-def draft_counts(url: str) -> tuple[float, float]:
-    """(tokens drafted, tokens kept) the cluster's agents counted so far (the orchestrator's)."""
+def draft_counts(url: str) -> tuple[float, float, float]:
+    """(tokens drafted, tokens kept, tokens drafted ahead) the cluster's agents counted so far
+    (the orchestrator's)."""
     with urllib.request.urlopen(url + "/cluster/nodes", timeout=30) as response:
         urls = [node["url"] for node in json.loads(response.read())["nodes"] if node["alive"]]
     text = ""
     for agent in urls:
         with urllib.request.urlopen(agent + "/metrics", timeout=30) as response:
             text += response.read().decode()
-    counts = {"drafted": 0.0, "kept": 0.0}
+    counts = {"drafted": 0.0, "kept": 0.0, "ahead": 0.0}
     for line in text.splitlines():
         if line.startswith("ncm_draft_tokens_total{"):
             for outcome in counts:
                 if f'outcome="{outcome}"' in line:
                     counts[outcome] += float(line.rsplit(" ", 1)[1])
-    return counts["drafted"], counts["kept"]
+    return counts["drafted"], counts["kept"], counts["ahead"]
 
 
 DRAFT_MODEL = "smollm2-135m-q4"
@@ -266,12 +267,14 @@ SPECULATIVE_WAYS = {"plain": {"speculative.n_max": 0}, "draft model": {}, "promp
 
 def measure_speculative(port: int, tokens: int, rounds: int) -> dict[str, dict]:
     """Per prompt (a story, a summary), greedy answers the three ways of SPECULATIVE_WAYS,
-    taking turns, the best of each kept, with the share of drafted tokens kept."""
+    taking turns, the best of each kept, with the shares of drafted tokens kept and drafted
+    ahead (while the step before was verified)."""
     url = f"http://127.0.0.1:{port}"
     rows = {}
     for prompt_name, prompt in (("story", PROMPT), ("summary", SUMMARY_PROMPT)):
         best = dict.fromkeys(SPECULATIVE_WAYS, 0.0)
-        texts, drafted, kept = {}, dict.fromkeys(SPECULATIVE_WAYS, 0.0), dict.fromkeys(SPECULATIVE_WAYS, 0.0)
+        texts = {}
+        drafted, kept, ahead = (dict.fromkeys(SPECULATIVE_WAYS, 0.0) for _ in range(3))
         for _ in range(rounds):
             for way, fields in SPECULATIVE_WAYS.items():
                 before = draft_counts(url)
@@ -280,8 +283,10 @@ def measure_speculative(port: int, tokens: int, rounds: int) -> dict[str, dict]:
                 best[way] = max(best[way], count / seconds)
                 drafted[way] += after[0] - before[0]
                 kept[way] += after[1] - before[1]
-        rows[prompt_name] = {"tok_per_s": best, "kept_share": {w: kept[w] / drafted[w] if drafted[w] else 0.0
-                                                                for w in SPECULATIVE_WAYS},
+                ahead[way] += after[2] - before[2]
+        rows[prompt_name] = {"tok_per_s": best,
+                             "kept_share": {w: kept[w] / drafted[w] if drafted[w] else 0.0 for w in SPECULATIVE_WAYS},
+                             "ahead_share": {w: ahead[w] / drafted[w] if drafted[w] else 0.0 for w in SPECULATIVE_WAYS},
                              "same_text": len(set(texts.values())) == 1}
     return rows
 
@@ -481,6 +486,7 @@ def main() -> None:
                     print(f"{float(d):4g} ms per link, {prompt_name:7}: plain {speed['plain']:6.1f} tok/s; "
                           + "; ".join(f"{way} {speed[way]:6.1f} tok/s, {speed[way] / speed['plain']:.2f}x, "
                                       f"{100 * share[way]:.0f} % of drafts kept" for way in ("draft model", "prompt lookup"))
+                      + f" ({100 * row['ahead_share']['draft model']:.0f} % of the draft model's drafted ahead)"
                           + f"; same text: {row['same_text']}")
         return
     if args.delays:

@@ -50,7 +50,8 @@ class Metrics:
             buckets=LATENCY_BUCKETS_S, registry=r)
         self.draft_tokens = Counter(
             "ncm_draft_tokens", "Tokens drafted for speculative steps (by a draft model or prompt lookup), by "
-            "outcome (drafted; kept: the model chose them too)", ["model", "outcome"], registry=r)
+            "outcome (drafted; kept: the model chose them too; ahead: a draft model's, written while the step before "
+            "was verified)", ["model", "outcome"], registry=r)
         self.stage_compute = Histogram(
             "ncm_stage_compute_seconds", "Compute of one step on this node's fragment", ["model"],
             buckets=LATENCY_BUCKETS_S, registry=r)

@@ -158,7 +158,7 @@ def device_memory(*, vram_gib: float | None, ram_gib: float | None, held_bytes: 
     """The memory fragments live in, for the router's ledger: ``total_bytes`` and
     ``external_bytes`` (what else uses it). A configured ``vram_gib`` / ``ram_gib`` is a
     budget the operator reserved for ncm: its external use is what the agent holds in RAM beside
-    its fragments (``beside_bytes``: its embedding models) for a RAM budget, 0 for a VRAM one.
+    its fragments (``beside_bytes``: its embedding and draft models) for a RAM budget, 0 for a VRAM one.
     Otherwise, on GPUs the total VRAM with nothing external known, and on CPUs the RAM (the
     agent's cgroup memory limit where that is smaller), where external = total − available −
     the models this agent holds (``held_bytes``; the agent's own runtime and what it holds

@@ -466,7 +466,8 @@ def build_app(config: AgentConfig, *, node_id: str, store: ModelStore, api_port:
                                               app[WORKER].device_memory(), app[EMBEDDINGS].open_models(time.monotonic())),
             held_bytes=lambda: app[WORKER].held_bytes())
         app[WORKER] = Worker(node_id, config, store, client, app[LINKS], app[RESULTS], app[METRICS],
-                             app[MEMBERSHIP].agents_on_host, beside_bytes=app[EMBEDDINGS].held_bytes)
+                             app[MEMBERSHIP].agents_on_host, beside_bytes=lambda: (
+                                 app[EMBEDDINGS].held_bytes() + app[ORCHESTRATOR].requests.drafts.held_bytes()))
         app[ROUTER] = ModelRouter(config, store, app[MEMBERSHIP], events, lambda models: Orchestrator(
             node_id, config, app[MEMBERSHIP], app[WORKER], client, store, events, models, app[RESULTS]))
         app[ORCHESTRATOR] = app[ROUTER].orchestrator

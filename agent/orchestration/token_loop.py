@@ -27,7 +27,7 @@ from agent.core.protocol import CloseFrame, ResultFrame, StepFrame
 from agent.dataplane.links import SILENCE_S, Links, Replies, StageError, StageLink
 from agent.local.compat import timeout
 from agent.orchestration.deployer import Deployment
-from agent.orchestration.drafts import Drafts
+from agent.orchestration.drafts import Drafts, RequestDraft
 from agent.stage.worker import Worker
 from shards.errors import ShardsError
 from shards.runtime.generate import FINISH_LENGTH, TextStream
@@ -244,7 +244,7 @@ class TokenLoop:
         most = self.worker.config.draft_tokens if draft_tokens is None else draft_tokens
         lookup = PromptLookup(context) if most and params.logprobs is None else None
         drafter = await self.drafts.get(deployment, time.monotonic()) if lookup is not None else None
-        drafter_sid = await asyncio.to_thread(drafter.session, context) if drafter is not None else ""
+        request_draft = await RequestDraft.open(drafter, context, draft_p_min) if drafter is not None else None
         draft_length = DraftLength(most)
         draft: tuple[int, ...] = ()  # what the step under way drafted
         unsent: list[int] = []  # sampled ids whose text has not gone out yet
@@ -290,22 +290,32 @@ class TokenLoop:
                                 unsent_logprobs.clear()
                             context.append(token)
                         draft = ()
+                        drafting = request_draft is not None and not deployment.order.degraded and most > 0
                         if lookup is not None:
                             lookup.extend(result.tokens)
-                            if self._running == 1 and most:  # alone: with other requests, plain steps batch instead
-                                count = min(draft_length.next(), max_context - len(context) - 1)
-                                if drafter is not None and not deployment.order.degraded and count > 0:
-                                    try:
-                                        draft = await asyncio.to_thread(drafter.draft, drafter_sid, context, count,
-                                                                      draft_p_min)
-                                    except ShardsError as error:  # the request goes on with plain steps
-                                        log.warning("request %s: its draft model failed (%s); no more drafts",
-                                                    sid[:8], error)
-                                        most = 0
-                                else:
-                                    draft = lookup.draft(count)
+                            # alone: with other requests, plain steps batch instead
+                            count = min(draft_length.next(), max_context - len(context) - 1) \
+                                if self._running == 1 and most else 0
+                            if drafting and count > 0:
+                                try:
+                                    draft = await request_draft.draft(context, count)
+                                    if request_draft.drafted_ahead:
+                                        metrics = self.worker.metrics
+                                        metrics.child(metrics.draft_tokens, deployment.name, "ahead").inc(len(draft))
+                                except ShardsError as error:  # the request goes on with plain steps
+                                    log.warning("request %s: its draft model failed (%s); no more drafts",
+                                                sid[:8], error)
+                                    most, drafting = 0, False
+                            else:
+                                if request_draft is not None:
+                                    await request_draft.stop_ahead()  # not drafting this step
+                                draft = lookup.draft(count)
                         step = StepFrame(sid, len(context), 0, len(context) - 1, order.epoch, order.plan_version, True,
                                          draft=draft)
+                        if drafting and draft:  # the next draft, written while this one is verified
+                            ahead = min(draft_length.current + 1, most, max_context - len(context) - len(draft) - 2)
+                            if ahead > 0:
+                                request_draft.draft_ahead(context, draft, ahead)
                         result = None
                         result = await self._step(order, step, np.asarray([[context[-1], *draft]], dtype=np.int64),
                                                   DECODE_STEP_TIMEOUT_S)
@@ -334,8 +344,8 @@ class TokenLoop:
                         kept, reused = None, 0  # the new route keeps nothing of this request
                         result = None  # replay everything so far on the new route
             finally:
-                if drafter is not None:  # waits for a draft still running on its thread
-                    await asyncio.to_thread(drafter.release, drafter_sid)
+                if request_draft is not None:  # waits for a draft still running on its thread
+                    await request_draft.close()
                 order = deployment.order
                 if finished and cache is not None and cache.entries and not recoveries \
                         and len(context) > cache.min_reused_tokens:

@@ -177,7 +177,7 @@ class Worker:
                  results: Replies, metrics: Metrics | None = None, agents_on_host: Callable[[], int] = lambda: 1,
                  beside_bytes: Callable[[], int] = lambda: 0) -> None:
         self.node_id = node_id
-        self.beside_bytes = beside_bytes  # what the agent holds beside the fragments (its embedding models)
+        self.beside_bytes = beside_bytes  # what the agent holds beside the fragments (embedding, draft models)
         self.metrics = metrics or Metrics()
         self.config = config
         self.store = store

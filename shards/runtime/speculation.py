@@ -140,10 +140,11 @@ class DraftModel:
             while len(self._kept) > self.kept_sessions:
                 self._close(self._kept.popitem(last=False)[0])
 
-    def draft(self, session_id: str, context: Sequence[int], count: int, p_min: float | None = None) -> tuple[int, ...]:
+    def draft(self, session_id: str, context: Sequence[int], count: int, p_min: float | None = None,
+              stop: Callable[[Sequence[int]], bool] | None = None) -> tuple[int, ...]:
         """Up to ``count`` tokens the model would choose greedily after ``context``, ended
-        early at one it gives less than ``p_min`` (None: :attr:`p_min`); () where the context
-        leaves no room."""
+        early at one it gives less than ``p_min`` (None: :attr:`p_min`) or once ``stop`` (asked
+        after each token, with the tokens so far) is true; () where the context leaves no room."""
         p_min = self.p_min if p_min is None else p_min
         with self._lock:
             held = self._held[session_id]
@@ -164,12 +165,16 @@ class DraftModel:
                 if p_min > 0.0 and _top_probability(logits) < p_min:
                     break
                 drafted.append(token)
-                if len(drafted) == count:
+                if len(drafted) == count or (stop is not None and stop(drafted)):
                     break
                 logits = chain_forward(self.runners, session_id, np.asarray([[token]], dtype=np.int64),
                                        last_only=True)[0, -1]
                 held.append(token)
             return tuple(drafted)
+
+    def memory_bytes(self) -> int:
+        """Weights plus the live and kept sessions' KV caches, in bytes."""
+        return sum(runner.memory_bytes() for runner in self.runners)
 
     def _cut(self, session_id: str, length: int) -> None:
         for runner in self.runners:
