@@ -75,7 +75,9 @@ def test_phi3_long_rope_and_4_bit_fused_matrices_from_gguf(tmp_path, shape) -> N
     with torch.no_grad():
         ref = model(torch.from_numpy(ids[None, :])).logits[0].numpy()
     ours = chain_forward(open_chain(store.model_dir("phi"), [(0, 2)], threads=1), "s", ids)[0]
-    np.testing.assert_allclose(ours, ref, atol=1e-3, rtol=0)
+    # MatMulNBits' kernels differ by instruction set: on an AVX2-only CPU the logits (up to 6)
+    # were off by up to 6e-4 (phi-3.5) and 1.2e-3 (phi-4-mini), within 1e-3 on AVX-512
+    np.testing.assert_allclose(ours, ref, atol=3e-3, rtol=0)
 
 
 @pytest.mark.parametrize("arch", ["qwen2", "qwen3"])
