@@ -162,6 +162,7 @@ class ModelRouter:
             self.registry.update_effective(name, deployment.effective_bytes)
         else:
             self.registry.loaded(name, deployment.effective_bytes, now=time.monotonic())
+            self._startup.discard(name)  # loaded: an unload from now on keeps it unloaded
         if not self.config.max_requests_in_flight:  # the room is counted, not held: a model to load comes first
             sessions = self._session_bytes(deployment)
             self.gate.set_in_flight(name, self.registry.ledger.sessions_fitting(sessions, AUTO_MOST_REQUESTS_IN_FLIGHT))
@@ -243,7 +244,7 @@ class ModelRouter:
     # --- scheduling ------------------------------------------------------------------------------
     async def _preload(self, name: str) -> None:
         try:
-            await self._wait_ready(name, autoload=True)
+            await self._wait_ready(name, autoload=True, once=True)
         except (RouterError, ClusterError) as error:
             log.warning("could not load %s at start: %s (trying again when the members change)", name, error)
         else:
@@ -254,9 +255,11 @@ class ModelRouter:
         await self.scheduler.run()
 
     # --- requests --------------------------------------------------------------------------------
-    async def _wait_ready(self, name: str, *, autoload: bool) -> Deployment:
+    async def _wait_ready(self, name: str, *, autoload: bool, once: bool = False) -> Deployment | None:
         """Wait until ``name`` is ready, loading it if needed; returns its deployment. A request
-        whose client leaves is cancelled here: it leaves the queue, the load goes on."""
+        whose client leaves is cancelled here: it leaves the queue, the load goes on. ``once``
+        (a load at start) waits for one load only: a model unloaded or put to sleep before this
+        waiter saw it ready stays so (None)."""
         if not self.enabled:
             raise ClusterError("this node is not the orchestrator; the cluster is changing, retry")
         ticket = None
@@ -274,6 +277,8 @@ class ModelRouter:
                     outcome, ticket = ticket.outcome, None
                     if outcome is not None:
                         raise outcome
+                    if once:
+                        return deployment if entry.state == ModelState.READY and not entry.stopping else None
                     continue
                 if ticket is None:
                     if not autoload and entry.state not in (ModelState.MEASURING, ModelState.LOADING,

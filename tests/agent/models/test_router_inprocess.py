@@ -191,3 +191,31 @@ def test_a_model_stored_only_on_another_node_loads_within_its_own_context(tmp_pa
             assert status == 200 and answer["usage"]["completion_tokens"] == 3, answer
 
     asyncio.run(scenario())
+
+
+def test_a_model_loaded_at_start_and_unloaded_before_its_loader_looks_stays_unloaded(tmp_path):
+    """The main model loads again at start once its deployment is lost; an unload that comes
+    the moment it is ready (before the waiter of that load wakes) is not undone by a second
+    load, nor by the next change of members."""
+
+    async def scenario() -> None:
+        async with tiny_cluster(tmp_path, 1) as (leader, _):
+            router = leader.app[ROUTER]
+            await router.unload(TINY)
+            unloads: list[asyncio.Task[Any]] = []
+            loaded = router.registry.loaded
+
+            def then_unload(name: str, *args: Any, **kwargs: Any) -> None:
+                loaded(name, *args, **kwargs)
+                if name == TINY and not unloads:  # before the scheduler wakes the waiters of the load
+                    unloads.append(asyncio.create_task(router.unload(TINY)))
+
+            router.registry.loaded = then_unload  # type: ignore[method-assign]
+            router.on_deployment(TINY, None, "its stage died")  # a model that must run: loaded again at once
+            await eventually(lambda: unloads and unloads[0].done(), timeout_s=60, what="the load and the unload")
+            await unloads[0]
+            router.on_members(frozenset())  # members change: nothing loads it again
+            assert router.registry.find(TINY) is None
+            assert router.registry.entries[TINY].state == "unloaded"
+
+    asyncio.run(scenario())
