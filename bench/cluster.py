@@ -5,6 +5,7 @@
     python bench/cluster.py --streams 4 --long-prompt 2000 --tokens 600
     python bench/cluster.py --delays 0,1,2,5
     python bench/cluster.py --delays 0,5 --speculative
+    python bench/cluster.py --streams 8 --placement replicas --cpu-share 66 [--shape llama-1b]
 
 Both clusters serve side by side and take turns (``--rounds`` streams each, the best kept), so
 a busy moment of a shared machine does not land on one of them alone. Prints decode tokens/s
@@ -42,6 +43,12 @@ With ``--long-prompt P`` (and ``--streams N``): N greedy streams decode, and onc
 tokens a prompt of about P tokens arrives; prints how long it took to read, the streams'
 inter-token gaps while it was read (median and p99) and before and after it (median), the p99
 meanwhile over the median meanwhile (aim <= 2) and over the median outside.
+
+With ``--placement split|replicas|auto`` (and ``--streams N``): the model's preset says how it is
+placed (design §11): the seed's layer split, a whole copy on every agent, or copies where they
+fit. With ``--cpu-share PERCENT``: each agent is confined to that share of one core (a cgroup
+CPU quota, as systemd's ``CPUQuota=``; 66 makes three agents a third of a two-core machine each).
+Prints the aggregate of 3 agents over 1 such agent (aim >= 2.5 with whole copies).
 """
 
 from __future__ import annotations
@@ -122,14 +129,48 @@ def run_streams(url: str, model: str, streams: int, tokens: int) -> dict:
 
 
 def measure_streams(nodes: int, port: int, streams: int, tokens: int, threads: int, model: str,
-                    home: Path | None) -> dict:
-    """One stream's decode rate and the aggregate of ``streams`` concurrent ones, on ``nodes`` agents."""
+                    home: Path | None, placement: str | None = None, cpu_share: int | None = None) -> dict:
+    """One stream's decode rate and the aggregate of ``streams`` concurrent ones, on ``nodes``
+    agents (the model placed as ``placement`` says, each agent held to ``cpu_share`` % of a core)."""
     url = f"http://127.0.0.1:{port}"
-    with serving(nodes, port, threads, model=model, home=home):  # the default admission: a device per stream
+    with contextlib.ExitStack() as stack:
+        env = None
+        if placement is not None:
+            base = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="ncm-bench-")))
+            (base / "models.ini").write_text(f"[{model}]\nplacement = {placement}\n")
+            env = {"NCM_MODELS_PRESET": str(base / "models.ini")}
+        # the default admission: a device per stream
+        stack.enter_context(serving(nodes, port, threads, model=model, home=home, env=env, cpu_share=cpu_share))
         row = run_streams(url, model, streams, tokens)
         with urllib.request.urlopen(url + "/cluster/nodes", timeout=30) as response:
             nodes_seen = json.loads(response.read())["nodes"]
-    return {**row, "nodes": nodes, "batches": [(n.get("worker") or {}).get("batches") for n in nodes_seen]}
+        with urllib.request.urlopen(url + "/cluster/status", timeout=30) as response:
+            copies = json.loads(response.read())["models"][model]["copies"]
+    return {**row, "nodes": nodes, "copies": len(copies),
+            "batches": [(n.get("worker") or {}).get("batches") for n in nodes_seen]}
+
+
+CGROUP_V1_CPU = Path("/sys/fs/cgroup/cpu")
+CGROUP_V2 = Path("/sys/fs/cgroup")
+
+
+def cpu_confined(pids: list[int], percent: int) -> list[Path]:
+    """Hold each process of ``pids`` to ``percent`` % of one core, in a cgroup of its own (the
+    cgroup v2 ``cpu.max`` or v1 ``cpu.cfs_quota_us``: what systemd's ``CPUQuota=`` writes);
+    returns the cgroups, to remove once the processes are gone."""
+    v2 = (CGROUP_V2 / "cgroup.controllers").exists()
+    groups = []
+    for pid in pids:
+        group = (CGROUP_V2 if v2 else CGROUP_V1_CPU) / f"ncm-bench-{pid}"
+        group.mkdir()
+        groups.append(group)
+        if v2:
+            (group / "cpu.max").write_text(f"{percent * 1000} 100000")
+        else:
+            (group / "cpu.cfs_period_us").write_text("100000")
+            (group / "cpu.cfs_quota_us").write_text(str(percent * 1000))
+        (group / "cgroup.procs").write_text(str(pid))
+    return groups
 
 
 def measure_llama_server(binary: str, gguf_path: Path, port: int, streams: int, tokens: int, threads: int) -> dict:
@@ -354,10 +395,11 @@ def free_port() -> int:
 
 @contextlib.contextmanager
 def serving(nodes: int, port: int, threads: int, spin: str = "auto", delay_ms: float | None = None, *,
-            model: str = "smollm2-135m", env: dict[str, str] | None = None, home: Path | None = None):
+            model: str = "smollm2-135m", env: dict[str, str] | None = None, home: Path | None = None,
+            cpu_share: int | None = None):
     """``nodes`` agents serving ``model`` on loopback (with ``delay_ms``, behind a SimulatedLan;
-    with ``env``, more settings; with ``home``, the first one's store); yields their status once
-    ready."""
+    with ``env``, more settings; with ``home``, the first one's store; with ``cpu_share``, each
+    held to that % of a core); yields their status once ready."""
     node_env, lan = None, None
     if delay_ms is not None:
         fronts = [(free_port(), free_port()) for _ in range(nodes)]
@@ -369,12 +411,17 @@ def serving(nodes: int, port: int, threads: int, spin: str = "auto", delay_ms: f
         processes = start_local_cluster(nodes, port, Path(base), model,
                                         env={"NCM_THREADS": str(threads), "NCM_SPIN": spin, **(env or {})},
                                         log_dir=Path(base) / "logs", node_env=node_env)
+        groups = []
         try:
+            groups = cpu_confined([p.pid for p in processes], cpu_share) if cpu_share else []
             status = wait_ready(f"http://127.0.0.1:{port}", processes, 1800)
             stream_completion(f"http://127.0.0.1:{port}", model, PROMPT, 8)  # warm-up
             yield status
         finally:
             stop_processes(processes)
+            for group in groups:
+                with contextlib.suppress(OSError):
+                    group.rmdir()
             if lan is not None:
                 lan.close()
 
@@ -464,6 +511,10 @@ def main() -> None:
                         help="with --streams: a prompt of about this many tokens arrives while the streams decode")
     parser.add_argument("--llama-server", metavar="BINARY",
                         help="with --streams: the same streams against llama.cpp's server (this binary) on the same GGUF")
+    parser.add_argument("--placement", choices=("split", "replicas", "auto"),
+                        help="with --streams: how the model is placed (its preset's placement; default: split)")
+    parser.add_argument("--cpu-share", type=int, metavar="PERCENT",
+                        help="with --streams: hold each agent to this share of one core (a cgroup CPU quota)")
     parser.add_argument("--delays", help="one-way delays in ms of a simulated LAN between 3 agents (e.g. 0,1,2,5)")
     parser.add_argument("--speculative", action="store_true",
                         help="with --delays: speculative decoding with a draft model and by prompt lookup "
@@ -520,9 +571,18 @@ def main() -> None:
                       f"median outside {row['during_p99_s'] / max(row['outside_median_s'], 1e-9):.2f}x; "
                       f"the streams outlived the prompt: {row['streams_outlived_prompt']}")
                 continue
-            row = measure_streams(nodes, args.port + 10 * index, args.streams, args.tokens, args.threads, model, home)
-            print_streams(f"{nodes} agent(s), {model}", row)
+            row = measure_streams(nodes, args.port + 10 * index, args.streams, args.tokens, args.threads, model, home,
+                                  args.placement, args.cpu_share)
+            print_streams(f"{nodes} agent(s), {model}" + (f", {args.placement}" if args.placement else "")
+                          + (f", {row['copies']} whole copies beside the route" if row["copies"] else "")
+                          + (f", {args.cpu_share} % of a core each" if args.cpu_share else ""), row)
             rows.append(row)
+        if len(rows) > 1 and rows[0]["nodes"] == 1:
+            for row in rows[1:]:
+                print(f"{row['nodes']} agents / 1 agent, {args.streams} streams over the whole run: "
+                      f"{row['aggregate_tok_per_s'] / rows[0]['aggregate_tok_per_s']:.2f}x"
+                      + (" (aim >= 2.5 with whole copies, each agent a third of the machine)"
+                         if args.placement in ("replicas", "auto") else ""))
         if args.llama_server and rows:  # (--long-prompt has no streams row to hold against it)
             from bench.model_shapes import cache_dir, default_tokenizer_gguf, shape_gguf
 

@@ -7,7 +7,7 @@ Workers refuse orders from an older epoch than the newest they have obeyed.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import cached_property
 from typing import Any, Mapping
 
@@ -52,6 +52,7 @@ class RoutingOrder:
     max_context: int = 0  # per-model settings for the fragments; 0 = the worker's configuration
     prefill_chunk: int = 0
     standby_later: bool = False  # a failover: stage the hops now, build the standby ranges after
+    copies: tuple[str, ...] = ()  # nodes besides the route's that serve whole requests on their own (design §11)
 
     def __post_init__(self) -> None:
         if not self.name:
@@ -62,19 +63,42 @@ class RoutingOrder:
             raise WireError("routing order: epoch and plan_version must be >= 1")
         if self.route.total_layers != self.total_layers:
             raise WireError(f"routing order: route covers {self.route.total_layers} layers, model has {self.total_layers}")
-        missing = [n for n in (*self.route.nodes, *self.weight_sources) if n not in self.addresses]
+        missing = [n for n in (*self.route.nodes, *self.weight_sources, *self.copies) if n not in self.addresses]
         if missing:
             raise WireError(f"routing order: no address for {', '.join(missing)}")
         for node, ranges in self.standby.items():
             if any(r.last >= self.total_layers for r in ranges):
                 raise WireError(f"routing order: standby range of {node} is beyond the last layer")
+        if self.copies and (len(self.route.hops) != 1 or set(self.copies) & set(self.route.nodes)
+                            or len(set(self.copies)) != len(self.copies)):
+            raise WireError("routing order: copies go with a route of one hop, each on another node")
 
     def sources(self) -> list[tuple[str, str]]:
         """(node id, URL) of each weight source, best first."""
         return [(node, self.addresses[node]) for node in self.weight_sources]
 
     def hops_of(self, node_id: str) -> list[Hop]:
-        return [hop for hop in self.route.hops if hop.node_id == node_id]
+        """The hops ``node_id`` serves: on the route, or its whole copy of the model."""
+        hops = [hop for hop in self.route.hops if hop.node_id == node_id]
+        return hops + [self._copy_hop(node_id)] if node_id in self.copies else hops
+
+    def _copy_hop(self, node_id: str) -> Hop:
+        return Hop(node_id, LayerRange(0, self.total_layers - 1))
+
+    def hop_at(self, node_id: str, layer: int) -> Hop | None:
+        """The hop ``node_id`` serves that starts at ``layer`` (None: it serves none)."""
+        hop = self.hop_starting_at(layer)
+        if hop is not None and hop.node_id == node_id:
+            return hop
+        return self._copy_hop(node_id) if layer == 0 and node_id in self.copies else None
+
+    def on_copy(self, node_id: str) -> RoutingOrder:
+        """This order as a request on ``node_id``'s copy sees it: its route that one whole hop
+        (the orchestrator's view of one request; the nodes hold the order as sent). A node
+        that holds no copy of it (the route's own head): the order itself."""
+        if node_id not in self.copies:
+            return self
+        return replace(self, route=Route((self._copy_hop(node_id),)), copies=())
 
     def ranges_for(self, node_id: str) -> set[tuple[int, int]]:
         """Layer ranges ``node_id`` must hold: its hops, and the standby ranges for failover."""
@@ -113,6 +137,7 @@ class RoutingOrder:
             "max_context": self.max_context,
             "prefill_chunk": self.prefill_chunk,
             "standby_later": self.standby_later,
+            "copies": list(self.copies),
         }
 
     @classmethod
@@ -141,6 +166,7 @@ class RoutingOrder:
                 max_context=_whole(data.get("max_context", 0)),
                 prefill_chunk=_whole(data.get("prefill_chunk", 0)),
                 standby_later=_flag(data.get("standby_later", False)),
+                copies=tuple(str(n) for n in _listed(data.get("copies", []))),
             )
         except WireError:
             raise

@@ -367,3 +367,21 @@ def make_plan(
         replica_count=replica_count,
         min_layers_per_node=min_layers_per_node,
     )
+
+
+def make_copies_plan(scores: Mapping[str, Number], total_layers: int) -> ShardingPlan:
+    """A whole copy of the model on every node of ``scores`` (design §11): the node with the
+    best score holds every layer as primary, each other node every layer as a replica (in
+    ascending score, as §4 chooses replicas). The redundancy map gives each layer every node."""
+    _check_count("total_layers", total_layers, 1)
+    order = _by_priority(_exact_scores(scores))
+    whole = LayerRange(0, total_layers - 1)
+    return ShardingPlan(
+        total_layers=total_layers,
+        primaries=((order[0], whole),),
+        replicas=tuple((node_id, whole) for node_id in reversed(order[1:])),
+        scores=tuple((node_id, scores[node_id]) for node_id in order),
+        replicate_head_ratio=1.0,
+        replica_count=len(order) - 1,
+        min_layers_per_node=0,
+    )

@@ -21,6 +21,8 @@ from agent.core.errors import PresetError
 
 GLOBAL_SECTION = "*"
 WEIGHT_FORMATS = ("f32", "f16", "q4", "mixed")  # shards.store.manifest's (the core imports no shards)
+# The seed's layer split; a whole copy on every node; whole copies where they fit, else the split (design §11)
+PLACEMENTS = ("split", "replicas", "auto")
 MIN_CONTEXT = 16
 SOURCES = ("store", "preset")
 
@@ -34,6 +36,7 @@ SETTING_KEYS: Mapping[str, str] = MappingProxyType({
     "sleep-idle-seconds": "sleep_idle_s",
     "weights": "weights",
     "model-draft": "draft_model",
+    "placement": "placement",
 })
 MODEL_KEYS = ("model", "aliases")  # per-model only, never in [*]
 MODEL_ONLY_SETTINGS = ("draft_model",)  # settings a model's section may hold, never [*]
@@ -80,6 +83,12 @@ def _draft_model(value: Any) -> str | None:
     return value
 
 
+def _placement(value: Any) -> str:
+    if value not in PLACEMENTS:
+        raise ValueError(f"one of {', '.join(PLACEMENTS)}")
+    return value
+
+
 def _weights(value: Any) -> str | None:
     if value is not None and value not in WEIGHT_FORMATS:
         raise ValueError(f"one of {', '.join(WEIGHT_FORMATS)} or 'auto'")
@@ -96,6 +105,7 @@ _CHECKS: Mapping[str, Callable[[Any], Any]] = MappingProxyType({
     "sleep_idle_s": lambda v: _float(v, lambda x: x >= 0.0, "a number of seconds >= 0 (0 = never)"),
     "weights": _weights,
     "draft_model": _draft_model,
+    "placement": _placement,
 })
 
 
@@ -117,6 +127,7 @@ class ModelSettings:
     sleep_idle_s: float = 0.0
     weights: str | None = None
     draft_model: str | None = None  # a smaller model with the same vocabulary whose tokens are verified in one trip
+    placement: str = "split"  # or "replicas", "auto" (design §11)
 
     def __post_init__(self) -> None:
         for field in _CHECKS:
@@ -222,6 +233,8 @@ def _parse_value(field: str, text: str) -> Any:
         return _BOOLS.get(lowered, text)
     if field == "draft_model":
         return text.strip()
+    if field == "placement":
+        return lowered
     return None if lowered == "auto" else lowered  # weights
 
 

@@ -25,18 +25,20 @@ MIN_REUSED_TOKENS = 32  # a shorter common prefix is not worth taking a kept cac
 @dataclass(frozen=True)
 class KeptPrompt:
     """A finished request's KV cache that the stages of plan ``plan`` keep under ``sid``:
-    the positions of ``tokens``."""
+    the positions of ``tokens``; ``node``: the head of the route it ran on (a model placed as
+    whole copies keeps it on that copy alone)."""
 
     sid: str
     tokens: tuple[int, ...]
     plan: int
     kept_s: float
+    node: str = ""
 
 
 @dataclass
 class PromptCache:
-    """At most ``entries`` kept caches, the least recently kept freed first; one unused for
-    ``idle_s`` is freed too."""
+    """At most ``entries`` kept caches per route (per whole copy of a model placed as copies),
+    the least recently kept freed first; one unused for ``idle_s`` is freed too."""
 
     entries: int
     idle_s: float
@@ -51,16 +53,19 @@ class PromptCache:
     def kept(self) -> tuple[KeptPrompt, ...]:
         return tuple(self._kept)
 
-    def take(self, prompt: Sequence[int], plan: int, now_s: float) -> tuple[KeptPrompt | None, int, list[KeptPrompt]]:
-        """The kept cache on plan ``plan`` whose tokens share the longest beginning with
-        ``prompt`` (no longer kept: the request's session takes it over) and how many positions
-        of it the request reuses (never its last token: that one is computed for its logits);
-        and the caches to free now: idle too long. Caches of another plan are forgotten (their
-        stages free them with the plan)."""
+    def take(self, prompt: Sequence[int], plan: int, now_s: float,
+             node: str = "") -> tuple[KeptPrompt | None, int, list[KeptPrompt]]:
+        """The kept cache on plan ``plan`` (and on ``node``'s route, when given) whose tokens
+        share the longest beginning with ``prompt`` (no longer kept: the request's session
+        takes it over) and how many positions of it the request reuses (never its last token:
+        that one is computed for its logits); and the caches to free now: idle too long.
+        Caches of another plan are forgotten (their stages free them with the plan)."""
         expired = [k for k in self._kept if k.plan == plan and now_s - k.kept_s >= self.idle_s]
         self._kept = [k for k in self._kept if k.plan == plan and k not in expired]
         best, best_length = None, 0
         for kept in self._kept:
+            if node and kept.node != node:
+                continue
             length = _common_length(kept.tokens, prompt, len(prompt) - 1)
             if length > best_length:
                 best, best_length = kept, length
@@ -69,12 +74,24 @@ class PromptCache:
         self._kept.remove(best)
         return best, best_length, expired
 
+    def reuse_by_node(self, prompt: Sequence[int], plan: int) -> dict[str, int]:
+        """Per node, the most positions a request with ``prompt`` on plan ``plan`` would
+        reuse from what that node's route keeps (at least :attr:`min_reused_tokens`)."""
+        reuse: dict[str, int] = {}
+        for kept in self._kept:
+            if kept.plan == plan:
+                length = _common_length(kept.tokens, prompt, len(prompt) - 1)
+                if length >= self.min_reused_tokens:
+                    reuse[kept.node] = max(reuse.get(kept.node, 0), length)
+        return reuse
+
     def keep(self, kept: KeptPrompt) -> list[KeptPrompt]:
-        """Remember ``kept``; the caches beyond ``entries`` (the least recently kept) come
-        back, to free."""
+        """Remember ``kept``; the caches beyond ``entries`` on its node's route (each whole
+        copy keeps its own), the least recently kept, come back, to free."""
         self._kept.append(kept)
-        evicted = self._kept[:max(len(self._kept) - self.entries, 0)]
-        self._kept = self._kept[len(evicted):]
+        there = [k for k in self._kept if k.node == kept.node]
+        evicted = there[:max(len(there) - self.entries, 0)]
+        self._kept = [k for k in self._kept if k not in evicted]
         return evicted
 
 

@@ -299,6 +299,17 @@ def choose_route(
     return Route(_dedup_consecutive(_cheapest_segment(candidates, 0, telemetry or {})))
 
 
+def copy_nodes(plan: ShardingPlan, route: Route, alive: Iterable[str]) -> tuple[str, ...]:
+    """The live nodes besides ``route``'s that serve whole requests on their own (design §11):
+    where the route is one hop over every layer, each node the plan gives every layer (its
+    copies of the model); none on a route of several hops."""
+    if len(route.hops) != 1:
+        return ()
+    whole = (LayerRange(0, plan.total_layers - 1),)
+    alive_set = set(alive)
+    return tuple(n for n in plan.all_nodes() if n in alive_set and n not in route.nodes and plan.fragments(n) == whole)
+
+
 def forwarding_table(route: Route) -> dict[int, str | None]:
     """After the fragment that ends at layer L, which node serves L+1 (None after the last)."""
     table: dict[int, str | None] = {}

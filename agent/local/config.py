@@ -86,7 +86,8 @@ class AgentConfig:
     fallback_model: str = "ncm-tiny"
     allow_fallback: bool = True
     session_idle_timeout_s: float = 300.0  # a stage frees a session unused this long (its request is gone)
-    prompt_cache_entries: int = 2  # per model: finished requests whose KV the stages keep for the next; 0 = off
+    # per model (per whole copy): finished requests whose KV the stages keep for the next; 0 = off
+    prompt_cache_entries: int = 2
     prompt_cache_idle_s: float = 1800.0  # a kept KV cache unused this long is freed
     draft_tokens: int = 8  # speculative decoding: most tokens drafted per step from the context itself; 0 = off
     fallback_copies: int = 0  # nodes asked to hold the fallback model whole; 0 = every node with room

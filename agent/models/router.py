@@ -387,10 +387,10 @@ class ModelRouter:
             info.update(aliases=list(preset.aliases), source=preset.source, store_model=preset.store_model,
                         settings={k: getattr(preset.settings, k) for k in (
                             "max_context", "prefill_chunk", "replicate_head_ratio", "replica_count",
-                            "load_on_startup", "stop_timeout_s", "sleep_idle_s", "weights")})
+                            "load_on_startup", "stop_timeout_s", "sleep_idle_s", "weights", "placement")})
         if deployment is not None:
             info.update(serving=deployment.order.model, degraded=deployment.order.degraded,
-                        plan_version=deployment.order.plan_version)
+                        plan_version=deployment.order.plan_version, runs_on=list(deployment.serving_nodes()))
         return info
 
     def models(self) -> list[dict[str, Any]]:

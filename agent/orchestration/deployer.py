@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,7 +23,7 @@ from agent.core.deployments import NodeFault, clear_faults, resolve_fallback, we
 from agent.core.errors import ClusterError
 from agent.core.node_report import StageFault, WorkerReport
 from agent.core.orders import RoutingOrder
-from agent.core.plan import ShardingPlan, make_plan
+from agent.core.plan import ShardingPlan, make_copies_plan, make_plan
 from agent.core.presets import ModelPreset, ModelSettings
 from agent.core.protocol import (
     ABORT_PATH,
@@ -35,7 +35,7 @@ from agent.core.protocol import (
     OrderStep,
     UnloadOrder,
 )
-from agent.core.routing import Route, Telemetry, choose_route, standby_hops
+from agent.core.routing import Route, Telemetry, choose_route, copy_nodes, standby_hops
 from agent.local.config import AgentConfig
 from agent.stage.weights import complete_models, ensure_model_files
 from agent.stage.worker import Worker
@@ -61,6 +61,10 @@ class Deployment:
     tokenizer: Tokenizer
     settings: ModelSettings
     effective_bytes: dict[str, int]
+
+    def serving_nodes(self) -> tuple[str, ...]:
+        """Where a request may run: the route's head, then each whole copy (design §11)."""
+        return (self.order.route.hops[0].node_id, *self.order.copies)
 
 
 @dataclass(frozen=True)
@@ -138,10 +142,14 @@ class Deployer:
             raise ClusterError("this node is no longer the orchestrator")
 
     # --- planning ---------------------------------------------------------------------------------
-    async def plan_model(self, preset: ModelPreset) -> PlannedModel:
-        """Plan ``preset`` over every live node not left out, and what each device needs."""
+    async def plan_model(self, preset: ModelPreset, *, copies: bool | None = None,
+                         nodes: Collection[str] | None = None) -> PlannedModel:
+        """Plan ``preset`` over every live node not left out (of ``nodes``, when given), and
+        what each device needs: whole copies (design §11) with ``copies`` (None: as its
+        placement says, "auto" counting as copies), else the seed's split."""
         self.require_orchestrator()
-        scores = {n: s for n, s in self.membership.scores().items() if n not in self.faults}
+        scores = {n: s for n, s in self.membership.scores().items()
+                  if n not in self.faults and (nodes is None or n in nodes)}
         manifest = await self.fetch_manifest(preset.store_model, self.holdings())
         settings = preset.settings
         if settings.weights is not None and manifest.weight_format != settings.weights:
@@ -150,13 +158,18 @@ class Deployer:
         if settings.max_context > manifest.context_length:
             raise ClusterError(f"{preset.name}: context {settings.max_context} is beyond what "
                                f"{preset.store_model} was trained for ({manifest.context_length})")
-        plan = make_plan(scores, manifest.n_layers, replicate_head_ratio=settings.replicate_head_ratio,
-                         replica_count=settings.replica_count, min_layers_per_node=self.config.min_layers_per_node)
+        if copies if copies is not None else settings.placement != "split":
+            plan = make_copies_plan(scores, manifest.n_layers)
+        else:
+            plan = make_plan(scores, manifest.n_layers, replicate_head_ratio=settings.replicate_head_ratio,
+                             replica_count=settings.replica_count, min_layers_per_node=self.config.min_layers_per_node)
         route = choose_route(plan, scores, self.telemetry(scores))
         standby = standby_hops(plan, route, set(scores), self.telemetry(scores))
         ranges: dict[str, set[tuple[int, int]]] = {n: set() for n in scores}
         for hop in route.hops:
             ranges[hop.node_id].add((hop.layers.first, hop.layers.last))
+        for node in copy_nodes(plan, route, scores):
+            ranges[node].add((0, plan.total_layers - 1))
         for node, node_ranges in standby.items():
             ranges[node] |= {(r.first, r.last) for r in node_ranges}
         need = min_bytes_per_node(manifest, {n: r for n, r in ranges.items() if r}, settings.max_context)
@@ -186,7 +199,7 @@ class Deployer:
             plan=plan.to_dict(), degraded=degraded,
             standby={n: tuple(sorted(r)) for n, r in standby_hops(plan, route, alive, self.telemetry(scores)).items()},
             name=name, max_context=settings.max_context, prefill_chunk=settings.prefill_chunk,
-            standby_later=failover,
+            standby_later=failover, copies=copy_nodes(plan, route, alive),
         )
         await ensure_model_files(self.client, self.store, model, lambda m: [], order.sources())
         nodes = sorted(alive)
@@ -206,7 +219,7 @@ class Deployer:
         for node_id, error in failed.items():
             log.warning("node %s did not stage plan %d: %s", node_id, order.plan_version, error)
             self._record_fault(node_id, error)
-        route_failures = [n for n in failed if n in route.nodes]
+        route_failures = [n for n in failed if n in route.nodes or n in order.copies]  # a copy serves requests
         if route_failures:
             await self._order_step(ABORT_PATH, order, staged)
             first = route_failures[0]
@@ -221,8 +234,9 @@ class Deployer:
         deployment = Deployment(name, order, plan, await self.tokenizer(model), settings, effective)
         publish(deployment)
         await self._order_step(COMMIT_PATH, order, staged)
-        log.info("plan %d deployed (%s as %s): %s", order.plan_version, model, name,
-                 " -> ".join(f"{h.node_id[:8]}[{h.layers}]" for h in route.hops))
+        log.info("plan %d deployed (%s as %s): %s%s", order.plan_version, model, name,
+                 " -> ".join(f"{h.node_id[:8]}[{h.layers}]" for h in route.hops),
+                 "".join(f", whole on {n[:8]}" for n in order.copies))
         return deployment
 
     async def _send_order(self, node_id: str, order: RoutingOrder) -> dict[str, Any]:

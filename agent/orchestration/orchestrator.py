@@ -31,6 +31,7 @@ import numpy as np
 
 from agent.cluster.membership import Membership
 from agent.cluster.peer_client import PeerClient
+from agent.core.copies import copy_holders
 from agent.core.deployments import (
     AdoptAndRecover,
     ClusterState,
@@ -147,7 +148,8 @@ class Orchestrator:
             "epoch": order.epoch if order else None,
             "route": order.route.to_list() if order else None,
             "models": {name: {"serving": d.order.model, "degraded": d.order.degraded, "plan_version": d.order.plan_version,
-                              "route": d.order.route.to_list(), "total_layers": d.plan.total_layers,
+                              "route": d.order.route.to_list(), "copies": list(d.order.copies),
+                              "total_layers": d.plan.total_layers,
                               "layers": [{"layer": layer, "holders": list(holders)}
                                          for layer, holders in enumerate(d.plan.redundancy_map)],
                               "replicas": [[node, layers.to_list()] for node, layers in d.plan.replicas]}
@@ -191,9 +193,22 @@ class Orchestrator:
     async def measure(self, preset: ModelPreset) -> PlannedModel:
         """Plan ``preset`` over every live node and work out what each device needs (minimum);
         the plan is kept for the next :meth:`load`."""
-        planned = await self.deployer.plan_model(preset)
-        self.planned[preset.name] = planned
+        planned = self.planned[preset.name] = await self._plan(preset)
         return planned
+
+    async def _plan(self, preset: ModelPreset) -> PlannedModel:
+        """Plan ``preset`` as its placement says; "auto": whole copies on the nodes with room
+        for one now, else the split (:func:`agent.core.copies.copy_holders`)."""
+        planned = await self.deployer.plan_model(preset)
+        if preset.settings.placement != "auto":
+            return planned
+        short = self.models.shortfall(preset.name, planned.min_bytes)
+        if not short:
+            return planned
+        holders = copy_holders(planned.members, short)
+        if holders:
+            return await self.deployer.plan_model(preset, copies=True, nodes=holders)
+        return await self.deployer.plan_model(preset, copies=False)
 
     async def load(self, preset: ModelPreset) -> Deployment:
         """Deploy a measured model (its kept plan while every node of it is alive, else a new one)."""
@@ -239,7 +254,7 @@ class Orchestrator:
             self._last_replan = started = time.monotonic()
             was_degraded = self.deployments[name].order.degraded
             try:
-                planned = await self.deployer.plan_model(preset)
+                planned = await self._plan(preset)
                 short = self.models.shortfall(name, planned.min_bytes)
                 if short:
                     lacking = ", ".join(f"{node} lacks {missing / MIB:.0f} MiB" for node, missing in sorted(short.items()))
@@ -270,8 +285,8 @@ class Orchestrator:
             self.membership.mark_unreachable(node_id)
         async with self._lock(name):
             current = self.deployments.get(name)
-            if current is not None and current is not broken and not (set(current.order.route.nodes) & dead):
-                return current  # another request already recovered
+            if current is not None and not (set(current.order.route.nodes) & dead):
+                return current  # another request already recovered, or whole copies died: the others serve
             base = current or broken
             alive = set(self.membership.alive_nodes()) - dead
             holdings = {n: m for n, m in self.holdings().items() if n in alive}

@@ -12,6 +12,7 @@ import contextlib
 import logging
 import time
 import uuid
+from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -20,6 +21,7 @@ import numpy as np
 
 from agent.cluster.membership import Membership
 from agent.cluster.peer_client import PeerClient
+from agent.core.copies import pick_copy
 from agent.core.errors import ClusterError, InvalidRequestError
 from agent.core.orders import RoutingOrder
 from agent.core.prompt_cache import KeptPrompt, PromptCache
@@ -71,6 +73,7 @@ class TokenLoop:
         self._recover = recover
         self.drafts = drafts  # the draft models of the models whose presets name one
         self._running = 0
+        self._on_node: Counter[str] = Counter()  # requests running from here, per node they run on (design §11)
         self._caches: dict[str, PromptCache] = {}  # per model: the KV caches its stages keep
         self._none_running = asyncio.Event()
         self._none_running.set()
@@ -86,6 +89,27 @@ class TokenLoop:
             self._running -= 1
             if not self._running:
                 self._none_running.set()
+
+    def _place(self, deployment: Deployment, context: Sequence[int], cache: PromptCache | None) -> str:
+        """The node a request on ``deployment`` runs on: its route's head, or of a model placed
+        as whole copies the live copy :func:`agent.core.copies.pick_copy` picks; counted there
+        until :meth:`_leave`."""
+        head = deployment.order.route.hops[0].node_id
+        node = head
+        if deployment.order.copies:
+            alive = self.membership.alive_nodes()
+            # this node's own copy last: its cores also carry every request's API work
+            nodes = [n for n in deployment.serving_nodes() if n != self.node_id and n in alive]
+            nodes += [n for n in deployment.serving_nodes() if n == self.node_id] or ([] if nodes else [head])
+            reuse = cache.reuse_by_node(context, deployment.order.plan_version) if cache is not None else {}
+            node = pick_copy(nodes, self._on_node, reuse)
+        self._on_node[node] += 1  # until _leave
+        return node
+
+    def _leave(self, node: str) -> None:
+        self._on_node[node] -= 1
+        if not self._on_node[node]:
+            del self._on_node[node]
 
     async def close(self) -> None:
         """Close this node's links to the stages and its draft models (the agent is stopping)."""
@@ -190,7 +214,8 @@ class TokenLoop:
         recoveries = 0
         with self._counted():
             while True:
-                order = deployment.order
+                node = self._place(deployment, ids, None)
+                order = deployment.order.on_copy(node)
                 if order.degraded:
                     raise ClusterError(f"{deployment.name} is served by its fallback model {order.model} now: "
                                        "its embeddings would be another model's")
@@ -204,6 +229,7 @@ class TokenLoop:
                     log.warning("embedding %s: stage %s failed (%s); failing over", sid[:8], error.node, error.code)
                     deployment = await self._recover(deployment, {error.node})
                 finally:
+                    self._leave(node)
                     await self._close(order, sid)
 
     async def complete(self, deployment: Deployment, prompt_ids: list[int], params: SamplingParams,
@@ -234,126 +260,138 @@ class TokenLoop:
                 raise InvalidRequestError("the tokens to go on after end the generation already", "ncm_resume")
         context = [*prompt_ids, *generated]  # every token whose KV the stages must hold before the next step
         cache = self._cache(deployment) if cache_prompt else None
-        kept, reused = None, 0
-        if cache is not None:
-            kept, reused, expired = cache.take(context, deployment.order.plan_version, time.monotonic())
-            for old in expired:
-                await self._close(deployment.order, old.sid)
-        finished = False  # the stages hold the KV of every token of context: it may be kept
-        # Drafts (shards/runtime/speculation.py), unless the request reads log-probabilities
-        most = self.worker.config.draft_tokens if draft_tokens is None else draft_tokens
-        lookup = PromptLookup(context) if most and params.logprobs is None else None
-        drafter = await self.drafts.get(deployment, time.monotonic()) if lookup is not None else None
-        request_draft = await RequestDraft.open(drafter, context, draft_p_min) if drafter is not None else None
-        draft_length = DraftLength(most)
-        draft: tuple[int, ...] = ()  # what the step under way drafted
-        unsent: list[int] = []  # sampled ids whose text has not gone out yet
-        unsent_logprobs: list[TokenLogprobs] = []
-        recoveries = 0
-        sid = uuid.uuid4().hex
-        with self._counted():
-            try:
-                result: ResultFrame | None = None
-                while True:
-                    order = deployment.order
-                    served = order.model if order.degraded else order.name
-                    try:
-                        if result is None:  # the tail catches up with the tokens chosen so far (grammar, penalties)
-                            result = await self._prefill(deployment, order, sid, context,
-                                                         {**sampling, "generated": context[len(prompt_ids):]},
-                                                         kept, reused)
-                            draft = ()
-                        if not result.tokens:
-                            raise StageError("bad_result", f"the tail answered step {result.seq} without its token",
-                                             None)
-                        if draft:
-                            metrics = self.worker.metrics
-                            metrics.child(metrics.draft_tokens, deployment.name, "drafted").inc(len(draft))
-                            metrics.child(metrics.draft_tokens, deployment.name, "kept").inc(len(result.tokens) - 1)
-                            draft_length.kept_of(len(draft), len(result.tokens) - 1)
-                        for token in result.tokens:  # one, or a speculative step's drafted ones kept and the next
-                            text = stream.push(token)
-                            unsent.append(token)
-                            if result.logprobs is not None:
-                                unsent_logprobs.append(TokenLogprobs(token, *result.logprobs))
-                            if stream.done or len(context) + 1 >= max_context:
-                                finished = True
-                                if not stream.done:
-                                    text += stream.finish(FINISH_LENGTH)
-                                yield Completion(text, served, stream.finish_reason, len(prompt_ids),
-                                                 stream.completion_tokens, tuple(unsent), tuple(unsent_logprobs),
-                                                 min(reused, len(prompt_ids)))
-                                return
-                            if text:
-                                yield Completion(text, served, tokens=tuple(unsent), logprobs=tuple(unsent_logprobs))
-                                unsent.clear()
-                                unsent_logprobs.clear()
-                            context.append(token)
-                        draft = ()
-                        drafting = request_draft is not None and not deployment.order.degraded and most > 0
-                        if lookup is not None:
-                            lookup.extend(result.tokens)
-                            # alone: with other requests, plain steps batch instead
-                            count = min(draft_length.next(), max_context - len(context) - 1) \
-                                if self._running == 1 and most else 0
-                            if drafting and count > 0:
-                                try:
-                                    draft = await request_draft.draft(context, count)
-                                    if request_draft.drafted_ahead:
-                                        metrics = self.worker.metrics
-                                        metrics.child(metrics.draft_tokens, deployment.name, "ahead").inc(len(draft))
-                                except ShardsError as error:  # the request goes on with plain steps
-                                    log.warning("request %s: its draft model failed (%s); no more drafts",
-                                                sid[:8], error)
-                                    most, drafting = 0, False
-                            else:
-                                if request_draft is not None:
-                                    await request_draft.stop_ahead()  # not drafting this step
-                                draft = lookup.draft(count)
-                        step = StepFrame(sid, len(context), 0, len(context) - 1, order.epoch, order.plan_version, True,
-                                         draft=draft)
-                        if drafting and draft:  # the next draft, written while this one is verified
-                            ahead = min(draft_length.current + 1, most, max_context - len(context) - len(draft) - 2)
-                            if ahead > 0:
-                                request_draft.draft_ahead(context, draft, ahead)
-                        result = None
-                        result = await self._step(order, step, np.asarray([[context[-1], *draft]], dtype=np.int64),
-                                                  DECODE_STEP_TIMEOUT_S)
-                    except StageError as error:
-                        if error.code == "cache_miss" and kept is not None:  # not kept there any more: read it all
-                            log.info("request %s: a stage no longer keeps the cached prompt; reading it all", sid[:8])
-                            await self._close(order, kept.sid)  # what the other stages still keep of it
-                            kept, reused, result = None, 0, None
-                            continue
-                        if error.node is None or error.node == self.node_id or recoveries >= MAX_RECOVERIES_PER_REQUEST:
-                            raise
-                        recoveries += 1
-                        log.warning("request %s: stage %s failed (%s); failing over", sid[:8], error.node, error.code)
-                        previous = deployment
+        node = self._place(deployment, context, cache)  # the route's head, or the whole copy it runs on
+        try:
+            kept, reused = None, 0
+            if cache is not None:
+                kept, reused, expired = cache.take(context, deployment.order.plan_version, time.monotonic(), node)
+                for old in expired:
+                    await self._close(deployment.order.on_copy(old.node), old.sid)
+            finished = False  # the stages hold the KV of every token of context: it may be kept
+            # Drafts (shards/runtime/speculation.py), unless the request reads log-probabilities
+            most = self.worker.config.draft_tokens if draft_tokens is None else draft_tokens
+            lookup = PromptLookup(context) if most and params.logprobs is None else None
+            drafter = await self.drafts.get(deployment, time.monotonic()) if lookup is not None else None
+            request_draft = await RequestDraft.open(drafter, context, draft_p_min) if drafter is not None else None
+            draft_length = DraftLength(most)
+            draft: tuple[int, ...] = ()  # what the step under way drafted
+            unsent: list[int] = []  # sampled ids whose text has not gone out yet
+            unsent_logprobs: list[TokenLogprobs] = []
+            recoveries = 0
+            sid = uuid.uuid4().hex
+            with self._counted():
+                try:
+                    result: ResultFrame | None = None
+                    while True:
+                        order = deployment.order.on_copy(node)
+                        served = order.model if order.degraded else order.name
                         try:
-                            deployment = await self._recover(deployment, {error.node})
-                        finally:  # the stages still up free this try's session (the failed one counts as dead now)
-                            await self._close(order, sid)
-                            if kept is not None:  # and what they still keep of the cache it started from
-                                await self._close(order, kept.sid)
-                        if deployment.order.model != previous.order.model \
-                                and deployment.tokenizer.vocab_size != previous.tokenizer.vocab_size:
-                            raise ClusterError("the fallback model uses another tokenizer; the request cannot "
-                                               "continue on it") from None
-                        sid = uuid.uuid4().hex
-                        kept, reused = None, 0  # the new route keeps nothing of this request
-                        result = None  # replay everything so far on the new route
-            finally:
-                if request_draft is not None:  # waits for a draft still running on its thread
-                    await request_draft.close()
-                order = deployment.order
-                if finished and cache is not None and cache.entries and not recoveries \
-                        and len(context) > cache.min_reused_tokens:
-                    for old in cache.keep(KeptPrompt(sid, tuple(context), order.plan_version, time.monotonic())):
-                        await self._close(order, old.sid)
-                    await self._close(order, sid, keep=True)
-                else:
-                    await self._close(order, sid)
+                            if result is None:  # the tail catches up with the tokens chosen so far (grammar, penalties)
+                                result = await self._prefill(deployment, order, sid, context,
+                                                             {**sampling, "generated": context[len(prompt_ids):]},
+                                                             kept, reused)
+                                draft = ()
+                            if not result.tokens:
+                                raise StageError("bad_result", f"the tail answered step {result.seq} without its token",
+                                                 None)
+                            if draft:
+                                metrics = self.worker.metrics
+                                metrics.child(metrics.draft_tokens, deployment.name, "drafted").inc(len(draft))
+                                metrics.child(metrics.draft_tokens, deployment.name, "kept").inc(len(result.tokens) - 1)
+                                draft_length.kept_of(len(draft), len(result.tokens) - 1)
+                            for token in result.tokens:  # one, or a speculative step's drafted ones kept and the next
+                                text = stream.push(token)
+                                unsent.append(token)
+                                if result.logprobs is not None:
+                                    unsent_logprobs.append(TokenLogprobs(token, *result.logprobs))
+                                if stream.done or len(context) + 1 >= max_context:
+                                    finished = True
+                                    if not stream.done:
+                                        text += stream.finish(FINISH_LENGTH)
+                                    yield Completion(text, served, stream.finish_reason, len(prompt_ids),
+                                                     stream.completion_tokens, tuple(unsent), tuple(unsent_logprobs),
+                                                     min(reused, len(prompt_ids)))
+                                    return
+                                if text:
+                                    yield Completion(text, served, tokens=tuple(unsent),
+                                                     logprobs=tuple(unsent_logprobs))
+                                    unsent.clear()
+                                    unsent_logprobs.clear()
+                                context.append(token)
+                            draft = ()
+                            drafting = request_draft is not None and not deployment.order.degraded and most > 0
+                            if lookup is not None:
+                                lookup.extend(result.tokens)
+                                # alone: with other requests, plain steps batch instead
+                                count = min(draft_length.next(), max_context - len(context) - 1) \
+                                    if self._running == 1 and most else 0
+                                if drafting and count > 0:
+                                    try:
+                                        draft = await request_draft.draft(context, count)
+                                        if request_draft.drafted_ahead:
+                                            metrics = self.worker.metrics
+                                            metrics.child(metrics.draft_tokens, deployment.name,
+                                                          "ahead").inc(len(draft))
+                                    except ShardsError as error:  # the request goes on with plain steps
+                                        log.warning("request %s: its draft model failed (%s); no more drafts",
+                                                    sid[:8], error)
+                                        most, drafting = 0, False
+                                else:
+                                    if request_draft is not None:
+                                        await request_draft.stop_ahead()  # not drafting this step
+                                    draft = lookup.draft(count)
+                            step = StepFrame(sid, len(context), 0, len(context) - 1, order.epoch, order.plan_version,
+                                             True, draft=draft)
+                            if drafting and draft:  # the next draft, written while this one is verified
+                                ahead = min(draft_length.current + 1, most, max_context - len(context) - len(draft) - 2)
+                                if ahead > 0:
+                                    request_draft.draft_ahead(context, draft, ahead)
+                            result = None
+                            result = await self._step(order, step, np.asarray([[context[-1], *draft]], dtype=np.int64),
+                                                      DECODE_STEP_TIMEOUT_S)
+                        except StageError as error:
+                            if error.code == "cache_miss" and kept is not None:  # not kept there any more: read it all
+                                log.info("request %s: a stage no longer keeps the cached prompt; reading it all",
+                                         sid[:8])
+                                await self._close(order, kept.sid)  # what the other stages still keep of it
+                                kept, reused, result = None, 0, None
+                                continue
+                            if error.node is None or error.node == self.node_id \
+                                    or recoveries >= MAX_RECOVERIES_PER_REQUEST:
+                                raise
+                            recoveries += 1
+                            log.warning("request %s: stage %s failed (%s); failing over", sid[:8], error.node,
+                                        error.code)
+                            previous = deployment
+                            try:
+                                deployment = await self._recover(deployment, {error.node})
+                            finally:  # the stages still up free this try's session (the failed one counts as dead now)
+                                await self._close(order, sid)
+                                if kept is not None:  # and what they still keep of the cache it started from
+                                    await self._close(order, kept.sid)
+                            if deployment.order.model != previous.order.model \
+                                    and deployment.tokenizer.vocab_size != previous.tokenizer.vocab_size:
+                                raise ClusterError("the fallback model uses another tokenizer; the request cannot "
+                                                   "continue on it") from None
+                            sid = uuid.uuid4().hex
+                            self._leave(node)
+                            node = self._place(deployment, context, None)
+                            kept, reused = None, 0  # the new route keeps nothing of this request
+                            result = None  # replay everything so far on the new route
+                finally:
+                    if request_draft is not None:  # waits for a draft still running on its thread
+                        await request_draft.close()
+                    order = deployment.order.on_copy(node)
+                    if finished and cache is not None and cache.entries and not recoveries \
+                            and len(context) > cache.min_reused_tokens:
+                        for old in cache.keep(KeptPrompt(sid, tuple(context), order.plan_version, time.monotonic(),
+                                                         node)):
+                            await self._close(deployment.order.on_copy(old.node), old.sid)
+                        await self._close(order, sid, keep=True)
+                    else:
+                        await self._close(order, sid)
+        finally:
+            self._leave(node)
 
     def kept(self, model: str) -> tuple[KeptPrompt, ...]:
         """The KV caches the stages keep for ``model``'s next requests."""

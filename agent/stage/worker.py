@@ -391,8 +391,8 @@ class Worker:
         order = self.orders.get(step.plan)
         if order is None or step.epoch != order.epoch:
             raise StageError("stale_plan", f"node {self.node_id} does not know plan {step.plan} of epoch {step.epoch}", None)
-        hop = order.hop_starting_at(step.layer)
-        runner = self.fragments.runners.get(self._key(order, hop.layers.first, hop.layers.last)) if hop and hop.node_id == self.node_id else None
+        hop = order.hop_at(self.node_id, step.layer)
+        runner = self.fragments.runners.get(self._key(order, hop.layers.first, hop.layers.last)) if hop else None
         if hop is None or runner is None:
             raise StageError("wrong_stage", f"node {self.node_id} does not serve layers starting at {step.layer}", None)
         if tensor is None:

@@ -233,3 +233,42 @@ def test_a_field_of_another_type_is_refused_never_truncated(field, value):
     data = {**example_order().to_json(), field: value}
     with pytest.raises(WireError, match="malformed routing order"):
         RoutingOrder.from_json(data)
+
+
+def copies_order(**changes) -> RoutingOrder:
+    """Whole copies (design §11): the route one hop on a over 6 layers, b and c serving alone."""
+    return RoutingOrder(**{**dict(epoch=1, orchestrator="a", plan_version=2, model="llama", total_layers=6,
+                                  route=route_of(("a", 0, 5)), addresses=addresses_of("a", "b", "c"),
+                                  copies=("b", "c")), **changes})
+
+
+def test_a_copy_serves_the_whole_model_from_layer_0_and_is_the_tail():
+    order = RoutingOrder.from_json(json.loads(json.dumps(copies_order().to_json())))
+    assert order == copies_order()
+    for node in "abc":
+        assert order.hops_of(node) == [Hop(node, LayerRange(0, 5))]
+        assert order.hop_at(node, 0) == Hop(node, LayerRange(0, 5))
+        assert order.hop_at(node, 3) is None
+        assert order.ranges_for(node) == {(0, 5)}
+    assert order.next_after(5) is None
+    assert order.hop_at("d", 0) is None
+
+
+def test_a_request_on_a_copy_sees_a_route_of_that_copy_alone():
+    order = copies_order()
+    on_b = order.on_copy("b")
+    assert on_b.route == route_of(("b", 0, 5)) and on_b.copies == () and on_b.plan_version == order.plan_version
+    assert order.on_copy("a") is order and order.on_copy("d") is order  # the route's own head; no copy there
+    split = example_order()
+    assert split.on_copy("b") is split
+
+
+@pytest.mark.parametrize("changes", [
+    dict(route=route_of(("a", 0, 2), ("b", 3, 5)), copies=("c",)),  # a split route has no copies
+    dict(copies=("a",)),  # the route's node
+    dict(copies=("b", "b")),
+    dict(copies=("d",)),  # no address
+])
+def test_copies_that_cannot_serve_alone_are_refused(changes):
+    with pytest.raises(WireError):
+        copies_order(**changes)

@@ -15,6 +15,7 @@ from agent.core.plan import (
     ShardingPlan,
     assign_layers,
     head_size,
+    make_copies_plan,
     make_plan,
     merge_ranges,
     plan_from_dict,
@@ -328,3 +329,12 @@ def test_exact_scores_go_to_json_as_floats_and_come_back():
 def test_a_plan_with_an_unusable_score_is_rejected(bad):
     with pytest.raises(ShardingError, match="scores must be finite and > 0"):
         ShardingPlan(2, (("a", LayerRange(0, 1)),), (), (("a", bad),))
+
+
+@given(cluster_scores(max_nodes=8), st.integers(1, 40))
+def test_a_copies_plan_gives_every_node_every_layer_the_best_as_primary(scores, layers):
+    plan = make_copies_plan(scores, layers)
+    assert plan.nodes() == [plan.all_nodes()[0]]  # the best score holds the primaries
+    assert all(plan.fragments(n) == (LayerRange(0, layers - 1),) for n in scores)
+    assert all(len(holders) == len(scores) for holders in plan.redundancy_map)
+    assert plan_from_dict(json.loads(json.dumps(plan.to_dict()))).to_dict() == plan.to_dict()

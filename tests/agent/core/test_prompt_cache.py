@@ -13,8 +13,8 @@ from agent.core.prompt_cache import KeptPrompt, PromptCache
 SYSTEM = tuple(range(100, 140))  # 40 tokens every request begins with
 
 
-def kept(sid: str, tokens: tuple[int, ...], plan: int = 1, at_s: float = 0.0) -> KeptPrompt:
-    return KeptPrompt(sid, tokens, plan, at_s)
+def kept(sid: str, tokens: tuple[int, ...], plan: int = 1, at_s: float = 0.0, node: str = "") -> KeptPrompt:
+    return KeptPrompt(sid, tokens, plan, at_s, node)
 
 
 def test_the_longest_common_beginning_is_taken_and_no_longer_kept():
@@ -65,3 +65,24 @@ def test_what_is_taken_is_a_true_common_beginning_shorter_than_the_prompt(kept_l
         assert length == 0 and all(not tokens or len(prompt) < 2 or tokens[0] != prompt[0] for tokens in kept_lists)
     else:
         assert 0 < length < len(prompt) and tuple(prompt[:length]) == taken.tokens[:length]
+
+
+def test_a_request_on_one_copy_takes_only_what_that_copy_keeps():
+    cache = PromptCache(entries=4, idle_s=100)
+    cache.keep(kept("on-a", SYSTEM + (1, 2, 3), node="a"))
+    cache.keep(kept("on-b", SYSTEM + (1, 2), node="b"))
+    prompt = SYSTEM + (1, 2, 3, 4)
+    assert cache.reuse_by_node(prompt, plan=1) == {"a": 43, "b": 42}
+    assert cache.reuse_by_node(prompt, plan=2) == {}
+    taken, length, _ = cache.take(prompt, plan=1, now_s=1, node="b")
+    assert (taken.sid, length) == ("on-b", 42)
+    assert cache.take(prompt, plan=1, now_s=1, node="c")[0] is None
+    assert [k.sid for k in cache.kept] == ["on-a"]
+
+
+def test_each_copy_keeps_its_own_entries():
+    cache = PromptCache(entries=1, idle_s=100)
+    assert cache.keep(kept("on-a", SYSTEM, node="a")) == []
+    assert cache.keep(kept("on-b", SYSTEM, node="b")) == []
+    assert [k.sid for k in cache.keep(kept("on-a-2", SYSTEM, node="a"))] == ["on-a"]
+    assert [k.sid for k in cache.kept] == ["on-b", "on-a-2"]

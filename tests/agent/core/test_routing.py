@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 
 from agent.core.capacity import NodeCapacity, score
 from agent.core.errors import ClusterError, RoutingFailure
-from agent.core.plan import LayerRange, make_plan
+from agent.core.plan import LayerRange, make_copies_plan, make_plan
 from agent.core.routing import (
     DEFAULT_CAPACITY_SCORE,
     DEFAULT_LATENCY_MS,
@@ -16,6 +16,7 @@ from agent.core.routing import (
     Route,
     Telemetry,
     choose_route,
+    copy_nodes,
     failover,
     forwarding_table,
     live_holders,
@@ -360,3 +361,16 @@ def test_routes_are_cheapest_then_fewest_hops_with_exact_ties(case):
             layers = range(hop.layers.first, hop.layers.last + 1)
             candidates = [live_holders(plan, layer, alive) for layer in layers]
             assert cost_and_hops(decision.route, layers, costs) == reference_cheapest(candidates, costs), hop
+
+
+def test_whole_copies_serve_beside_a_route_of_one_hop_and_take_over_from_it():
+    plan = make_copies_plan({"a": 3, "b": 2, "c": 1}, 6)
+    route = choose_route(plan, "abc")
+    assert route == Route((Hop("a", LayerRange(0, 5)),))
+    assert copy_nodes(plan, route, "abc") == ("b", "c")
+    assert copy_nodes(plan, route, "ac") == ("c",)  # b is not alive
+    moved = failover(route, ["a"], plan, "bc", allow_fallback=False)
+    assert len(moved.route.hops) == 1 and moved.route.nodes[0] in "bc" and not moved.degraded
+    assert copy_nodes(plan, moved.route, "bc") == tuple(n for n in "bc" if n not in moved.route.nodes)
+    split = make_plan({"a": 3, "b": 2, "c": 1}, 6)
+    assert copy_nodes(split, choose_route(split, "abc"), "abc") == ()  # a split model has no copies

@@ -1,0 +1,82 @@
+"""Whole copies (design §11), on three in-process agents serving the tiny model: a preset with
+``placement = replicas`` gives every node every layer; requests arriving together spread over
+the copies, each answering what the split model answers (``auto`` places copies too where every
+node has room); the next turn of a conversation goes
+back to the copy that keeps its prompt; a copy that stops (its sockets close) leaves its
+request to another copy, which replays it, and a copy that stops between requests is passed by."""
+
+from __future__ import annotations
+
+import asyncio
+
+from agent.http.app_keys import METRICS, ORCHESTRATOR
+from tests.agent.inprocess import LocalAgent, call, eventually
+from tests.agent.models.test_router_inprocess import HeldModel
+from tests.agent.tiny import TINY, tiny_cluster
+
+COPIES = "tiny-copies"
+AUTO = "tiny-auto"
+PRESETS = f"[{COPIES}]\nmodel = {TINY}\nplacement = replicas\n[{AUTO}]\nmodel = {TINY}\nplacement = auto\n"
+PROMPTS = [" ".join(f"w{(7 * i + 3 * j) % 90 + 5}" for j in range(40)) for i in range(6)]
+
+
+async def complete(agent: LocalAgent, model: str, prompt: str, max_tokens: int = 24) -> str:
+    status, body = await call("POST", agent.url + "/v1/completions", {
+        "model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0}, timeout_s=60)
+    assert status == 200, body
+    return body["choices"][0]["text"]
+
+
+def steps_run(agent: LocalAgent, model: str) -> float:
+    registry = agent.app[METRICS].registry
+    return registry.get_sample_value("ncm_stage_compute_seconds_count", {"model": model}) or 0.0
+
+
+def test_requests_spread_over_whole_copies_and_a_stopped_copy_hands_its_request_on(tmp_path):
+    presets = tmp_path / "models.ini"
+    presets.write_text(PRESETS)
+
+    async def scenario() -> None:
+        async with tiny_cluster(tmp_path, 3, layers=4, models_preset=presets) as (leader, others):
+            agents = [leader, *others]
+            split = [await complete(leader, TINY, p) for p in PROMPTS]
+            assert await complete(leader, COPIES, PROMPTS[0]) == split[0]
+            deployment = leader.app[ORCHESTRATOR].deployments[COPIES]
+            assert len(deployment.order.route.hops) == 1 and len(deployment.order.copies) == 2
+            assert set(deployment.serving_nodes()) == {a.node_id for a in agents}
+
+            held = HeldModel(leader, COPIES)  # six requests start together: two on each copy
+            before = {a.node_id: steps_run(a, COPIES) for a in agents}
+            answers = [asyncio.create_task(complete(leader, COPIES, p)) for p in PROMPTS]
+            await eventually(lambda: held.started == len(PROMPTS), timeout_s=30, what="every request admitted")
+            held.release()
+            assert await asyncio.gather(*answers) == split
+            assert all(steps_run(a, COPIES) > before[a.node_id] for a in agents), "a copy ran nothing"
+
+            # the next turn goes back to where its prompt is kept
+            kept = {k.sid: k.node for k in leader.app[ORCHESTRATOR].requests.kept(COPIES)}
+            assert len(set(kept.values())) == 3
+            status, body = await call("POST", leader.url + "/v1/completions", {
+                "model": COPIES, "prompt": PROMPTS[4] + " " + split[4] + " w7 w8", "max_tokens": 4,
+                "temperature": 0}, timeout_s=60)
+            assert status == 200 and body["usage"]["prompt_tokens_details"]["cached_tokens"] >= 40, body
+
+            # auto: a whole copy on every node with room for one (here all)
+            assert await complete(leader, AUTO, PROMPTS[1]) == split[1]
+            assert len(leader.app[ORCHESTRATOR].deployments[AUTO].order.copies) == 2
+
+            # a copy stops while its request runs: another copy replays it and answers the same
+            requests = leader.app[ORCHESTRATOR].requests
+            held = HeldModel(leader, COPIES)
+            running = [asyncio.create_task(complete(leader, COPIES, p, max_tokens=300)) for p in PROMPTS[:3]]
+            await eventually(lambda: held.started == 3, timeout_s=30, what="three requests admitted")
+            held.release()
+            await eventually(lambda: len(requests._on_node) == 3, timeout_s=30, what="a request on each copy")
+            victim = next(a for a in others if a.node_id in deployment.order.copies)
+            await victim.runner.cleanup()
+            for answer, expected in zip(await asyncio.gather(*running), split):
+                assert answer.startswith(expected)
+            for prompt, answer in zip(PROMPTS, split):  # the stopped copy is passed by
+                assert await complete(leader, COPIES, prompt) == answer
+
+    asyncio.run(scenario())
