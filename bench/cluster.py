@@ -154,12 +154,11 @@ CGROUP_V1_CPU = Path("/sys/fs/cgroup/cpu")
 CGROUP_V2 = Path("/sys/fs/cgroup")
 
 
-def cpu_confined(pids: list[int], percent: int) -> list[Path]:
+def cpu_confined(pids: list[int], percent: int, groups: list[Path]) -> None:
     """Hold each process of ``pids`` to ``percent`` % of one core, in a cgroup of its own (the
     cgroup v2 ``cpu.max`` or v1 ``cpu.cfs_quota_us``: what systemd's ``CPUQuota=`` writes);
-    returns the cgroups, to remove once the processes are gone."""
+    each cgroup made goes into ``groups``, to remove once the processes are gone."""
     v2 = (CGROUP_V2 / "cgroup.controllers").exists()
-    groups = []
     for pid in pids:
         group = (CGROUP_V2 if v2 else CGROUP_V1_CPU) / f"ncm-bench-{pid}"
         group.mkdir()
@@ -170,7 +169,6 @@ def cpu_confined(pids: list[int], percent: int) -> list[Path]:
             (group / "cpu.cfs_period_us").write_text("100000")
             (group / "cpu.cfs_quota_us").write_text(str(percent * 1000))
         (group / "cgroup.procs").write_text(str(pid))
-    return groups
 
 
 def measure_llama_server(binary: str, gguf_path: Path, port: int, streams: int, tokens: int, threads: int) -> dict:
@@ -411,9 +409,10 @@ def serving(nodes: int, port: int, threads: int, spin: str = "auto", delay_ms: f
         processes = start_local_cluster(nodes, port, Path(base), model,
                                         env={"NCM_THREADS": str(threads), "NCM_SPIN": spin, **(env or {})},
                                         log_dir=Path(base) / "logs", node_env=node_env)
-        groups = []
+        groups: list[Path] = []
         try:
-            groups = cpu_confined([p.pid for p in processes], cpu_share) if cpu_share else []
+            if cpu_share:
+                cpu_confined([p.pid for p in processes], cpu_share, groups)
             status = wait_ready(f"http://127.0.0.1:{port}", processes, 1800)
             stream_completion(f"http://127.0.0.1:{port}", model, PROMPT, 8)  # warm-up
             yield status

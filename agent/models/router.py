@@ -247,8 +247,6 @@ class ModelRouter:
             await self._wait_ready(name, autoload=True, once=True)
         except (RouterError, ClusterError) as error:
             log.warning("could not load %s at start: %s (trying again when the members change)", name, error)
-        else:
-            self._startup.discard(name)
 
     async def run(self) -> None:
         """Own the loads, evictions and sleeps (:meth:`ModelScheduler.run`; owned by the app)."""
@@ -258,8 +256,9 @@ class ModelRouter:
     async def _wait_ready(self, name: str, *, autoload: bool, once: bool = False) -> Deployment | None:
         """Wait until ``name`` is ready, loading it if needed; returns its deployment. A request
         whose client leaves is cancelled here: it leaves the queue, the load goes on. ``once``
-        (a load at start) waits for one load only: a model unloaded or put to sleep before this
-        waiter saw it ready stays so (None)."""
+        (a load at start, which leaves the models to load at start once loaded: ``_loaded``)
+        waits for one load only and returns None: a model unloaded or put to sleep before this
+        waiter saw it ready stays so."""
         if not self.enabled:
             raise ClusterError("this node is not the orchestrator; the cluster is changing, retry")
         ticket = None
@@ -278,7 +277,7 @@ class ModelRouter:
                     if outcome is not None:
                         raise outcome
                     if once:
-                        return deployment if entry.state == ModelState.READY and not entry.stopping else None
+                        return None
                     continue
                 if ticket is None:
                     if not autoload and entry.state not in (ModelState.MEASURING, ModelState.LOADING,

@@ -158,7 +158,8 @@ class Deployer:
         if settings.max_context > manifest.context_length:
             raise ClusterError(f"{preset.name}: context {settings.max_context} is beyond what "
                                f"{preset.store_model} was trained for ({manifest.context_length})")
-        if copies if copies is not None else settings.placement != "split":
+        whole = settings.placement != "split" if copies is None else copies
+        if whole:
             plan = make_copies_plan(scores, manifest.n_layers)
         else:
             plan = make_plan(scores, manifest.n_layers, replicate_head_ratio=settings.replicate_head_ratio,
