@@ -10,7 +10,13 @@ from typing import Any, TextIO
 
 from agent.core.capacity import NodeCapacity, score
 from agent.core.errors import InvalidNodeError
-from agent.core.plan import DEFAULT_MIN_LAYERS_PER_NODE, DEFAULT_REPLICATE_HEAD_RATIO, ShardingPlan, make_plan
+from agent.core.plan import (
+    DEFAULT_MIN_LAYERS_PER_NODE,
+    DEFAULT_REPLICATE_HEAD_RATIO,
+    ShardingPlan,
+    make_copies_plan,
+    make_plan,
+)
 
 
 def load_nodes(path: Path) -> list[NodeCapacity]:
@@ -71,6 +77,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--head-ratio", type=float, default=DEFAULT_REPLICATE_HEAD_RATIO, help="share of layers replicated at the head (default %(default)s)")
     parser.add_argument("--min-layers", type=int, default=DEFAULT_MIN_LAYERS_PER_NODE, help="minimum layers per node (default %(default)s)")
     parser.add_argument("--replicas", type=int, default=None, help="nodes holding a head replica (default: max(1, nodes // 3))")
+    parser.add_argument("--placement", choices=("split", "replicas"), default="split",
+                        help="split: the layers over the nodes (default); replicas: a whole copy on every node, "
+                             "each serving requests alone (design §11; auto needs the model's size and each "
+                             "node's free memory, which a running cluster knows)")
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
     parser.set_defaults(func=run)
 
@@ -78,16 +88,18 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
     out = out or sys.stdout
     nodes = load_nodes(args.nodes)
-    plan = make_plan(
-        {node.node_id: score(node) for node in nodes},
-        args.layers,
-        replicate_head_ratio=args.head_ratio,
-        replica_count=args.replicas,
-        min_layers_per_node=args.min_layers,
-    )
+    scores = {node.node_id: score(node) for node in nodes}
+    if args.placement == "replicas":
+        plan = make_copies_plan(scores, args.layers)
+    else:
+        plan = make_plan(scores, args.layers, replicate_head_ratio=args.head_ratio, replica_count=args.replicas,
+                         min_layers_per_node=args.min_layers)
     if args.json:
         json.dump(plan.to_dict(), out, indent=2)
         out.write("\n")
     else:
         out.write(format_plan(plan) + "\n")
+        if args.placement == "replicas":
+            copies = [node_id for node_id, _ in reversed(plan.replicas)]
+            out.write(f"copies: {', '.join(copies) or 'none'}   (each holds every layer and serves requests alone)\n")
     return 0

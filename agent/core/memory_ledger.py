@@ -83,17 +83,23 @@ class MemoryLedger:
                 short[node] = missing
         return short
 
-    def sessions_fitting(self, session_bytes: Mapping[str, int], most: int) -> int:
+    def sessions_fitting(self, session_bytes: Mapping[str, int], most: int, *, one_node_each: bool = False) -> int:
         """How many requests of a loaded model run at once when each holds ``session_bytes``
         (per node: a KV cache at full context) and one is counted in what the model holds
         already: 1 + the sessions every node's room beside everything held takes, 1..``most``
-        (a node that reported no memory limits nothing)."""
+        (a node that reported no memory limits nothing).
+
+        ``one_node_each`` (a model placed as whole copies, design §11): each request holds a
+        session on one of the nodes alone, and requests go to the node running the fewest, so
+        every node takes as many as the node with the least room: that count (at most ``most``)
+        times the nodes."""
         count = most
         for node, per_session in session_bytes.items():
             budget = self.budget_bytes(node)
             if budget is not None and per_session > 0:
                 count = min(count, 1 + max(budget - self.held_bytes(node), 0) // per_session)
-        return max(1, count)
+        count = max(1, count)
+        return count * len(session_bytes) if one_node_each and session_bytes else count
 
     def over_count(self, without: Iterable[str] = ()) -> bool:
         skip = set(without)

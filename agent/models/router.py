@@ -165,10 +165,13 @@ class ModelRouter:
             self._startup.discard(name)  # loaded: an unload from now on keeps it unloaded
         if not self.config.max_requests_in_flight:  # the room is counted, not held: a model to load comes first
             sessions = self._session_bytes(deployment)
-            self.gate.set_in_flight(name, self.registry.ledger.sessions_fitting(sessions, AUTO_MOST_REQUESTS_IN_FLIGHT))
+            fitting = self.registry.ledger.sessions_fitting(sessions, AUTO_MOST_REQUESTS_IN_FLIGHT,
+                                                            one_node_each=bool(deployment.order.copies))
+            self.gate.set_in_flight(name, fitting)
 
     def _session_bytes(self, deployment: Deployment) -> dict[str, int]:
-        """Per node of ``deployment``'s route, one request's KV cache at full context."""
+        """Per node of ``deployment``'s route (and of its whole copies: every layer), one
+        request's KV cache at full context."""
         try:
             manifest = self.store.manifest(deployment.order.model)
         except ShardsError:
@@ -176,6 +179,8 @@ class ModelRouter:
         layers: Counter[str] = Counter()
         for hop in deployment.order.route.hops:
             layers[hop.node_id] += hop.layers.last - hop.layers.first + 1
+        for node in deployment.order.copies:
+            layers[node] = manifest.n_layers
         context = deployment.order.max_context or self.config.max_context
         return {node: manifest.kv_bytes_per_token(count) * context for node, count in layers.items()}
 

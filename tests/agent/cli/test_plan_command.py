@@ -33,6 +33,19 @@ def test_plan_json_is_the_core_plan(capsys):
     assert covered == list(range(30))
 
 
+def test_plan_of_whole_copies_gives_every_node_every_layer(capsys):
+    assert main(["plan", "--nodes", str(EXAMPLE), "--layers", "30", "--placement", "replicas", "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    whole = [[0, 29]]
+    assert [node["primary"] for node in plan["nodes"] if node["primary"]] == [[0, 29]]
+    assert all(node["primary"] == [0, 29] or node["replicas"] == whole for node in plan["nodes"])
+    result = run_cli("plan", "--nodes", str(EXAMPLE), "--layers", "30", "--placement", "replicas")
+    assert result.returncode == 0, result.stderr
+    copies = result.stdout.splitlines()[-1]
+    assert copies.startswith("copies: ") and len(copies.split(":")[1].split("(")[0].split(",")) == len(plan["nodes"]) - 1
+    assert run_cli("plan", "--nodes", str(EXAMPLE), "--layers", "30", "--placement", "auto").returncode == 2
+
+
 @pytest.mark.parametrize(
     "content, layers, message",
     [

@@ -104,12 +104,24 @@ def test_the_requests_of_a_model_that_fit_follow_the_room_every_node_has_left():
     assert over.sessions_fitting({"a": 1}, 8) == 1
 
 
+def test_the_requests_of_whole_copies_are_one_node_each_as_many_per_node_as_the_least_room_takes():
+    """A model placed as whole copies holds a request's cache on one node alone, and requests
+    go to the copy running the fewest: every copy takes what the one with the least room does."""
+    ledger = ledger_of(Model("m", {"a": 400, "b": 100, "c": 100}), a=1000, b=10_000, c=10_000)
+    sessions = {"a": 100, "b": 100, "c": 100}
+    assert ledger.sessions_fitting(sessions, 16, one_node_each=True) == 3 * (1 + 600 // 100)
+    assert ledger.sessions_fitting(sessions, 4, one_node_each=True) == 3 * 4  # at most ``most`` per copy
+    assert ledger.sessions_fitting({"a": 700}, 8, one_node_each=True) == 1
+    assert ledger.sessions_fitting({}, 8, one_node_each=True) == 8
+
+
 @given(st.dictionaries(st.sampled_from("abc"), st.integers(0, 10**6), min_size=1),
-       st.dictionaries(st.sampled_from("abc"), st.integers(0, 10**4)), st.integers(1, 32))
-def test_the_requests_that_fit_are_within_one_and_most_and_their_caches_fit(totals, session, most):
+       st.dictionaries(st.sampled_from("abc"), st.integers(0, 10**4)), st.integers(1, 32), st.booleans())
+def test_the_requests_that_fit_are_within_one_and_most_and_their_caches_fit(totals, session, most, copies):
     ledger = ledger_of(Model("m", {n: t // 3 for n, t in totals.items()}), **totals)
-    count = ledger.sessions_fitting(session, most)
-    assert 1 <= count <= most
+    count = ledger.sessions_fitting(session, most, one_node_each=copies)
+    per_node = -(-count // len(session)) if copies and session else count  # spread evenly: the most on one node
+    assert 1 <= per_node <= most
     for node, per_session in session.items():
-        if node in totals and count > 1:
-            assert (count - 1) * per_session <= totals[node] - totals[node] // 3
+        if node in totals and per_node > 1:
+            assert (per_node - 1) * per_session <= totals[node] - totals[node] // 3

@@ -1,6 +1,7 @@
 """Whole copies (design §11), on three in-process agents serving the tiny model: a preset with
 ``placement = replicas`` gives every node every layer; requests arriving together spread over
-the copies, each answering what the split model answers (``auto`` places copies too where every
+the copies, each answering what the split model answers, and each copy runs as many at once as
+its KV memory holds (``auto`` places copies too where every
 node has room); the next turn of a conversation goes
 back to the copy that keeps its prompt; a copy that stops (its sockets close) leaves its
 request to another copy, which replays it, and a copy that stops between requests is passed by."""
@@ -9,7 +10,8 @@ from __future__ import annotations
 
 import asyncio
 
-from agent.http.app_keys import METRICS, ORCHESTRATOR
+from agent.core.admission import AUTO_MOST_REQUESTS_IN_FLIGHT
+from agent.http.app_keys import METRICS, ORCHESTRATOR, ROUTER
 from tests.agent.inprocess import LocalAgent, call, eventually
 from tests.agent.models.test_router_inprocess import HeldModel
 from tests.agent.tiny import TINY, tiny_cluster
@@ -44,6 +46,10 @@ def test_requests_spread_over_whole_copies_and_a_stopped_copy_hands_its_request_
             deployment = leader.app[ORCHESTRATOR].deployments[COPIES]
             assert len(deployment.order.route.hops) == 1 and len(deployment.order.copies) == 2
             assert set(deployment.serving_nodes()) == {a.node_id for a in agents}
+            # each request holds a KV cache on one copy alone: three copies run three times the requests
+            limits = leader.app[ROUTER].admission.limits_of
+            assert limits(TINY).max_requests_in_flight == AUTO_MOST_REQUESTS_IN_FLIGHT
+            assert limits(COPIES).max_requests_in_flight == 3 * AUTO_MOST_REQUESTS_IN_FLIGHT
 
             held = HeldModel(leader, COPIES)  # six requests start together: two on each copy
             before = {a.node_id: steps_run(a, COPIES) for a in agents}
