@@ -3,12 +3,13 @@ and on 3 agents (its prompt cache on, and off) next to llama.cpp (llama-cpp-pyth
 keeps the KV cache of its last prompt and evaluates only what follows the common beginning:
 llama-server's ``cache_prompt``), from one run.
 
-    python bench/prompt_cache.py [--turns 10] [--threads 1]
+    python bench/prompt_cache.py [--turns 10] [--threads 1] [--conversation home-assistant|chat]
 
 The conversation is what Home Assistant's Ollama integration sends with "Assist" on: its
 instructions and the exposed devices in the system turn, five tools (described in the system
 turn, as ncm does for the default model's template, which knows no tools), then short user
-turns, each answered (the answers in the history are fixed, so every side reads the same
+turns; ``--conversation chat`` is a plain chat (Open WebUI's chat page) whose first turn pastes
+an article of about 1,800 tokens to summarise, so turn 2 reads about 1,900; each turn answered (the answers in the history are fixed, so every side reads the same
 prompts). Each turn is one request for one token: its time is the prefill of what the side
 has not cached, and one sampling. Prints each turn's time per side and the ratios the issue
 asks for: turn 2 / turn 1 per side (aim <= 0.2) and ncm / llama.cpp at turn 2 (aim <= 1.0).
@@ -77,7 +78,34 @@ TURNS = [("Turn on the kitchen light.", '{"tool_calls": [{"name": "HassTurnOn", 
          ("Turn off the bedroom fan.", '{"response": "The bedroom fan is off."}')]
 
 
-def conversation_prompts(gguf_path: Path, turns: int) -> list[str]:
+
+def article(sentences: int = 75) -> str:
+    """A made-up article of about 24 tokens a sentence, the same on every run."""
+    things = ["the heat pump", "the garden sensors", "the hallway lights", "the solar inverter", "the old router",
+              "the kitchen speaker", "the basement freezer", "the garage door", "the weather station"]
+    doings = ["reported a steady reading", "dropped off the network twice", "used less power than last winter",
+              "needed a firmware update", "woke up the family at night", "saved about a fifth of the bill",
+              "kept its schedule through the storm", "lost its settings after a power cut"]
+    whens = ["on Monday morning", "during the cold week", "after the holidays", "while everyone was away",
+             "late in the evening", "before the inspection"]
+    return " ".join(f"{things[i % 9].capitalize()} {doings[(3 * i + 1) % 8]} {whens[(5 * i + 2) % 6]}, "
+                    f"according to note {i + 1} of the house log." for i in range(sentences))
+
+
+CHAT_TURNS = [("Summarise this article for me:\n\n" + article(),
+               "The house log says the devices mostly kept working: a few dropped off the network or lost their "
+               "settings, and the heat pump and inverter saved power."),
+              ("Which device caused the most trouble?", "The old router, which dropped off the network."),
+              ("What should I fix first?", "Update the router's firmware, then check the freezer."),
+              ("Thanks. Anything about the garage?", "The garage door kept its schedule through the storm."),
+              ("Write that as a short list.", "- Router: update firmware\n- Freezer: check settings")]
+CONVERSATIONS = {  # name: (system turn, turns)
+    "home-assistant": (INSTRUCTIONS + "\n\n" + generic_system_text(TOOLS, parallel=True), TURNS),
+    "chat": ("You are a helpful assistant.", CHAT_TURNS),
+}
+
+
+def conversation_prompts(gguf_path: Path, turns: int, conversation: str = "home-assistant") -> list[str]:
     """The prompt text of each turn (the default model's chat template)."""
     import gguf
 
@@ -85,10 +113,10 @@ def conversation_prompts(gguf_path: Path, turns: int) -> list[str]:
     from shards.text.tokenizer_gguf import tokenizer_spec_from_gguf
 
     tokenizer = Tokenizer(tokenizer_spec_from_gguf(gguf.GGUFReader(gguf_path)))
-    system = INSTRUCTIONS + "\n\n" + generic_system_text(TOOLS, parallel=True)
+    system, answered = CONVERSATIONS[conversation]
     messages, prompts = [{"role": "system", "content": system}], []
     for turn in range(turns):
-        question, answer = TURNS[turn % len(TURNS)]
+        question, answer = answered[turn % len(answered)]
         messages.append({"role": "user", "content": question})
         prompts.append(tokenizer.apply_chat_template(messages))
         messages.append({"role": "assistant", "content": answer})
@@ -123,11 +151,12 @@ def main() -> None:
     parser.add_argument("--turns", type=int, default=10)
     parser.add_argument("--threads", type=int, default=1, help="threads per agent, and llama.cpp's")
     parser.add_argument("--nodes", default="1,3")
+    parser.add_argument("--conversation", choices=sorted(CONVERSATIONS), default="home-assistant")
     args = parser.parse_args()
     sizes = [int(n) for n in args.nodes.split(",")]
     with tempfile.TemporaryDirectory(prefix="ncm-bench-") as tmp:
         gguf_path = fetch_gguf(PULLABLE["smollm2-135m"], Path(tmp), progress=False)
-        prompts = conversation_prompts(gguf_path, args.turns)
+        prompts = conversation_prompts(gguf_path, args.turns, args.conversation)
         context = multiprocessing.get_context("spawn")
         to_llama, from_llama = context.Queue(), context.Queue()
         llama = context.Process(target=llama_worker, args=(str(gguf_path), args.threads, to_llama, from_llama))
