@@ -296,7 +296,9 @@ class ShardingPlan:
                     "fragments": [r.to_list() for r in self.fragments(node_id)],
                     "layer_count": self.layer_count(node_id),
                 }
-                for node_id in self.all_nodes()
+                # by the floats the JSON keeps (ties by id): the order a plan read back lists them in,
+                # where exact scores closer than a float can tell apart would list them otherwise
+                for node_id in sorted(self.all_nodes(), key=lambda node_id: (-float(scores[node_id]), node_id))
             ],
         }
 

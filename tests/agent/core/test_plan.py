@@ -325,6 +325,17 @@ def test_exact_scores_go_to_json_as_floats_and_come_back():
     assert plan_from_dict(floats.to_dict()) == floats
 
 
+def test_exact_scores_a_float_cannot_tell_apart_are_listed_alike_once_read_back():
+    """Two exact scores closer than a float can tell apart tie once read back (by id): the plan
+    lists its nodes as the JSON will order them, so it reads back to the same ``to_dict``."""
+    scores = {"00": Fraction(2, 17) + Fraction(1, 10**40), "0": Fraction(2, 17)}
+    for plan in (make_plan(scores, 2), make_copies_plan(scores, 1)):
+        assert plan.all_nodes()[0] == "00"  # exactly the better one
+        data = plan.to_dict()
+        assert [node["id"] for node in data["nodes"]] == ["0", "00"]
+        assert plan_from_dict(json.loads(json.dumps(data))).to_dict() == data
+
+
 @pytest.mark.parametrize("bad", [0, -1, float("inf"), float("nan"), "1", True, None])
 def test_a_plan_with_an_unusable_score_is_rejected(bad):
     with pytest.raises(ShardingError, match="scores must be finite and > 0"):
