@@ -9,7 +9,8 @@ The conversation is what Home Assistant's Ollama integration sends with "Assist"
 instructions and the exposed devices in the system turn, five tools (described in the system
 turn, as ncm does for the default model's template, which knows no tools), then short user
 turns; ``--conversation chat`` is a plain chat (Open WebUI's chat page) whose first turn pastes
-an article of about 1,800 tokens to summarise, so turn 2 reads about 1,900; each turn answered (the answers in the history are fixed, so every side reads the same
+an article of about 1,800 tokens to summarise, so turn 2 reads about 1,900. Each turn is
+answered (the answers in the history are fixed, so every side reads the same
 prompts). Each turn is one request for one token: its time is the prefill of what the side
 has not cached, and one sampling. Prints each turn's time per side and the ratios the issue
 asks for: turn 2 / turn 1 per side (aim <= 0.2) and ncm / llama.cpp at turn 2 (aim <= 1.0).
