@@ -395,9 +395,10 @@ def free_port() -> int:
 def serving(nodes: int, port: int, threads: int, spin: str = "auto", delay_ms: float | None = None, *,
             model: str = "smollm2-135m", env: dict[str, str] | None = None, home: Path | None = None,
             cpu_share: int | None = None):
-    """``nodes`` agents serving ``model`` on loopback (with ``delay_ms``, behind a SimulatedLan;
-    with ``env``, more settings; with ``home``, the first one's store; with ``cpu_share``, each
-    held to that % of a core); yields their status once ready."""
+    """``nodes`` agents serving ``model`` on loopback, split over them (the pipeline these benches
+    measure; a preset's ``placement`` wins) (with ``delay_ms``, behind a SimulatedLan; with
+    ``env``, more settings; with ``home``, the first one's store; with ``cpu_share``, each held to
+    that % of a core); yields their status once ready."""
     node_env, lan = None, None
     if delay_ms is not None:
         fronts = [(free_port(), free_port()) for _ in range(nodes)]
@@ -407,7 +408,8 @@ def serving(nodes: int, port: int, threads: int, spin: str = "auto", delay_ms: f
         node_env = [{"NCM_HOME": str(home)}]
     with tempfile.TemporaryDirectory(prefix="ncm-bench-") as base:
         processes = start_local_cluster(nodes, port, Path(base), model,
-                                        env={"NCM_THREADS": str(threads), "NCM_SPIN": spin, **(env or {})},
+                                        env={"NCM_THREADS": str(threads), "NCM_SPIN": spin,
+                                             "NCM_DEFAULT_PLACEMENT": "split", **(env or {})},
                                         log_dir=Path(base) / "logs", node_env=node_env)
         groups: list[Path] = []
         try:

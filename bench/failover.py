@@ -42,7 +42,8 @@ from agent.core.errors import NcmError  # noqa: E402
 
 MODEL = "smollm2-135m"
 PROMPT = "Tell me about the history of Paris, the capital of France, in detail."
-ENV = {"NCM_REPLICATE_HEAD_RATIO": "0.8", "NCM_REPLICA_COUNT": "1", "NCM_REPLAN_MIN_INTERVAL_S": "0",
+ENV = {"NCM_DEFAULT_PLACEMENT": "split",  # the seed's pipeline, whose stages the scenarios fail
+       "NCM_REPLICATE_HEAD_RATIO": "0.8", "NCM_REPLICA_COUNT": "1", "NCM_REPLAN_MIN_INTERVAL_S": "0",
        "NCM_RAM_GIB": "4", "NCM_THREADS": "1", "NCM_CLUSTER_KEY": "bench-cluster-key-0123456789"}
 # agent 0 the head owner, agent 1 the middle, agent 2 the lightest (the tail, with the replica)
 NODES = [{"NCM_VRAM_GIB": "24"}, {"NCM_VRAM_GIB": "8"}, {"NCM_VRAM_GIB": "0"}]

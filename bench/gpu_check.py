@@ -94,6 +94,7 @@ def cluster(backend_name: str, port: int) -> bool:
         reference = model.greedy_chat(QUESTION, 24)
     with tempfile.TemporaryDirectory(prefix="ncm-gpu-check-") as tmp:
         processes = start_local_cluster(2, port, Path(tmp), MODEL, log_dir=Path(tmp) / "logs",
+                                        env={"NCM_DEFAULT_PLACEMENT": "split"},  # a fragment on each device
                                         node_env=[{"NCM_PROVIDERS": backend_name}, {"NCM_PROVIDERS": "cpu"}])
         try:
             url = f"http://127.0.0.1:{port}"

@@ -31,7 +31,8 @@ from agent.core.auth import admin_token  # noqa: E402
 
 MAIN, OTHER = "smollm2-135m", "smollm2-135m-q4"
 PRESETS = f"[{OTHER}]\nsleep-idle-seconds = 2\n"
-ENV = {"NCM_THREADS": "1", "NCM_RAM_GIB": "4", "NCM_CLUSTER_KEY": "bench-cluster-key-0123456789",
+ENV = {"NCM_DEFAULT_PLACEMENT": "split",  # the figures of earlier notes: split models
+       "NCM_THREADS": "1", "NCM_RAM_GIB": "4", "NCM_CLUSTER_KEY": "bench-cluster-key-0123456789",
        "NCM_REPLAN_MIN_INTERVAL_S": "600"}
 
 

@@ -174,7 +174,7 @@ class Supervisor:
         how = f"was killed by {signal.Signals(-returncode).name}" if returncode < 0 else f"exited with status {returncode}"
         stops = [t for t in self.stops[agent.index] if now - t < self.window_s] + [now]
         self.stops[agent.index] = stops
-        print(f"\nagent {agent.index} (port {agent.port}) {how}: the others take over its layers", flush=True)
+        print(f"\nagent {agent.index} (port {agent.port}) {how}: the others take over its work", flush=True)
         if len(stops) > self.max_restarts:
             self.given_up.add(agent.index)
             print(f"agent {agent.index} stopped {len(stops)} times within {self.window_s:g} s: not starting it again "
@@ -215,6 +215,9 @@ def run(args: argparse.Namespace) -> int:
         print(f"starting {args.nodes} agents on ports {args.port}-{args.port + args.nodes - 1}…", flush=True)
         status = wait_ready(url, processes, READY_TIMEOUT_S)
         route = " -> ".join(f"{hop['node'][:8]}[{hop['layers'][0]}-{hop['layers'][1]}]" for hop in status["route"])
+        copies = status.get("models", {}).get(status["model"], {}).get("copies", [])
+        if copies:  # placed as whole copies (design §11): each serves requests alone
+            route += ", whole copies on " + ", ".join(node[:8] for node in copies)
         print(f"\nncm is serving {status['model']} on {args.nodes} agents: {route}")
         answer = ask(url, EXAMPLE_QUESTION, args.model)
         print(f"\n> {EXAMPLE_QUESTION}\n{answer}\n")

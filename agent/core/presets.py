@@ -127,7 +127,7 @@ class ModelSettings:
     sleep_idle_s: float = 0.0
     weights: str | None = None
     draft_model: str | None = None  # a smaller model with the same vocabulary whose tokens are verified in one trip
-    placement: str = "split"  # or "replicas", "auto" (design §11)
+    placement: str = "auto"  # or "split", "replicas" (design §11)
 
     def __post_init__(self) -> None:
         for field in _CHECKS:

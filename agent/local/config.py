@@ -14,6 +14,7 @@ from typing import Any, Callable, Mapping
 import tomli_w
 
 from agent.core.errors import NcmError
+from agent.core.presets import PLACEMENTS
 from agent.core.threads import SPIN_CHOICES
 from agent.core.wire import MAX_DRAFT_TOKENS
 from agent.local import settings
@@ -105,6 +106,7 @@ class AgentConfig:
     max_requests_in_flight_per_client: int = 0  # per model and client; 0: all slots but one
     max_queued_requests_per_client: int = 0  # per model and client; 0: half the queue
     default_max_tokens: int = 2048  # a request that names no max_tokens stops here; 0: at the end of the context
+    default_placement: str = "auto"  # a model whose preset names no placement (design §11)
     # Settings given explicitly (file, environment or flags): they win over model presets.
     explicit: frozenset[str] = field(default=frozenset(), compare=False)
 
@@ -174,6 +176,9 @@ class AgentConfig:
             raise ConfigError(f"draft_tokens must be 0 (off) to {MAX_DRAFT_TOKENS}, got {self.draft_tokens}")
         if not 0 <= self.prefill_share <= 1000:
             raise ConfigError(f"prefill_share must be 0 (prompts read whole) to 1000, got {self.prefill_share}")
+        if self.default_placement not in PLACEMENTS:
+            raise ConfigError(f"default_placement must be one of {', '.join(PLACEMENTS)}, "
+                              f"got {self.default_placement!r}")
         if self.max_context < 16 or self.prefill_chunk < 1 or self.prefill_chunk > self.max_context:
             raise ConfigError("max_context must be >= 16 and prefill_chunk in 1..max_context")
 
@@ -203,7 +208,7 @@ _FIELD_TYPES: dict[str, str] = {
     "models_load_timeout_s": "float", "sleep_idle_s": "float",
     "max_requests_in_flight": "int", "max_queued_requests": "int", "max_requests_in_flight_per_client": "int",
     "max_queued_requests_per_client": "int", "scrub_interval_s": "float", "scrub_rate_mib_s": "float",
-    "default_max_tokens": "int",
+    "default_max_tokens": "int", "default_placement": "str",
 }
 assert set(_FIELD_TYPES) == {f.name for f in fields(AgentConfig)} - {"explicit"}
 

@@ -80,7 +80,8 @@ class ModelCatalog:
         overrides = {k: getattr(self.config, k) for k in self.config.explicit if k in MODEL_SETTINGS}
         defaults = ModelSettings(max_context=self.config.max_context, prefill_chunk=self.config.prefill_chunk,
                                  replicate_head_ratio=self.config.replicate_head_ratio,
-                                 replica_count=self.config.replica_count, sleep_idle_s=self.config.sleep_idle_s)
+                                 replica_count=self.config.replica_count, sleep_idle_s=self.config.sleep_idle_s,
+                                 placement=self.config.default_placement)
         try:
             presets = build_models(stored, usable, defaults=defaults, overrides=overrides,
                                    startup_models=[self.config.model])

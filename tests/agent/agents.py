@@ -34,6 +34,9 @@ FAST_TIMING = {
     "NCM_DISCOVERY_GRACE_S": "0.6",
     "NCM_FAILURE_THRESHOLD": "3",
 }
+# The agents of the seed's tests split every model (its plan, failover and degraded mode); a test
+# of whole copies names its placement in a preset, or asks for the product's default (design §11).
+SEED_SPLIT = {"NCM_DEFAULT_PLACEMENT": "split"}
 
 
 def _ephemeral_low() -> int:
@@ -205,6 +208,7 @@ def make_agents(tmp: Path, model_home: Path | list[Path], count: int, *, extra_e
             "NCM_ADVERTISE_HOST": "127.0.0.1",
             "NCM_THREADS": "1",
             **FAST_TIMING,
+            **SEED_SPLIT,
             **(extra_env or {}),
         }
         agents.append(Agent(f"agent-{index}", port, home, state, tmp / f"agent-{index}.log", env=env))

@@ -30,6 +30,7 @@ from tests.agent.agents import CLUSTER_KEY, free_ports
 from tests.deadlines import Deadline
 
 FAST = {"health_interval_s": 0.1, "peer_timeout_s": 1.0, "discovery_grace_s": 0.3, "failure_threshold": 3}
+SEED_SPLIT = {"default_placement": "split"}  # as tests.agent.agents.SEED_SPLIT
 
 
 @dataclass
@@ -72,7 +73,7 @@ async def local_agents(tmp: Path, count: int, *, per_agent: Sequence[Mapping[str
                 cluster_name="test", cluster_key=CLUSTER_KEY, host="127.0.0.1", port=port,
                 advertise_host="127.0.0.1", peers=tuple(f"http://127.0.0.1:{p}" for p in ports if p != port),
                 state_dir=tmp / f"agent-{index}", mdns=False, threads=1,
-                **{**FAST, **settings, **(per_agent[index] if index < len(per_agent) else {})},
+                **{**FAST, **SEED_SPLIT, **settings, **(per_agent[index] if index < len(per_agent) else {})},
             )
             node_id = f"node-{index}"
             runner = await start_agent(config, node_id=node_id, store=ModelStore(tmp / f"home-{index}"),

@@ -1,6 +1,6 @@
 """`ncm demo`'s cluster (3 agents on this machine, only the first holding the model, default
-timing) keeps serving a stream after losing any one agent: the stream completes with the text
-of an undisturbed run and the status is `ok` or `degraded`."""
+timing and placement: a whole copy on each) keeps serving a stream after losing any one agent:
+the stream completes with the text of an undisturbed run and the status is `ok` or `degraded`."""
 
 from __future__ import annotations
 
@@ -61,6 +61,9 @@ def test_a_demo_cluster_keeps_streaming_after_losing_any_one_agent(smollm2_store
         # fallback (here the model itself: the smallest one held whole) when they have room.
         wait_for(lambda: all("holding a whole copy" in logs[i].read_text(errors="replace") for i in (1, 2)),
                  timeout_s=300, what="whole copies of the fallback on the other agents")
+        # the default placement (design §11): every agent has room, so each serves a whole copy
+        wait_for(lambda: len(http("GET", urls[0] + "/cluster/status", timeout_s=10)[1]["models"][MAIN]["copies"]) == 2,
+                 timeout_s=120, what="the model placed as whole copies on the other two agents")
         undisturbed = ask(urls[client])
 
         class Agent:  # what Stream needs of an agent

@@ -16,7 +16,7 @@ import sys
 import pytest
 
 from agent.cli.demo import stop_processes
-from tests.agent.agents import CLUSTER_KEY, FAST_TIMING, REPO, wait_for
+from tests.agent.agents import CLUSTER_KEY, FAST_TIMING, REPO, SEED_SPLIT, wait_for
 from tests.agent.impostor import NODE_ID as IMPOSTOR_ID
 from tests.agent.impostor import SEEN_PATH
 
@@ -103,6 +103,7 @@ def test_agents_without_peers_find_each_other_by_mdns_and_serve(namespaces, smol
                 "NCM_MDNS": "true",
                 "NCM_THREADS": "1",
                 **FAST_TIMING,
+                **SEED_SPLIT,
                 "NCM_DISCOVERY_GRACE_S": "3",
             }
             log_path = tmp_path / f"agent-{index}.log"

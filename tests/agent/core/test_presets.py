@@ -334,10 +334,14 @@ def test_a_draft_model_is_named_per_model_as_it_is_written_and_never_the_model_i
     assert models["llama"].settings.draft_model == "tiny" and models["tiny"].settings.draft_model is None
 
 
-def test_a_placement_is_split_unless_a_model_or_every_model_asks_for_whole_copies():
+def test_a_placement_is_auto_unless_the_agent_a_model_or_every_model_names_another():
     models = build_models(STORE, parse_presets("[*]\nplacement = Replicas\n[tiny]\nplacement = split\n"))
     assert models["llama"].settings.placement == "replicas" and models["tiny"].settings.placement == "split"
-    assert build_models(STORE, parse_presets("")).get("llama").settings.placement == "split"
+    assert build_models(STORE, parse_presets("")).get("llama").settings.placement == "auto"
+    agent_default = ModelSettings(placement="split")  # the agent's default_placement: the presets still win
+    assert build_models(STORE, None, defaults=agent_default)["llama"].settings.placement == "split"
+    models = build_models(STORE, parse_presets("[llama]\nplacement = auto\n"), defaults=agent_default)
+    assert models["llama"].settings.placement == "auto" and models["tiny"].settings.placement == "split"
     assert build_models(STORE, parse_presets("[llama]\nplacement = AUTO\n"))["llama"].settings.placement == "auto"
     with pytest.raises(PresetError, match=r"\[llama\] placement: expected one of split, replicas, auto"):
         build_models(STORE, parse_presets("[llama]\nplacement = pipeline\n"))

@@ -70,3 +70,7 @@ def test_router_settings_and_what_was_set_explicitly(tmp_path):
     assert config.models_autoload and config.models_memory_margin_mib == 256
     with pytest.raises(ConfigError, match="models_max"):
         load_config(None, environ={"NCM_MODELS_MAX": "-1"})
+    assert AgentConfig().default_placement == "auto"
+    assert load_config(None, environ={"NCM_DEFAULT_PLACEMENT": "split"}).default_placement == "split"
+    with pytest.raises(ConfigError, match="default_placement must be one of split, replicas, auto, got 'pipeline'"):
+        load_config(None, environ={"NCM_DEFAULT_PLACEMENT": "pipeline"})

@@ -121,6 +121,15 @@ def test_a_presets_file_adds_models_and_aliases_and_explicit_agent_settings_win(
         "chat", "chat", "chat", TINY, None]
 
 
+def test_the_agents_default_placement_places_every_model_whose_preset_names_none(store, tmp_path):
+    presets = tmp_path / "models.ini"
+    presets.write_text("[chat]\nmodel = tiny\nplacement = replicas\n")
+    assert Sources().catalog(store).reload()[TINY].settings.placement == "auto"  # design §11's default
+    built = Sources().catalog(store, models_preset=presets, default_placement="split",
+                              explicit=frozenset({"default_placement"})).reload()
+    assert built[TINY].settings.placement == "split" and built["chat"].settings.placement == "replicas"
+
+
 def test_a_section_without_weights_is_left_out_until_a_node_storing_them_joins(store, tmp_path, caplog):
     caplog.set_level(logging.WARNING, logger="agent.models.catalog")
     presets = tmp_path / "models.ini"

@@ -2,7 +2,7 @@
 ``placement = replicas`` gives every node every layer; requests arriving together spread over
 the copies, each answering what the split model answers, and each copy runs as many at once as
 its KV memory holds (``auto`` places copies too where every
-node has room); the next turn of a conversation goes
+node has room, and, the default placement, only on the nodes with room); the next turn of a conversation goes
 back to the copy that keeps its prompt; a copy that stops (its sockets close) leaves its
 request to another copy, which replays it, and a copy that stops between requests is passed by."""
 
@@ -84,5 +84,21 @@ def test_requests_spread_over_whole_copies_and_a_stopped_copy_hands_its_request_
                 assert answer.startswith(expected)
             for prompt, answer in zip(PROMPTS, split):  # the stopped copy is passed by
                 assert await complete(leader, COPIES, prompt) == answer
+
+    asyncio.run(scenario())
+
+
+def test_the_default_placement_puts_a_whole_copy_on_every_node_with_room_for_one_and_none_elsewhere(tmp_path):
+    async def scenario() -> None:
+        # node-2 reports less memory than the margin every node keeps free: no room for a copy
+        async with tiny_cluster(tmp_path, 3, layers=4, default_placement="auto", replan_min_interval_s=0.0,
+                                per_agent=[{}, {}, {"ram_gib": 0.1}]) as (leader, _):
+            orchestrator = leader.app[ORCHESTRATOR]
+            serving = await eventually(lambda: len(nodes := orchestrator.deployments[TINY].serving_nodes()) == 2
+                                       and nodes, timeout_s=60, what="copies on the two nodes with room")
+            assert set(serving) == {"node-0", "node-1"}
+            answer = await complete(leader, TINY, PROMPTS[0])
+            assert answer and await complete(leader, TINY, PROMPTS[0]) == answer
+            assert set(orchestrator.deployments[TINY].serving_nodes()) == {"node-0", "node-1"}
 
     asyncio.run(scenario())

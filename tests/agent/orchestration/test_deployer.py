@@ -61,7 +61,8 @@ def deployer_of(agent: LocalAgent, on_progress: Callable[[str, int, int], None] 
 
 
 def preset(name: str = B, **settings_: Any) -> ModelPreset:
-    return ModelPreset(name, name, (), ModelSettings(**{"max_context": 128, "prefill_chunk": 64, **settings_}), "store")
+    settings_ = {"max_context": 128, "prefill_chunk": 64, "placement": "split", **settings_}  # the seed's split
+    return ModelPreset(name, name, (), ModelSettings(**settings_), "store")
 
 
 def worker_report(agent: LocalAgent) -> dict[str, Any]:
