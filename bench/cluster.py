@@ -2,7 +2,7 @@
 
     python bench/cluster.py [--tokens 96] [--threads 1] [--spin auto|on|off] [--rounds 3]
     python bench/cluster.py --streams 8 [--shape llama-1b] [--nodes 1,3] [--llama-server BINARY]
-    python bench/cluster.py --streams 4 --long-prompt 2000 --tokens 600
+    python bench/cluster.py --streams 4 --long-prompt 2000
     python bench/cluster.py --delays 0,1,2,5
     python bench/cluster.py --delays 0,5 --speculative
     python bench/cluster.py --streams 8 --placement replicas --cpu-share 66 [--shape llama-1b]
@@ -18,7 +18,9 @@ peer port (the port its peers reach it on: ``advertise_peer_port``) that holds e
 the given one-way delay in milliseconds, in each direction. Per delay it prints decode
 ms/token, what it would be if each token crossed each link once (the 0 ms figure plus one
 delay per crossing: orchestrator to head, stage to stage, tail back to the orchestrator) and
-what it would be if the answer came back through every stage (two crossings per link).
+what it would be if the answer came back through every stage (two crossings per link). With
+``--placement replicas|auto`` the model is placed as whole copies: one stream runs on one copy,
+and only its ms/token is printed.
 
 With ``--speculative`` (and ``--delays``): per delay, 3 agents serve the default model (f32)
 with its q4 store as draft model (``model-draft``) and, under a second name, without one
@@ -40,7 +42,8 @@ slots as streams, on the GGUF the model came from (the shape's Q4_0, or the defa
 Q4_1), with ``--threads`` threads; prints the ncm / llama-server ratios (aim >= 1.2).
 
 With ``--long-prompt P`` (and ``--streams N``): N greedy streams decode, and once each has 16
-tokens a prompt of about P tokens arrives; prints how long it took to read, the streams'
+tokens a prompt of about P tokens arrives; the streams go on until each has ``--tokens`` more
+after it was read, however long it takes; prints how long it took to read, the streams'
 inter-token gaps while it was read (median and p99) and before and after it (median), the p99
 meanwhile over the median meanwhile (aim <= 2) and over the median outside.
 
@@ -79,9 +82,11 @@ PROMPT = "Write a long story about a lighthouse keeper who finds a map."
 
 
 def stream_completion(url: str, model: str, prompt: str, tokens: int,
-                      stamps: list[float] | None = None, source: str = "127.0.0.1") -> tuple[str, list[float]]:
+                      stamps: list[float] | None = None, source: str = "127.0.0.1",
+                      until: threading.Event | None = None) -> tuple[str, list[float]]:
     """The text of one streamed greedy completion and the arrival time of each of its chunks,
-    sent from the loopback address ``source`` (a device of its own: a client of its own)."""
+    sent from the loopback address ``source`` (a device of its own: a client of its own); once
+    ``until`` is set, the client hangs up at its next chunk."""
     body = json.dumps({"model": model, "prompt": prompt, "temperature": 0, "max_tokens": tokens,
                        "stream": True}).encode()
     address = urllib.parse.urlsplit(url)
@@ -99,6 +104,8 @@ def stream_completion(url: str, model: str, prompt: str, tokens: int,
                 if choices and choices[0].get("text") is not None:
                     pieces.append(choices[0]["text"])
                     stamps.append(time.perf_counter())
+            if until is not None and until.is_set():
+                break
     finally:
         connection.close()
     return "".join(pieces), stamps
@@ -134,11 +141,7 @@ def measure_streams(nodes: int, port: int, streams: int, tokens: int, threads: i
     agents (the model placed as ``placement`` says, each agent held to ``cpu_share`` % of a core)."""
     url = f"http://127.0.0.1:{port}"
     with contextlib.ExitStack() as stack:
-        env = None
-        if placement is not None:
-            base = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="ncm-bench-")))
-            (base / "models.ini").write_text(f"[{model}]\nplacement = {placement}\n")
-            env = {"NCM_MODELS_PRESET": str(base / "models.ini")}
+        env = placed(stack, model, placement)
         # the default admission: a device per stream
         stack.enter_context(serving(nodes, port, threads, model=model, home=home, env=env, cpu_share=cpu_share))
         row = run_streams(url, model, streams, tokens)
@@ -148,6 +151,16 @@ def measure_streams(nodes: int, port: int, streams: int, tokens: int, threads: i
             copies = json.loads(response.read())["models"][model]["copies"]
     return {**row, "nodes": nodes, "copies": len(copies),
             "batches": [(n.get("worker") or {}).get("batches") for n in nodes_seen]}
+
+
+def placed(stack: contextlib.ExitStack, model: str, placement: str | None) -> dict[str, str] | None:
+    """The agents' environment for ``model`` placed as ``placement`` says (None: as ``serving``
+    places it), its presets file kept until ``stack`` closes."""
+    if placement is None:
+        return None
+    base = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="ncm-bench-")))
+    (base / "models.ini").write_text(f"[{model}]\nplacement = {placement}\n")
+    return {"NCM_MODELS_PRESET": str(base / "models.ini")}
 
 
 CGROUP_V1_CPU = Path("/sys/fs/cgroup/cpu")
@@ -199,13 +212,16 @@ def measure_llama_server(binary: str, gguf_path: Path, port: int, streams: int, 
             server.wait(timeout=60)
 
 
+LONG_PROMPT_STREAM_TOKENS = 1500  # the most a stream beside the long prompt asks for (the context is 2048)
 LONG_LINE = "The keeper wrote in the log that ship number {} passed the rocks at dawn without a light. "
 
 
 def measure_long_prompt(nodes: int, port: int, streams: int, tokens: int, prompt_tokens: int, threads: int,
                         model: str, home: Path | None) -> dict:
     """The inter-token gaps of ``streams`` decoding streams while a prompt of about
-    ``prompt_tokens`` tokens is read, against their gaps before and after it."""
+    ``prompt_tokens`` tokens is read, against their gaps before and after it: the streams go on
+    until each has decoded ``tokens`` more once the prompt is read (or ended), however long that
+    takes."""
     prompts = stream_prompts(streams)
     long_prompt = "".join(LONG_LINE.format(i) for i in range(prompt_tokens // 21)) + "Summarise the log."
     slots = str(streams + 1)
@@ -214,7 +230,9 @@ def measure_long_prompt(nodes: int, port: int, streams: int, tokens: int, prompt
     url = f"http://127.0.0.1:{port}"
     with serving(nodes, port, threads, model=model, env=env, home=home), \
             ThreadPoolExecutor(max_workers=streams) as pool:
-        running = [pool.submit(stream_completion, url, model, p, tokens, s) for p, s in zip(prompts, stamps)]
+        enough = threading.Event()
+        running = [pool.submit(stream_completion, url, model, p, LONG_PROMPT_STREAM_TOKENS, s, until=enough)
+                   for p, s in zip(prompts, stamps)]
         deadline = time.perf_counter() + 600
         while min(len(s) for s in stamps) < 16 and time.perf_counter() < deadline:
             time.sleep(0.05)
@@ -225,6 +243,10 @@ def measure_long_prompt(nodes: int, port: int, streams: int, tokens: int, prompt
         with urllib.request.urlopen(request, timeout=1800) as response:
             usage = json.loads(response.read())["usage"]
         answered = time.perf_counter()
+        while (not all(f.done() or sum(t > answered for t in s) >= tokens for f, s in zip(running, stamps))
+               and time.perf_counter() < deadline + 1800):
+            time.sleep(0.05)
+        enough.set()
         for future in running:
             future.result()
     ended = min(s[-1] for s in stamps)  # gaps while every stream still decodes
@@ -430,10 +452,12 @@ def serving(nodes: int, port: int, threads: int, spin: str = "auto", delay_ms: f
 def measure(status: dict, port: int, tokens: int) -> dict:
     """Decode speed of one stream on the cluster ``status`` describes (serving on ``port``)."""
     count, seconds, _ = stream_timings(f"http://127.0.0.1:{port}", tokens)
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/cluster/status", timeout=30) as response:
+        copies = len(json.loads(response.read())["models"][status["model"]]["copies"])
     hops = len(status["route"]) - 1 + (status["orchestrator"] != status["route"][0]["node"])
     back = int(status["orchestrator"] != status["route"][-1]["node"])  # the tail's result to the orchestrator
     return {"nodes": len(status["nodes_alive"]), "tokens": count, "tok_per_s": (count - 1) / seconds,
-            "ms_per_token": 1000 * seconds / (count - 1), "hops": hops, "back": back}
+            "ms_per_token": 1000 * seconds / (count - 1), "hops": hops, "back": back, "copies": copies}
 
 
 def faster(old: dict | None, new: dict) -> dict:
@@ -513,7 +537,7 @@ def main() -> None:
     parser.add_argument("--llama-server", metavar="BINARY",
                         help="with --streams: the same streams against llama.cpp's server (this binary) on the same GGUF")
     parser.add_argument("--placement", choices=("split", "replicas", "auto"),
-                        help="with --streams: how the model is placed (its preset's placement; default: split)")
+                        help="with --streams or --delays: how the model is placed (its preset's placement; default: split)")
     parser.add_argument("--cpu-share", type=int, metavar="PERCENT",
                         help="with --streams: hold each agent to this share of one core (a cgroup CPU quota)")
     parser.add_argument("--delays", help="one-way delays in ms of a simulated LAN between 3 agents (e.g. 0,1,2,5)")
@@ -545,10 +569,17 @@ def main() -> None:
         _ensure_model("smollm2-135m")
         rows = []
         for i, d in enumerate(args.delays.split(",")):
-            with serving(3, args.port + 10 * i, args.threads, args.spin, float(d)) as status:
+            with contextlib.ExitStack() as stack:
+                env = placed(stack, "smollm2-135m", args.placement)
+                status = stack.enter_context(serving(3, args.port + 10 * i, args.threads, args.spin, float(d),
+                                                     env=env))
                 rows.append(measure(status, args.port + 10 * i, args.tokens))
         base = rows[0]
         for d, row in zip(args.delays.split(","), rows):
+            if row["copies"]:  # one copy serves the stream: its node, and the orchestrator when it is not that node
+                print(f"{float(d):4g} ms per link: {row['ms_per_token']:7.2f} ms/token ({row['tok_per_s']:6.1f} tok/s) "
+                      f"on whole copies ({row['copies']} beside the route's head)")
+                continue
             once = base["ms_per_token"] + (row["hops"] + row["back"]) * float(d)
             twice = base["ms_per_token"] + 2 * row["hops"] * float(d)
             print(f"{float(d):4g} ms per link: {row['ms_per_token']:7.2f} ms/token ({row['tok_per_s']:6.1f} tok/s); "

@@ -6,8 +6,8 @@ now, and splits the model (the seed's plan) only when no node has that room.
 A model placed as whole copies serves each request on one node alone: the copy with the
 fewest requests running from this orchestrator, and among those the one whose prompt cache
 keeps the longest beginning of the request's prompt (the next turn of a conversation goes
-back to where its last turn is kept), then the first in serving order (the route's head; the
-orchestrator's own copy comes last, its cores also carrying every request's API work).
+back to where its last turn is kept), then the first in serving order (the orchestrator's own
+copy, whose requests cross no network at each token, then the route's head).
 Pure: the token loop counts the requests and asks the prompt cache's books.
 """
 

@@ -98,9 +98,10 @@ class TokenLoop:
         node = head
         if deployment.order.copies:
             alive = self.membership.alive_nodes()
-            # this node's own copy last: its cores also carry every request's API work
-            nodes = [n for n in deployment.serving_nodes() if n != self.node_id and n in alive]
-            nodes += [n for n in deployment.serving_nodes() if n == self.node_id] or ([] if nodes else [head])
+            serving = deployment.serving_nodes()
+            # this node's own copy first: a request there crosses no network at its tokens
+            nodes = [n for n in serving if n == self.node_id] + [n for n in serving if n != self.node_id and n in alive]
+            nodes = nodes or [head]
             reuse = cache.reuse_by_node(context, deployment.order.plan_version) if cache is not None else {}
             node = pick_copy(nodes, self._on_node, reuse)
         self._on_node[node] += 1  # until _leave

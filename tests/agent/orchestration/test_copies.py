@@ -1,6 +1,7 @@
 """Whole copies (design §11), on three in-process agents serving the tiny model: a preset with
 ``placement = replicas`` gives every node every layer; requests arriving together spread over
-the copies, each answering what the split model answers, and each copy runs as many at once as
+the copies, each answering what the split model answers (a request alone runs on the
+orchestrator's own copy), and each copy runs as many at once as
 its KV memory holds (``auto`` places copies too where every
 node has room, and, the default placement, only on the nodes with room); the next turn of a conversation goes
 back to the copy that keeps its prompt; a copy that stops (its sockets close) leaves its
@@ -43,6 +44,10 @@ def test_requests_spread_over_whole_copies_and_a_stopped_copy_hands_its_request_
             agents = [leader, *others]
             split = [await complete(leader, TINY, p) for p in PROMPTS]
             assert await complete(leader, COPIES, PROMPTS[0]) == split[0]
+            # a request alone runs on the orchestrator's own copy: no network at its tokens
+            before = {a.node_id: steps_run(a, COPIES) for a in agents}
+            assert await complete(leader, COPIES, PROMPTS[2]) == split[2]
+            assert [steps_run(a, COPIES) > before[a.node_id] for a in agents] == [True, False, False]
             deployment = leader.app[ORCHESTRATOR].deployments[COPIES]
             assert len(deployment.order.route.hops) == 1 and len(deployment.order.copies) == 2
             assert set(deployment.serving_nodes()) == {a.node_id for a in agents}
