@@ -537,7 +537,8 @@ def main() -> None:
     parser.add_argument("--llama-server", metavar="BINARY",
                         help="with --streams: the same streams against llama.cpp's server (this binary) on the same GGUF")
     parser.add_argument("--placement", choices=("split", "replicas", "auto"),
-                        help="with --streams or --delays: how the model is placed (its preset's placement; default: split)")
+                        help="with --streams or --delays: how the model is placed (its preset's placement; "
+                             "default: split)")
     parser.add_argument("--cpu-share", type=int, metavar="PERCENT",
                         help="with --streams: hold each agent to this share of one core (a cgroup CPU quota)")
     parser.add_argument("--delays", help="one-way delays in ms of a simulated LAN between 3 agents (e.g. 0,1,2,5)")
