@@ -243,8 +243,9 @@ def measure_long_prompt(nodes: int, port: int, streams: int, tokens: int, prompt
         with urllib.request.urlopen(request, timeout=1800) as response:
             usage = json.loads(response.read())["usage"]
         answered = time.perf_counter()
+        deadline = answered + 1800
         while (not all(f.done() or sum(t > answered for t in s) >= tokens for f, s in zip(running, stamps))
-               and time.perf_counter() < deadline + 1800):
+               and time.perf_counter() < deadline):
             time.sleep(0.05)
         enough.set()
         for future in running:

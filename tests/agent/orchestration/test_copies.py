@@ -1,11 +1,11 @@
 """Whole copies (design §11), on three in-process agents serving the tiny model: a preset with
 ``placement = replicas`` gives every node every layer; requests arriving together spread over
 the copies, each answering what the split model answers (a request alone runs on the
-orchestrator's own copy), and each copy runs as many at once as
-its KV memory holds (``auto`` places copies too where every
-node has room, and, the default placement, only on the nodes with room); the next turn of a conversation goes
-back to the copy that keeps its prompt; a copy that stops (its sockets close) leaves its
-request to another copy, which replays it, and a copy that stops between requests is passed by."""
+orchestrator's own copy), and each copy runs as many at once as its KV memory holds; ``auto``
+(the default placement) puts copies on the nodes with room for one, and on no other; the next
+turn of a conversation goes back to the copy that keeps its prompt; a copy that stops (its
+sockets close) leaves its request to another copy, which replays it, and a copy that stops
+between requests is passed by."""
 
 from __future__ import annotations
 
