@@ -4,6 +4,7 @@ keeps the KV cache of its last prompt and evaluates only what follows the common
 llama-server's ``cache_prompt``), from one run.
 
     python bench/prompt_cache.py [--turns 10] [--threads 1] [--conversation home-assistant|chat]
+                                 [--placement split|replicas|auto]
 
 The conversation is what Home Assistant's Ollama integration sends with "Assist" on: its
 instructions and the exposed devices in the system turn, five tools (described in the system
@@ -15,7 +16,8 @@ prompts). Each turn is one request for one token: its time is the prefill of wha
 has not cached, and one sampling. Prints each turn's time per side and the ratios the issue
 asks for: turn 2 / turn 1 per side (aim <= 0.2) and ncm / llama.cpp at turn 2 (aim <= 1.0).
 The sides take turns on every conversation turn, so a busy moment of a shared machine does
-not land on one of them alone.
+not land on one of them alone. The agents split the model (the pipeline) unless ``--placement``
+names another placement (design §11): with whole copies, each request runs on one copy.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.cluster import free_port, serving  # noqa: E402 - after the path
+from bench.cluster import free_port, placed, serving  # noqa: E402 - after the path
 from shards.importers.pull import PULLABLE, fetch_gguf  # noqa: E402
 from shards.runtime.tool_calls import generic_system_text  # noqa: E402
 
@@ -153,6 +155,8 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1, help="threads per agent, and llama.cpp's")
     parser.add_argument("--nodes", default="1,3")
     parser.add_argument("--conversation", choices=sorted(CONVERSATIONS), default="home-assistant")
+    parser.add_argument("--placement", choices=["split", "replicas", "auto"],
+                        help="how the model is placed (default: split, the pipeline)")
     args = parser.parse_args()
     sizes = [int(n) for n in args.nodes.split(",")]
     with tempfile.TemporaryDirectory(prefix="ncm-bench-") as tmp:
@@ -167,8 +171,9 @@ def main() -> None:
         cached: dict[str, list[int]] = {}
         ports = {nodes: free_port() for nodes in sizes}
         with contextlib.ExitStack() as clusters:
+            env = placed(clusters, "smollm2-135m", args.placement)
             for nodes in sizes:  # every cluster size serving side by side
-                clusters.enter_context(serving(nodes, ports[nodes], args.threads))
+                clusters.enter_context(serving(nodes, ports[nodes], args.threads, env=env))
             for turn, prompt in enumerate(prompts, 1):
                 for nodes in sizes:
                     for cache in (True, False):

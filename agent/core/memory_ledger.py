@@ -83,23 +83,30 @@ class MemoryLedger:
                 short[node] = missing
         return short
 
-    def sessions_fitting(self, session_bytes: Mapping[str, int], most: int, *, one_node_each: bool = False) -> int:
-        """How many requests of a loaded model run at once when each holds ``session_bytes``
-        (per node: a KV cache at full context) and one is counted in what the model holds
-        already: 1 + the sessions every node's room beside everything held takes, 1..``most``
-        (a node that reported no memory limits nothing).
-
-        ``one_node_each`` (a model placed as whole copies, design §11): each request holds a
-        session on one of the nodes alone, and requests go to the node running the fewest, so
-        every node takes as many as the node with the least room: that count (at most ``most``)
-        times the nodes."""
-        count = most
+    def sessions_per_node(self, session_bytes: Mapping[str, int], most: int) -> dict[str, int]:
+        """Per node, how many requests of a loaded model hold a session there at once when each
+        holds ``session_bytes`` (per node: a KV cache at full context) and one is counted in
+        what the model holds already: 1 + the sessions its room beside everything held takes,
+        1..``most`` (``most`` on a node that reported no memory limit)."""
+        counts = {}
         for node, per_session in session_bytes.items():
             budget = self.budget_bytes(node)
+            count = most
             if budget is not None and per_session > 0:
-                count = min(count, 1 + max(budget - self.held_bytes(node), 0) // per_session)
-        count = max(1, count)
-        return count * len(session_bytes) if one_node_each and session_bytes else count
+                count = min(most, 1 + max(budget - self.held_bytes(node), 0) // per_session)
+            counts[node] = max(1, count)
+        return counts
+
+    def sessions_fitting(self, session_bytes: Mapping[str, int], most: int, *, one_node_each: bool = False) -> int:
+        """How many requests of a loaded model run at once (see :meth:`sessions_per_node`):
+        as many as the node with the least room holds, every request holding a session on
+        every node of the route; with ``one_node_each`` (a model placed as whole copies,
+        design §11: each request holds a session on one of the nodes alone), what all the
+        nodes hold together."""
+        counts = self.sessions_per_node(session_bytes, most)
+        if not counts:
+            return max(1, most)
+        return sum(counts.values()) if one_node_each else min(counts.values())
 
     def over_count(self, without: Iterable[str] = ()) -> bool:
         skip = set(without)

@@ -157,17 +157,20 @@ class ModelRouter:
         """The registry counts ``name`` as ready (or, ``replanned``, ready on a new plan) with
         the memory ``deployment`` holds; with ``max_requests_in_flight`` 0, running as many
         requests at once as every stage's memory holds the KV cache of (at full context, up
-        to :data:`AUTO_MOST_REQUESTS_IN_FLIGHT`), which admission follows from now on."""
+        to :data:`AUTO_MOST_REQUESTS_IN_FLIGHT` per node), which admission follows from now
+        on; placed as whole copies, as many as each copy's own memory holds, all together."""
         if replanned:
             self.registry.update_effective(name, deployment.effective_bytes)
         else:
             self.registry.loaded(name, deployment.effective_bytes, now=time.monotonic())
             self._startup.discard(name)  # loaded: an unload from now on keeps it unloaded
         if not self.config.max_requests_in_flight:  # the room is counted, not held: a model to load comes first
-            sessions = self._session_bytes(deployment)
-            fitting = self.registry.ledger.sessions_fitting(sessions, AUTO_MOST_REQUESTS_IN_FLIGHT,
-                                                            one_node_each=bool(deployment.order.copies))
-            self.gate.set_in_flight(name, fitting)
+            sessions, ledger = self._session_bytes(deployment), self.registry.ledger
+            copies = bool(deployment.order.copies)
+            if copies:  # each copy takes as many as its own room holds
+                deployment.copy_sessions = ledger.sessions_per_node(sessions, AUTO_MOST_REQUESTS_IN_FLIGHT)
+            self.gate.set_in_flight(name, ledger.sessions_fitting(sessions, AUTO_MOST_REQUESTS_IN_FLIGHT,
+                                                                  one_node_each=copies))
 
     def _session_bytes(self, deployment: Deployment) -> dict[str, int]:
         """Per node of ``deployment``'s route (and of its whole copies: every layer), one

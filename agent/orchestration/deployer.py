@@ -14,7 +14,7 @@ import asyncio
 import json
 import logging
 from collections.abc import Callable, Collection, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from agent.cluster.membership import Membership
@@ -61,6 +61,9 @@ class Deployment:
     tokenizer: Tokenizer
     settings: ModelSettings
     effective_bytes: dict[str, int]
+    # per whole copy's node, the requests its memory holds KV caches for (the router counts
+    # them when the model loads, design §11); empty: the copies take requests evenly
+    copy_sessions: dict[str, int] = field(default_factory=dict)
 
     def serving_nodes(self) -> tuple[str, ...]:
         """Where a request may run: the route's head, then each whole copy (design §11)."""

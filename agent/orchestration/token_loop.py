@@ -103,7 +103,7 @@ class TokenLoop:
             nodes = [n for n in serving if n == self.node_id] + [n for n in serving if n != self.node_id and n in alive]
             nodes = nodes or [head]
             reuse = cache.reuse_by_node(context, deployment.order.plan_version) if cache is not None else {}
-            node = pick_copy(nodes, self._on_node, reuse)
+            node = pick_copy(nodes, self._on_node, reuse, deployment.copy_sessions)
         self._on_node[node] += 1  # until _leave
         return node
 

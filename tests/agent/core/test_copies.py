@@ -28,6 +28,25 @@ def test_ties_go_to_the_first_in_serving_order():
     assert pick_copy(["b", "a", "c"], {"c": 1}, {"c": 100}) == "b"  # but not to a busier copy
 
 
+@given(NODES, st.dictionaries(st.sampled_from("abcdef"), st.integers(0, 9)),
+       st.dictionaries(st.sampled_from("abcdef"), st.integers(1, 9)))
+def test_the_pick_goes_to_a_copy_with_room_for_one_more_while_one_has(nodes, running, sessions):
+    chosen = pick_copy(nodes, running, {}, sessions)
+    free = [n for n in nodes if n not in sessions or running.get(n, 0) < sessions[n]]
+    assert chosen in (free or nodes)
+    assert running.get(chosen, 0) == min(running.get(n, 0) for n in (free or nodes))
+
+
+def test_a_copy_with_more_room_takes_more_requests():
+    sessions = {"a": 1, "b": 3}
+    running: dict[str, int] = {}
+    for _ in range(4):  # four requests arrive, none ends
+        node = pick_copy(["a", "b"], running, {}, sessions)
+        running[node] = running.get(node, 0) + 1
+    assert running == {"a": 1, "b": 3}
+    assert pick_copy(["a", "b"], running, {}, sessions) == "a"  # all full (admission lets none in): the fewest
+
+
 def test_no_node_is_refused():
     with pytest.raises(ValueError):
         pick_copy([], {}, {})

@@ -104,13 +104,15 @@ def test_the_requests_of_a_model_that_fit_follow_the_room_every_node_has_left():
     assert over.sessions_fitting({"a": 1}, 8) == 1
 
 
-def test_the_requests_of_whole_copies_are_one_node_each_as_many_per_node_as_the_least_room_takes():
-    """A model placed as whole copies holds a request's cache on one node alone, and requests
-    go to the copy running the fewest: every copy takes what the one with the least room does."""
-    ledger = ledger_of(Model("m", {"a": 400, "b": 100, "c": 100}), a=1000, b=10_000, c=10_000)
+def test_the_requests_of_whole_copies_are_one_node_each_as_many_on_each_as_its_own_room_takes():
+    """A model placed as whole copies holds a request's cache on one node alone: each copy
+    takes as many as its own room holds (at most ``most``), the model all of them together."""
+    ledger = ledger_of(Model("m", {"a": 400, "b": 100, "c": 100}), a=1000, b=10_000, c=350)
     sessions = {"a": 100, "b": 100, "c": 100}
-    assert ledger.sessions_fitting(sessions, 16, one_node_each=True) == 3 * (1 + 600 // 100)
-    assert ledger.sessions_fitting(sessions, 4, one_node_each=True) == 3 * 4  # at most ``most`` per copy
+    assert ledger.sessions_per_node(sessions, 16) == {"a": 1 + 600 // 100, "b": 16, "c": 1 + 250 // 100}
+    assert ledger.sessions_fitting(sessions, 16, one_node_each=True) == 7 + 16 + 3
+    assert ledger.sessions_fitting(sessions, 4, one_node_each=True) == 4 + 4 + 3  # at most ``most`` per copy
+    assert ledger.sessions_fitting(sessions, 16) == 3  # split: every request on every node
     assert ledger.sessions_fitting({"a": 700}, 8, one_node_each=True) == 1
     assert ledger.sessions_fitting({}, 8, one_node_each=True) == 8
 
@@ -120,8 +122,12 @@ def test_the_requests_of_whole_copies_are_one_node_each_as_many_per_node_as_the_
 def test_the_requests_that_fit_are_within_one_and_most_and_their_caches_fit(totals, session, most, copies):
     ledger = ledger_of(Model("m", {n: t // 3 for n, t in totals.items()}), **totals)
     count = ledger.sessions_fitting(session, most, one_node_each=copies)
-    per_node = -(-count // len(session)) if copies and session else count  # spread evenly: the most on one node
-    assert 1 <= per_node <= most
+    per_node = ledger.sessions_per_node(session, most) if copies else {node: count for node in session}
+    if copies and session:
+        assert sum(per_node.values()) == count
+    else:
+        assert 1 <= count <= most
     for node, per_session in session.items():
-        if node in totals and per_node > 1:
-            assert (per_node - 1) * per_session <= totals[node] - totals[node] // 3
+        assert 1 <= per_node[node] <= most
+        if node in totals and per_node[node] > 1:
+            assert (per_node[node] - 1) * per_session <= totals[node] - totals[node] // 3

@@ -1,7 +1,7 @@
 """Whole copies (design §11), on three in-process agents serving the tiny model: a preset with
 ``placement = replicas`` gives every node every layer; requests arriving together spread over
 the copies, each answering what the split model answers (a request alone runs on the
-orchestrator's own copy), and each copy runs as many at once as its KV memory holds; ``auto``
+orchestrator's own copy), and each copy runs as many at once as its own KV memory holds; ``auto``
 (the default placement) puts copies on the nodes with room for one, and on no other; the next
 turn of a conversation goes back to the copy that keeps its prompt; a copy that stops (its
 sockets close) leaves its request to another copy, which replays it, and a copy that stops
@@ -55,6 +55,7 @@ def test_requests_spread_over_whole_copies_and_a_stopped_copy_hands_its_request_
             limits = leader.app[ROUTER].admission.limits_of
             assert limits(TINY).max_requests_in_flight == AUTO_MOST_REQUESTS_IN_FLIGHT
             assert limits(COPIES).max_requests_in_flight == 3 * AUTO_MOST_REQUESTS_IN_FLIGHT
+            assert deployment.copy_sessions == {a.node_id: AUTO_MOST_REQUESTS_IN_FLIGHT for a in agents}
 
             held = HeldModel(leader, COPIES)  # six requests start together: two on each copy
             before = {a.node_id: steps_run(a, COPIES) for a in agents}
@@ -63,6 +64,21 @@ def test_requests_spread_over_whole_copies_and_a_stopped_copy_hands_its_request_
             held.release()
             assert await asyncio.gather(*answers) == split
             assert all(steps_run(a, COPIES) > before[a.node_id] for a in agents), "a copy ran nothing"
+
+            # a copy whose memory holds more caches takes more requests: six long ones at once
+            requests = leader.app[ORCHESTRATOR].requests
+            small, large = deployment.serving_nodes()[:2], deployment.serving_nodes()[2]
+            deployment.copy_sessions = {**{node: 1 for node in small}, large: 4}
+            held = HeldModel(leader, COPIES)
+            running = [asyncio.create_task(complete(leader, COPIES, p, max_tokens=300)) for p in PROMPTS]
+            await eventually(lambda: held.started == len(PROMPTS), timeout_s=30, what="every request admitted")
+            held.release()
+            await eventually(lambda: sum(requests._on_node.values()) == len(PROMPTS), timeout_s=30,
+                             what="every request on a copy")
+            assert dict(requests._on_node) == deployment.copy_sessions
+            for answer, expected in zip(await asyncio.gather(*running), split):
+                assert answer.startswith(expected)
+            deployment.copy_sessions = {a.node_id: AUTO_MOST_REQUESTS_IN_FLIGHT for a in agents}
 
             # the next turn goes back to where its prompt is kept
             kept = {k.sid: k.node for k in leader.app[ORCHESTRATOR].requests.kept(COPIES)}
@@ -77,7 +93,6 @@ def test_requests_spread_over_whole_copies_and_a_stopped_copy_hands_its_request_
             assert len(leader.app[ORCHESTRATOR].deployments[AUTO].order.copies) == 2
 
             # a copy stops while its request runs: another copy replays it and answers the same
-            requests = leader.app[ORCHESTRATOR].requests
             held = HeldModel(leader, COPIES)
             running = [asyncio.create_task(complete(leader, COPIES, p, max_tokens=300)) for p in PROMPTS[:3]]
             await eventually(lambda: held.started == 3, timeout_s=30, what="three requests admitted")
