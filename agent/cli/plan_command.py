@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from pathlib import Path
 from typing import Any, TextIO
 
 from agent.core.capacity import NodeCapacity, score
-from agent.core.errors import InvalidNodeError
+from agent.core.copies import copy_holders
+from agent.core.errors import InvalidNodeError, ShardingError
 from agent.core.plan import (
     DEFAULT_MIN_LAYERS_PER_NODE,
     DEFAULT_REPLICATE_HEAD_RATIO,
@@ -77,10 +79,14 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--head-ratio", type=float, default=DEFAULT_REPLICATE_HEAD_RATIO, help="share of layers replicated at the head (default %(default)s)")
     parser.add_argument("--min-layers", type=int, default=DEFAULT_MIN_LAYERS_PER_NODE, help="minimum layers per node (default %(default)s)")
     parser.add_argument("--replicas", type=int, default=None, help="nodes holding a head replica (default: max(1, nodes // 3))")
-    parser.add_argument("--placement", choices=("split", "replicas"), default="split",
+    parser.add_argument("--placement", choices=("split", "replicas", "auto"), default="split",
                         help="split: the layers over the nodes (default); replicas: a whole copy on every node, "
-                             "each serving requests alone (design §11; auto needs the model's size and each "
-                             "node's free memory, which a running cluster knows)")
+                             "each serving requests alone; auto (an agent's default): a whole copy on every node "
+                             "whose memory holds --model-gib, the split where none does (design §11)")
+    parser.add_argument("--model-gib", type=float, metavar="GIB",
+                        help="with --placement auto: the memory one whole copy takes (its weights and a KV cache "
+                             "at full context); a node's memory is its vram_gib where it has one, else its ram_gib "
+                             "(a running cluster also counts what other models hold and a margin)")
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
     parser.set_defaults(func=run)
 
@@ -89,7 +95,18 @@ def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
     out = out or sys.stdout
     nodes = load_nodes(args.nodes)
     scores = {node.node_id: score(node) for node in nodes}
-    if args.placement == "replicas":
+    placement, without_copy = args.placement, {}
+    if (args.model_gib is None) != (placement != "auto"):
+        raise ShardingError("--model-gib goes with --placement auto, and --placement auto needs it: "
+                            "the memory one whole copy takes")
+    if placement == "auto":
+        if not (math.isfinite(args.model_gib) and args.model_gib > 0):
+            raise ShardingError(f"--model-gib must be a number > 0, got {args.model_gib}")
+        without_copy = {n.node_id: n.vram_gib or n.ram_gib for n in nodes if (n.vram_gib or n.ram_gib) < args.model_gib}
+        holders = copy_holders(scores, without_copy)
+        placement = "replicas" if holders else "split"
+        scores = {node_id: value for node_id, value in scores.items() if node_id in holders} if holders else scores
+    if placement == "replicas":
         plan = make_copies_plan(scores, args.layers)
     else:
         plan = make_plan(scores, args.layers, replicate_head_ratio=args.head_ratio, replica_count=args.replicas,
@@ -99,7 +116,11 @@ def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
         out.write("\n")
     else:
         out.write(format_plan(plan) + "\n")
-        if args.placement == "replicas":
+        if placement == "replicas":
             copies = [node_id for node_id, _ in reversed(plan.replicas)]
             out.write(f"copies: {', '.join(copies) or 'none'}   (each holds every layer and serves requests alone)\n")
+        if without_copy:
+            room = ", ".join(f"{node_id} ({gib:g} GiB)" for node_id, gib in without_copy.items())
+            out.write(f"no room for a whole copy of {args.model_gib:g} GiB: {room}"
+                      + ("; the layers are split instead\n" if placement == "split" else "\n"))
     return 0

@@ -43,7 +43,24 @@ def test_plan_of_whole_copies_gives_every_node_every_layer(capsys):
     assert result.returncode == 0, result.stderr
     copies = [node["id"] for node in plan["nodes"] if not node["primary"]]  # by descending score
     assert result.stdout.splitlines()[-1].startswith(f"copies: {', '.join(copies)}   ")
-    assert run_cli("plan", "--nodes", str(EXAMPLE), "--layers", "30", "--placement", "auto").returncode == 2
+
+
+def test_auto_plans_copies_on_the_nodes_whose_memory_holds_one_and_splits_where_none_does(capsys):
+    """The example's desktop holds a 9 GiB copy in its 12 GiB of VRAM and the 16 GiB board in
+    its RAM; the 8 GiB devices hold none. A 40 GiB model fits nowhere: it is split."""
+    assert main(["plan", "--nodes", str(EXAMPLE), "--layers", "30", "--placement", "auto", "--model-gib", "9"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[-2] == "copies: rock5b-rk3588   (each holds every layer and serves requests alone)"
+    assert lines[-1] == "no room for a whole copy of 9 GiB: jetson-orin-nano (8 GiB), old-laptop (8 GiB)"
+    assert lines[-3] == "pipeline: desktop-rtx3060   (30 layers)"
+    assert main(["plan", "--nodes", str(EXAMPLE), "--layers", "30", "--placement", "auto", "--model-gib", "40",
+                 "--json"]) == 0
+    split = json.loads(capsys.readouterr().out)
+    assert sum(1 for node in split["nodes"] if node["primary"]) == 4
+    for args, message in [(["--placement", "auto"], "needs it"), (["--model-gib", "9"], "goes with --placement auto"),
+                          (["--placement", "auto", "--model-gib", "0"], "must be a number > 0")]:
+        result = run_cli("plan", "--nodes", str(EXAMPLE), "--layers", "30", *args)
+        assert result.returncode == 2 and message in result.stderr and result.stdout == ""
 
 
 @pytest.mark.parametrize(
