@@ -149,6 +149,7 @@ class Orchestrator:
             "route": order.route.to_list() if order else None,
             "models": {name: {"serving": d.order.model, "degraded": d.order.degraded, "plan_version": d.order.plan_version,
                               "route": d.order.route.to_list(), "copies": list(d.order.copies),
+                              "max_requests_per_copy": dict(d.copy_sessions),
                               "total_layers": d.plan.total_layers,
                               "layers": [{"layer": layer, "holders": list(holders)}
                                          for layer, holders in enumerate(d.plan.redundancy_map)],

@@ -56,6 +56,9 @@ def test_requests_spread_over_whole_copies_and_a_stopped_copy_hands_its_request_
             assert limits(TINY).max_requests_in_flight == AUTO_MOST_REQUESTS_IN_FLIGHT
             assert limits(COPIES).max_requests_in_flight == 3 * AUTO_MOST_REQUESTS_IN_FLIGHT
             assert deployment.copy_sessions == {a.node_id: AUTO_MOST_REQUESTS_IN_FLIGHT for a in agents}
+            status, body = await call("GET", leader.url + "/cluster/status", None, timeout_s=30)
+            assert status == 200 and body["models"][COPIES]["max_requests_per_copy"] == deployment.copy_sessions
+            assert body["models"][TINY]["max_requests_per_copy"] == {}
 
             held = HeldModel(leader, COPIES)  # six requests start together: two on each copy
             before = {a.node_id: steps_run(a, COPIES) for a in agents}
