@@ -102,10 +102,12 @@ def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
     if placement == "auto":
         if not (math.isfinite(args.model_gib) and args.model_gib > 0):
             raise ShardingError(f"--model-gib must be a number > 0, got {args.model_gib}")
-        without_copy = {n.node_id: n.vram_gib or n.ram_gib for n in nodes if (n.vram_gib or n.ram_gib) < args.model_gib}
+        memory_gib = {n.node_id: n.vram_gib or n.ram_gib for n in nodes}  # where its fragments would live
+        without_copy = {node_id: gib for node_id, gib in memory_gib.items() if gib < args.model_gib}
         holders = copy_holders(scores, without_copy)
         placement = "replicas" if holders else "split"
-        scores = {node_id: value for node_id, value in scores.items() if node_id in holders} if holders else scores
+        if holders:
+            scores = {node_id: value for node_id, value in scores.items() if node_id in holders}
     if placement == "replicas":
         plan = make_copies_plan(scores, args.layers)
     else:

@@ -33,7 +33,7 @@ def pick_copy(nodes: Sequence[str], running: Mapping[str, int], reuse: Mapping[s
     if not nodes:
         raise ValueError("a request needs at least one node to run on")
     sessions = sessions or {}
-    free = [n for n in nodes if running.get(n, 0) < sessions.get(n, running.get(n, 0) + 1)] or nodes
+    free = [n for n in nodes if n not in sessions or running.get(n, 0) < sessions[n]] or nodes
     return min(free, key=lambda n: (running.get(n, 0), -reuse.get(n, 0), nodes.index(n)))
 
 

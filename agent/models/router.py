@@ -166,9 +166,9 @@ class ModelRouter:
             self._startup.discard(name)  # loaded: an unload from now on keeps it unloaded
         if not self.config.max_requests_in_flight:  # the room is counted, not held: a model to load comes first
             sessions, ledger = self._session_bytes(deployment), self.registry.ledger
-            copies = bool(deployment.order.copies)
-            if copies:  # each copy takes as many as its own room holds
-                deployment.copy_sessions = ledger.sessions_per_node(sessions, AUTO_MOST_REQUESTS_IN_FLIGHT)
+            copies = bool(deployment.order.copies)  # each copy takes as many as its own room holds
+            per_node = ledger.sessions_per_node(sessions, AUTO_MOST_REQUESTS_IN_FLIGHT)
+            deployment.copy_sessions = per_node if copies else {}
             self.gate.set_in_flight(name, ledger.sessions_fitting(sessions, AUTO_MOST_REQUESTS_IN_FLIGHT,
                                                                   one_node_each=copies))
 
