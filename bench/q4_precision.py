@@ -5,10 +5,13 @@
 
 MatMulNBits takes its activations as float (accuracy_level 0) or rounds each block of 32 to
 int8 (level 4); at level 4 the fragments take each product on x and on what the rounding left
-of it, as the rows of one call (about 16 bits). For each choice of the 4-bit layers' and the
-lm_head's level, on the q4 store of the packaged model: how many reference questions are
+of it, as the rows of one call (about 16 bits), or on x alone with an agent's
+``activation_bits = 8``. For each choice of the 4-bit layers' and the lm_head's level and of the
+activation bits, on the q4 store of the packaged model: how many reference questions are
 answered word for word as the float store answers them (greedy), the largest logit gap from
-the float store over those answers, and prefill and decode speed relative to the default.
+the float store over those answers, and prefill and decode speed relative to the default. The
+packaged model's 4-bit products are below ``INT8_MIN_WEIGHTS`` (float activations as built);
+the rows that say "layers int8" put them on int8, as a model of about 1B and up has them.
 """
 
 from __future__ import annotations
@@ -34,9 +37,11 @@ from shards.text.tokenizer import Tokenizer  # noqa: E402
 QUESTIONS = ["What is the capital of France?", "What is 2+2?", "Write a haiku about the sea.",
              "Name three primary colors.", "Who wrote Romeo and Juliet?", "What is the boiling point of water?",
              "Translate 'good morning' to Spanish.", "What is the largest planet in our solar system?"]
-# (label, 4-bit layers' accuracy_level, 8-bit lm_head's)
-CHOICES = [("layers int8 x2, lm_head int8 x2 (default)", 4, 4), ("layers float, lm_head int8 x2", 0, 4),
-           ("layers float, lm_head float", 0, 0)]
+# (label, 4-bit layers' accuracy_level, 8-bit lm_head's, INT8_MIN_WEIGHTS, activation_bits)
+AS_BUILT = (fragment.Q4_ACCURACY_LEVEL, fragment.Q8_ACCURACY_LEVEL, fragment.INT8_MIN_WEIGHTS)
+CHOICES = [("as built (default)", *AS_BUILT, 16), ("as built, activation_bits 8", *AS_BUILT, 8),
+           ("layers int8, activation_bits 16", 4, 4, 0, 16), ("layers int8, activation_bits 8", 4, 4, 0, 8),
+           ("layers float, lm_head float", 0, 0, 0, 16)]
 
 
 def greedy(runners, ids: list[int], steps: int) -> tuple[list[int], np.ndarray]:
@@ -87,9 +92,11 @@ def main() -> None:
         rows = [("f32 store", len(QUESTIONS), 0.0, *speed(reference, prompt, args.decode_tokens))]
         for r in reference:
             r.close()
-        for label, q4_level, q8_level in CHOICES:
+        for label, q4_level, q8_level, min_weights, bits in CHOICES:
             fragment.Q4_ACCURACY_LEVEL, fragment.Q8_ACCURACY_LEVEL = q4_level, q8_level
-            runners = open_chain(store.model_dir(names["q4"]), cuts, threads=args.threads, cache_dir=Path(cache))
+            fragment.INT8_MIN_WEIGHTS = min_weights
+            runners = open_chain(store.model_dir(names["q4"]), cuts, threads=args.threads, cache_dir=Path(cache),
+                                 activation_bits=bits)
             same, gap = 0, 0.0
             for ids, (ref_tokens, ref_logits) in zip(chats, answers):
                 tokens, logits = greedy(runners, ids, args.answer_tokens)

@@ -139,7 +139,7 @@ class FragmentCache:
                               providers=list(self.config.providers) or None,
                               threads=self.config.threads or os.cpu_count() or 1, spinning=plan.spinning,
                               spin_after_run=plan.spin_after_run, max_context=key.max_context,
-                              prefill_chunk=key.prefill_chunk)
+                              prefill_chunk=key.prefill_chunk, activation_bits=self.config.activation_bits)
         if plan != self.thread_plan:
             log.info("fragments run on %s thread(s), %s, %s (%s)", plan.threads or "all",
                      "not spinning" if not plan.spinning else
@@ -155,6 +155,7 @@ class FragmentCache:
             spin_after_run=plan.spin_after_run,
             max_context=key.max_context,
             prefill_chunk=key.prefill_chunk,
+            activation_bits=self.config.activation_bits,
         )
 
     def _load_parts(self, plan: ThreadPlan) -> int:

@@ -47,7 +47,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from shards.errors import ModelFormatError
+from shards.errors import FragmentError, ModelFormatError
 from shards.graph.spec import IR_VERSION, ONNX_FILE, FragmentSpec
 from shards.store.manifest import Manifest
 from shards.store.model_store import MANIFEST_FILE
@@ -67,9 +67,17 @@ TMP_PREFIX = ".tmp-frag-"
 # products (4.2M-33.5M weights) decode 1.7x faster on int8 and read prompts 0.67x as fast, while
 # SmolLM2's (0.3M-1.8M) decode 1.04x faster on float, where the int8 path's dozen small ops per
 # product cost more than its kernel saves. See fragment_graph._Builder._linear_nbits.
+# activation_bits=8 (an agent's `activation_bits`) takes x once instead: 8-bit activations, as
+# llama.cpp's against its 4- and 8-bit blocks, for half the arithmetic where the rows cost more
+# than the weights' reading (a prompt, a batch of decode steps). On an AVX2 core, where the int8
+# kernel runs 128 rows no faster than the float one (bench/q4_kernels.py), the 1B shape then reads
+# prompts and decodes 8 streams about 2x as fast; the packaged model's q4 store kept 4 answers in 8
+# of the float store's word for word (2 in 8 with its 4-bit layers put on int8 too), against 8 in 8
+# taken twice (bench/q4_precision.py).
 Q4_ACCURACY_LEVEL = 4
 Q8_ACCURACY_LEVEL = 4
 INT8_MIN_WEIGHTS = 1 << 22
+ACTIVATION_BITS = (16, 8)  # the choices of activation_bits: int8 taken twice (the default), once
 
 
 def load_manifest(model_dir: Path) -> Manifest:
@@ -80,11 +88,12 @@ def load_manifest(model_dir: Path) -> Manifest:
     return Manifest.from_json(p.read_text(encoding="utf-8"))
 
 
-def fragment_key(m: Manifest, spec: FragmentSpec) -> str:
-    """Cache key: changes when the builder, the weights, the range, flavour or shapes change."""
+def fragment_key(m: Manifest, spec: FragmentSpec, activation_bits: int = 16) -> str:
+    """Cache key: changes when the builder, the weights, the range, flavour, shapes or
+    activations change."""
     doc = {
         "builder": BUILDER_VERSION, "ir": IR_VERSION, "q4_level": Q4_ACCURACY_LEVEL, "q8_level": Q8_ACCURACY_LEVEL,
-        "int8_min_weights": INT8_MIN_WEIGHTS,
+        "int8_min_weights": INT8_MIN_WEIGHTS, **({"activation_bits": activation_bits} if activation_bits != 16 else {}),
         "model": m.to_dict() | {"files": None},
         "files": {k: m.files[k].sha256 for k in m.fragment_files(spec.first_layer, spec.last_layer)},
         "spec": [spec.first_layer, spec.last_layer, spec.flavour, spec.max_context, spec.prefill_chunk],
@@ -94,13 +103,16 @@ def fragment_key(m: Manifest, spec: FragmentSpec) -> str:
 
 def build_fragment(model_dir: Path, first_layer: int, last_layer: int, *, flavour: str = "cpu",
                    max_context: int | None = None, prefill_chunk: int | None = None,
-                   cache_dir: Path | None = None) -> Path:
+                   cache_dir: Path | None = None, activation_bits: int = 16) -> Path:
     """Build (or reuse from cache) the ONNX fragment for layers [first, last]; returns its path.
 
     The cache lives under ``cache_dir`` or ``<model_dir>/fragments/`` and is keyed by the
-    model's weights, the range, the flavour and the shapes; writes are atomic. A fragment is
+    model's weights, the range, the flavour, the shapes and ``activation_bits`` (16: block
+    products on int8 activations take x twice; 8: once); writes are atomic. A fragment is
     built only from weight files that match the manifest's sha256 (CorruptWeightsError if not).
     """
+    if activation_bits not in ACTIVATION_BITS:
+        raise FragmentError(f"activation_bits must be one of {ACTIVATION_BITS}, got {activation_bits!r}")
     model_dir = Path(model_dir)
     m = load_manifest(model_dir)
     mc = int(max_context) if max_context is not None else m.context_length
@@ -110,9 +122,10 @@ def build_fragment(model_dir: Path, first_layer: int, last_layer: int, *, flavou
         pc = 0
     spec = FragmentSpec(int(first_layer), int(last_layer), flavour, mc, pc)
     spec.validate(m)
-    key = fragment_key(m, spec)
+    key = fragment_key(m, spec, activation_bits)
     root = Path(cache_dir) if cache_dir is not None else model_dir / FRAGMENTS_DIR
-    prefix = f"{m.name}-{spec.first_layer:03d}-{spec.last_layer:03d}-{flavour}-c{mc}-p{pc}-"
+    bits = "" if activation_bits == 16 else f"a{activation_bits}-"  # both kept side by side
+    prefix = f"{m.name}-{spec.first_layer:03d}-{spec.last_layer:03d}-{flavour}-c{mc}-p{pc}-{bits}"
     final = root / (prefix + key[:20])
     if (final / ONNX_FILE).is_file():
         return final / ONNX_FILE
@@ -123,9 +136,11 @@ def build_fragment(model_dir: Path, first_layer: int, last_layer: int, *, flavou
         from shards.graph.fragment_graph import write_fragment  # onnx: imported only to build
 
         weight_bytes = write_fragment(model_dir, m, spec, tmp, root / BLOB_POOL, q4_level=Q4_ACCURACY_LEVEL,
-                                      q8_level=Q8_ACCURACY_LEVEL, int8_min_weights=INT8_MIN_WEIGHTS)
+                                      q8_level=Q8_ACCURACY_LEVEL, int8_min_weights=INT8_MIN_WEIGHTS,
+                                      int8_twice=activation_bits == 16)
         (tmp / "fragment.json").write_text(json.dumps({"key": key, "builder": BUILDER_VERSION,
-                                                       "weight_bytes": weight_bytes, "spec": spec.__dict__}),
+                                                       "weight_bytes": weight_bytes, "spec": spec.__dict__,
+                                                       "activation_bits": activation_bits}),
                                            encoding="utf-8")
         try:
             os.replace(tmp, final)
@@ -137,7 +152,8 @@ def build_fragment(model_dir: Path, first_layer: int, last_layer: int, *, flavou
         shutil.rmtree(tmp, ignore_errors=True)
         prune_blobs(root)
         raise
-    stale = [p for p in root.glob(prefix + "*") if p != final]  # from older weights or builder
+    stale = [p for p in root.glob(prefix + "*")  # from older weights or builder
+             if p != final and len(p.name) == len(final.name)]
     for path in stale:
         shutil.rmtree(path, ignore_errors=True)
     if stale:

@@ -29,13 +29,14 @@ _INLINE_BYTES = 1024
 
 
 def write_fragment(model_dir: Path, m: Manifest, spec: FragmentSpec, out_dir: Path, pool: Path, *,
-                   q4_level: int, q8_level: int, int8_min_weights: int = 0) -> int:
+                   q4_level: int, q8_level: int, int8_min_weights: int = 0, int8_twice: bool = True) -> int:
     """Write the fragment ``spec`` of model ``m`` into ``out_dir`` (weights linked from
     ``pool``); returns its weight bytes. ``q4_level``, ``q8_level``: MatMulNBits' accuracy_level
     on CPU for 4-bit and 8-bit weights; a 4-bit product with fewer than ``int8_min_weights``
-    weights takes float activations whatever ``q4_level`` says (see :mod:`shards.graph.fragment`)."""
+    weights takes float activations whatever ``q4_level`` says; products on int8 activations take
+    x twice (about 16 bits) unless ``int8_twice`` is False (see :mod:`shards.graph.fragment`)."""
     g = _Graph(out_dir, pool)
-    builder = _Builder(model_dir, m, spec, g, q4_level, q8_level, int8_min_weights)
+    builder = _Builder(model_dir, m, spec, g, q4_level, q8_level, int8_min_weights, int8_twice)
     onnx.save_model(builder.build(), out_dir / ONNX_FILE)
     return g.weight_bytes
 
@@ -136,10 +137,11 @@ class _Builder:
     output) in every flavour, each emitting into the one graph being built."""
 
     def __init__(self, model_dir: Path, m: Manifest, spec: FragmentSpec, g: _Graph, q4_level: int,
-                 q8_level: int, int8_min_weights: int) -> None:
+                 q8_level: int, int8_min_weights: int, int8_twice: bool) -> None:
         self.dir, self.m, self.s, self.g = model_dir, m, spec, g
         self.levels = {4: q4_level, 8: q8_level}
         self.int8_min_weights = int8_min_weights
+        self.int8_twice = int8_twice
         self.q4 = m.weight_format in BLOCK_FORMATS
         self.fused = spec.flavour in FUSED_FLAVOURS
         half = spec.flavour == "gpu"
@@ -165,7 +167,7 @@ class _Builder:
         int8 by its largest magnitude), the product is taken on x and on what that rounding left
         of x (``x - q(x)``, itself rounded to int8 by the kernel), stacked as the rows of one call
         and summed after it, so x counts with about 16 bits: a decode step reads the weights once,
-        a prompt costs twice the int8 arithmetic."""
+        a prompt costs twice the int8 arithmetic. Without ``int8_twice``, x alone (8 bits)."""
         g = self.g
         if len({t[f"{n}.qweight"].shape[-1] for n in names}) > 1:  # a mixed store: 4- and 8-bit apart
             return g.op1("Concat", [self._linear_nbits(x, t, [n], f"{label}.{n}") for n in names], axis=-1)
@@ -182,13 +184,14 @@ class _Builder:
             level = 0
         blocks = g.const(f"blocks_shape_{kb}", np.array([0, 0, kb, 32], np.int64))
         rows = x
-        if level == INT8_ACTIVATIONS:  # x, then what its rounding leaves, as rows of one product
+        twice = level == INT8_ACTIVATIONS and self.int8_twice
+        if twice:  # x, then what its rounding leaves, as rows of one product
             xb = g.op1("Reshape", [x, blocks])
             residue = g.op1("Reshape", [g.op1("Sub", [xb, self._int8_rounded(xb)]), g.op1("Shape", [x])])
             rows = g.op1("Concat", [x, residue], axis=-2)
         y = g.op1("MatMulNBits", [rows, *ins], domain=MS, K=kb * 32, N=n_out, bits=bits, block_size=32,
                   accuracy_level=level)
-        if level == INT8_ACTIVATIONS:  # [.., 2T, N] -> the two halves summed
+        if twice:  # [.., 2T, N] -> the two halves summed
             halves = g.const(f"halves_shape_{n_out}", np.array([0, 2, -1, n_out], np.int64))
             y = g.op1("ReduceSum", [g.op1("Reshape", [y, halves]), g.const("axis_1", np.array([1], np.int64))],
                       keepdims=0)

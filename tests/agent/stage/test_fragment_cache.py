@@ -11,13 +11,15 @@ in-process agent on loopback as the weight source of the orders:
 - a weight file found corrupt while building is deleted and fetched again, once; when no peer
   has an intact copy the build fails, saying so, and the repair is shown as not fetched again;
 - a fragment that computed NaN or Inf is dropped with its build, and built again when needed;
-- the latest repairs are kept, at most :data:`MAX_REPAIRS_KEPT`.
+- the latest repairs are kept, at most :data:`MAX_REPAIRS_KEPT`;
+- the agent's ``activation_bits`` reach the fragments it builds.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -63,14 +65,14 @@ def order_from(sources: list[Source]) -> RoutingOrder:
 
 @contextlib.asynccontextmanager
 async def fragment_cache(tmp: Path, *, threads: int = 1, agents_on_host: int = 1, stored: bool = True,
-                         ) -> AsyncIterator[tuple[FragmentCache, RoutingOrder]]:
+                         activation_bits: int = 16) -> AsyncIterator[tuple[FragmentCache, RoutingOrder]]:
     """A cache over the store ``tmp/node`` (holding the tiny model when ``stored``), with the
     order whose weight source is an in-process agent holding it too."""
     async with peers(tmp) as (sources, client):
         store = ModelStore(tmp / "node")
         if stored:
             import_model(tmp / "checkpoint", name=TINY, store=store, progress=False)
-        config = AgentConfig(cluster_key=CLUSTER_KEY, threads=threads)
+        config = AgentConfig(cluster_key=CLUSTER_KEY, threads=threads, activation_bits=activation_bits)
         cache = FragmentCache(config, store, client, agents_on_host=lambda: agents_on_host)
         try:
             yield cache, order_from(sources)
@@ -128,6 +130,16 @@ def test_a_runner_is_opened_once_per_key_computes_its_layers_and_is_reported_in_
             cache.close_all_but({key(0, 1)})
             assert list(cache.runners) == [key(0, 1)] and cache.runners[key(0, 1)] is whole
             assert whole.sessions() == ["one"]
+
+    asyncio.run(scenario())
+
+
+def test_the_agents_activation_bits_reach_the_fragments_it_builds(tmp_path):
+    async def scenario() -> None:
+        async with fragment_cache(tmp_path, activation_bits=8) as (cache, order):
+            await asyncio.wait_for(cache.open(order, key(0, 1)), timeout=60)
+            built = json.loads((cache.runners[key(0, 1)].path.parent / "fragment.json").read_text())
+            assert built["activation_bits"] == 8
 
     asyncio.run(scenario())
 

@@ -100,7 +100,9 @@ def test_fragments_are_cached_and_keyed_by_shape(model_dir, tmp_path) -> None:
     assert build_fragment(model_dir, 3, 4, cache_dir=tmp_path) == a and a.stat().st_mtime_ns == mtime
     b = build_fragment(model_dir, 3, 4, cache_dir=tmp_path, max_context=128)
     c = build_fragment(model_dir, 3, 4, cache_dir=tmp_path, flavour="static", max_context=128, prefill_chunk=16)
-    assert len({a, b, c}) == 3
+    d = build_fragment(model_dir, 3, 4, cache_dir=tmp_path, activation_bits=8)
+    assert len({a, b, c, d}) == 4
+    assert json.loads((d.parent / "fragment.json").read_text())["activation_bits"] == 8
     stale = a.parent.with_name(a.parent.name[:-20] + "0" * 20)  # as left by an older builder
     stale.mkdir()
     shutil.rmtree(a.parent)  # force a rebuild
@@ -162,6 +164,7 @@ def test_sweep_removes_other_builders_and_abandoned_temporary_builds(model_dir, 
 @pytest.mark.parametrize("args,kw", [
     ((5, 4), {}), ((0, 30), {}), ((-1, 3), {}), ((0, 1), {"flavour": "tpu"}),
     ((0, 1), {"max_context": 100_000}), ((0, 1), {"flavour": "static", "max_context": 8, "prefill_chunk": 16}),
+    ((0, 1), {"activation_bits": 12}),
 ])
 def test_bad_fragment_requests(model_dir, tmp_path, args, kw) -> None:
     with pytest.raises(FragmentError):

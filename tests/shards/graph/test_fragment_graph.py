@@ -54,6 +54,7 @@ FLAVOURS = ("cpu", "gpu", "portable", "static")
 EXACT = 1e-4  # float32 graph against the float64 reference (logits of a few units)
 HALF = 5e-3  # the "gpu" flavour's float16 products, relative to the largest magnitude
 INT8_TWICE = 2e-4  # block products on int8 activations taken twice (about 16 bits each)
+INT8_ONCE = 5e-2  # taken once (activation_bits 8): on the random tiny model about 3 % of the largest logit
 _PROPS = settings(max_examples=examples(100), deadline=None)
 VARIANTS = {  # manifest fields over the same weights
     "plain": {},
@@ -194,14 +195,14 @@ def reference(m: Manifest, w: dict[str, np.ndarray], ids: np.ndarray, first: int
 
 # --- building and running fragments -----------------------------------------------------------
 def build(stored: Stored, m: Manifest, spec: FragmentSpec, out: Path, *, q4_level: int = Q4_ACCURACY_LEVEL,
-          q8_level: int = Q8_ACCURACY_LEVEL, int8_min_weights: int = 0) -> tuple[Path, int]:
+          q8_level: int = Q8_ACCURACY_LEVEL, int8_min_weights: int = 0, int8_twice: bool = True) -> tuple[Path, int]:
     """The fragment's graph; every block product at its bits' level unless ``int8_min_weights``
     (the tiny model's products are all below the stores' own threshold)."""
     out.mkdir(parents=True)
     pool = out.parent / "pool"
     pool.mkdir(exist_ok=True)
     weight_bytes = write_fragment(stored.model_dir, m, spec, out, pool, q4_level=q4_level, q8_level=q8_level,
-                                  int8_min_weights=int8_min_weights)
+                                  int8_min_weights=int8_min_weights, int8_twice=int8_twice)
     return out / ONNX_FILE, weight_bytes
 
 
@@ -420,6 +421,22 @@ def test_block_products_run_at_the_accuracy_level_given_for_their_bits(tiny, tmp
     assert len(by_bits[4]) == per_layer * LAYERS and len(by_bits[8]) == 1
     want = (0, 0) if flavour == "gpu" else levels  # CUDA's kernels: float activations only
     assert set(by_bits[4]) == {want[0]} and set(by_bits[8]) == {want[1]}
+
+
+def test_without_the_second_take_block_products_run_on_8_bit_activations(tiny, tmp_path) -> None:
+    """``int8_twice=False`` (an agent's activation_bits 8): each product on x alone, as one call
+    of x's rows, and the logits off by more than the second take leaves, within int8's own error."""
+    stored = tiny["q4"]
+    spec = spec_of("cpu")
+    path, _ = build(stored, stored.manifest, spec, tmp_path / "fragment", int8_twice=False)
+    graph = onnx.load(path, load_external_data=False).graph
+    made_by = {out: n for n in graph.node for out in n.output}
+    products = [n for n in graph.node if n.op_type == "MatMulNBits"]
+    assert products and not any(n.input[0] in made_by and made_by[n.input[0]].op_type == "Concat" for n in products)
+    logits, _ = run(open_session(path), stored.manifest, spec, IDS)
+    want = reference(stored.manifest, stored.weights, IDS)["logits"]
+    assert_close(logits, want, "cpu", INT8_ONCE)
+    assert np.abs(logits - want).max() > INT8_TWICE * max(1.0, float(np.abs(want).max()))
 
 
 def test_small_4_bit_products_take_float_activations(tiny, tmp_path) -> None:
