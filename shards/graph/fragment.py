@@ -90,7 +90,7 @@ def load_manifest(model_dir: Path) -> Manifest:
 
 def fragment_key(m: Manifest, spec: FragmentSpec, activation_bits: int = 16) -> str:
     """Cache key: changes when the builder, the weights, the range, flavour, shapes or
-    activations change."""
+    activations change (16, the default, keeps the key it had before the choice existed)."""
     doc = {
         "builder": BUILDER_VERSION, "ir": IR_VERSION, "q4_level": Q4_ACCURACY_LEVEL, "q8_level": Q8_ACCURACY_LEVEL,
         "int8_min_weights": INT8_MIN_WEIGHTS, **({"activation_bits": activation_bits} if activation_bits != 16 else {}),
