@@ -20,7 +20,7 @@ from agent.core.wire import MAX_DRAFT_TOKENS
 from agent.local import settings
 from agent.local.compat import tomllib
 from agent.local.files import write_atomic
-from shards.graph.fragment import ACTIVATION_BITS
+from shards.graph.fragment import ACTIVATION_BITS, DEFAULT_ACTIVATION_BITS
 from shards.store.model_store import ncm_home
 
 INSTALLED_CONFIG_PATH = Path("/etc/ncm/agent.toml")
@@ -75,7 +75,7 @@ class AgentConfig:
     providers: tuple[str, ...] = ()
     threads: int = 0
     spin: str = "auto"  # compute threads spin between runs: auto (only when alone on the host), on, off
-    activation_bits: int = 16  # block products on int8 activations take x twice (16, about 16 bits) or once (8)
+    activation_bits: int = DEFAULT_ACTIVATION_BITS  # int8 activations taken twice (16, about 16 bits) or once (8)
     health_interval_s: float = 1.0
     failure_threshold: int = 3
     peer_timeout_s: float = 2.0
@@ -177,7 +177,8 @@ class AgentConfig:
         if not 0 <= self.draft_tokens <= MAX_DRAFT_TOKENS:
             raise ConfigError(f"draft_tokens must be 0 (off) to {MAX_DRAFT_TOKENS}, got {self.draft_tokens}")
         if self.activation_bits not in ACTIVATION_BITS:
-            raise ConfigError(f"activation_bits must be 16 or 8, got {self.activation_bits}")
+            raise ConfigError(f"activation_bits must be {' or '.join(map(str, ACTIVATION_BITS))}, "
+                              f"got {self.activation_bits}")
         if not 0 <= self.prefill_share <= 1000:
             raise ConfigError(f"prefill_share must be 0 (prompts read whole) to 1000, got {self.prefill_share}")
         if self.default_placement not in PLACEMENTS:

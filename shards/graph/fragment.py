@@ -78,6 +78,7 @@ Q4_ACCURACY_LEVEL = 4
 Q8_ACCURACY_LEVEL = 4
 INT8_MIN_WEIGHTS = 1 << 22
 ACTIVATION_BITS = (16, 8)  # the choices of activation_bits: int8 taken twice (the default), once
+DEFAULT_ACTIVATION_BITS = ACTIVATION_BITS[0]
 
 
 def load_manifest(model_dir: Path) -> Manifest:
@@ -88,12 +89,13 @@ def load_manifest(model_dir: Path) -> Manifest:
     return Manifest.from_json(p.read_text(encoding="utf-8"))
 
 
-def fragment_key(m: Manifest, spec: FragmentSpec, activation_bits: int = 16) -> str:
+def fragment_key(m: Manifest, spec: FragmentSpec, activation_bits: int = DEFAULT_ACTIVATION_BITS) -> str:
     """Cache key: changes when the builder, the weights, the range, flavour, shapes or
-    activations change (16, the default, keeps the key it had before the choice existed)."""
+    activations change (the default keeps the key it had before the choice existed)."""
     doc = {
         "builder": BUILDER_VERSION, "ir": IR_VERSION, "q4_level": Q4_ACCURACY_LEVEL, "q8_level": Q8_ACCURACY_LEVEL,
-        "int8_min_weights": INT8_MIN_WEIGHTS, **({"activation_bits": activation_bits} if activation_bits != 16 else {}),
+        "int8_min_weights": INT8_MIN_WEIGHTS,
+        **({"activation_bits": activation_bits} if activation_bits != DEFAULT_ACTIVATION_BITS else {}),
         "model": m.to_dict() | {"files": None},
         "files": {k: m.files[k].sha256 for k in m.fragment_files(spec.first_layer, spec.last_layer)},
         "spec": [spec.first_layer, spec.last_layer, spec.flavour, spec.max_context, spec.prefill_chunk],
@@ -103,7 +105,7 @@ def fragment_key(m: Manifest, spec: FragmentSpec, activation_bits: int = 16) -> 
 
 def build_fragment(model_dir: Path, first_layer: int, last_layer: int, *, flavour: str = "cpu",
                    max_context: int | None = None, prefill_chunk: int | None = None,
-                   cache_dir: Path | None = None, activation_bits: int = 16) -> Path:
+                   cache_dir: Path | None = None, activation_bits: int = DEFAULT_ACTIVATION_BITS) -> Path:
     """Build (or reuse from cache) the ONNX fragment for layers [first, last]; returns its path.
 
     The cache lives under ``cache_dir`` or ``<model_dir>/fragments/`` and is keyed by the
@@ -124,7 +126,7 @@ def build_fragment(model_dir: Path, first_layer: int, last_layer: int, *, flavou
     spec.validate(m)
     key = fragment_key(m, spec, activation_bits)
     root = Path(cache_dir) if cache_dir is not None else model_dir / FRAGMENTS_DIR
-    bits = "" if activation_bits == 16 else f"a{activation_bits}-"  # both kept side by side
+    bits = "" if activation_bits == DEFAULT_ACTIVATION_BITS else f"a{activation_bits}-"  # both kept side by side
     prefix = f"{m.name}-{spec.first_layer:03d}-{spec.last_layer:03d}-{flavour}-c{mc}-p{pc}-{bits}"
     final = root / (prefix + key[:20])
     if (final / ONNX_FILE).is_file():
@@ -137,7 +139,7 @@ def build_fragment(model_dir: Path, first_layer: int, last_layer: int, *, flavou
 
         weight_bytes = write_fragment(model_dir, m, spec, tmp, root / BLOB_POOL, q4_level=Q4_ACCURACY_LEVEL,
                                       q8_level=Q8_ACCURACY_LEVEL, int8_min_weights=INT8_MIN_WEIGHTS,
-                                      int8_twice=activation_bits == 16)
+                                      int8_twice=activation_bits == DEFAULT_ACTIVATION_BITS)
         (tmp / "fragment.json").write_text(json.dumps({"key": key, "builder": BUILDER_VERSION,
                                                        "weight_bytes": weight_bytes, "spec": spec.__dict__,
                                                        "activation_bits": activation_bits}),
@@ -152,8 +154,8 @@ def build_fragment(model_dir: Path, first_layer: int, last_layer: int, *, flavou
         shutil.rmtree(tmp, ignore_errors=True)
         prune_blobs(root)
         raise
-    stale = [p for p in root.glob(prefix + "*")  # from older weights or builder
-             if p != final and len(p.name) == len(final.name)]
+    stale = [p for p in root.glob(prefix + "*")  # from older weights or builder; a name of another
+             if p != final and len(p.name) == len(final.name)]  # length is the other activation bits'
     for path in stale:
         shutil.rmtree(path, ignore_errors=True)
     if stale:

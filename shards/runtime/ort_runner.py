@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 
 from shards.errors import RunnerError
-from shards.graph.fragment import build_fragment, load_manifest
+from shards.graph.fragment import DEFAULT_ACTIVATION_BITS, build_fragment, load_manifest
 from shards.graph.spec import FINAL_HIDDEN, FUSED_FLAVOURS
 from shards.providers.backends import Backend, backend_chain, detect_platform
 from shards.providers.rknn import RKNN, RknnSession
@@ -72,7 +72,7 @@ class OrtFragmentRunner(FragmentRunner):
                  threads: int | None = None, flavour: str | None = None, max_context: int | None = None,
                  prefill_chunk: int | None = None, cache_dir: Path | None = None,
                  io_binding: bool | None = None, spinning: bool | None = None,
-                 spin_after_run: bool = True, activation_bits: int = 16) -> None:
+                 spin_after_run: bool = True, activation_bits: int = DEFAULT_ACTIVATION_BITS) -> None:
         import onnxruntime as ort
 
         self.model_dir = Path(model_dir)
