@@ -4,19 +4,23 @@
     python bench/q4_precision.py --decode-tokens 64 --prompt-tokens 512
 
 MatMulNBits takes its activations as float (accuracy_level 0) or rounds each block of 32 to
-int8 (level 4); at level 4 the fragments take each product on x and on what the rounding left
-of it, as the rows of one call (about 16 bits), or on x alone with an agent's
-``activation_bits = 8``. For each choice of the 4-bit layers' and the lm_head's level and of the
-activation bits, on the q4 store of the packaged model: how many reference questions are
+int8 (level 4); at level 4 the fragments take each product on x alone (an agent's
+``activation_bits = 8``, the default), or on x and on what the rounding left of it, as the rows
+of one call (16, about 16 bits). For each choice of the 4-bit layers' and the lm_head's level and
+of the activation bits, on the q4 store of the packaged model: how many reference questions are
 answered word for word as the float store answers them (greedy), the largest logit gap from
 the float store over those answers, and prefill and decode speed relative to the default. The
 packaged model's 4-bit products are below ``INT8_MIN_WEIGHTS`` (float activations as built);
-the rows that say "layers int8" put them on int8, as a model of about 1B and up has them.
+the rows that say "layers int8" put them on int8, as a model of about 1B and up has them. Both
+stores hold the packaged Q4_1 file's weights exactly, so only the activations differ. The last
+row is llama.cpp (llama-cpp-python, when installed) on that file itself, with its own 8-bit
+activations: the yardstick.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import sys
 import tempfile
 import time
@@ -28,7 +32,8 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
-from shards.graph import fragment  # noqa: E402 - after the path
+from bench.model_shapes import cache_dir, default_tokenizer_gguf  # noqa: E402 - after the path
+from shards.graph import fragment  # noqa: E402
 from shards.importers.pull import DEFAULT_MODEL, pull_model  # noqa: E402
 from shards.runtime.chain import chain_forward, open_chain  # noqa: E402
 from shards.store.model_store import ModelStore  # noqa: E402
@@ -39,9 +44,9 @@ QUESTIONS = ["What is the capital of France?", "What is 2+2?", "Write a haiku ab
              "Translate 'good morning' to Spanish.", "What is the largest planet in our solar system?"]
 # (label, 4-bit layers' accuracy_level, 8-bit lm_head's, INT8_MIN_WEIGHTS, activation_bits)
 AS_BUILT = (fragment.Q4_ACCURACY_LEVEL, fragment.Q8_ACCURACY_LEVEL, fragment.INT8_MIN_WEIGHTS)
-CHOICES = [("as built (default)", *AS_BUILT, 16), ("as built, activation_bits 8", *AS_BUILT, 8),
-           ("layers int8, activation_bits 16", 4, 4, 0, 16), ("layers int8, activation_bits 8", 4, 4, 0, 8),
-           ("layers float, lm_head float", 0, 0, 0, 16)]
+CHOICES = [("as built (default)", *AS_BUILT, 8), ("as built, activation_bits 16", *AS_BUILT, 16),
+           ("layers int8, activation_bits 8", 4, 4, 0, 8), ("layers int8, activation_bits 16", 4, 4, 0, 16),
+           ("layers float, lm_head float", 0, 0, 0, 8)]
 
 
 def greedy(runners, ids: list[int], steps: int) -> tuple[list[int], np.ndarray]:
@@ -53,6 +58,53 @@ def greedy(runners, ids: list[int], steps: int) -> tuple[list[int], np.ndarray]:
     for r in runners:
         r.close_session("g")
     return tokens, np.stack(rows)
+
+
+def agreement(tokenizer, answers: list[tuple[list[int], np.ndarray]],
+              runs: list[tuple[list[int], np.ndarray]]) -> tuple[int, float]:
+    """(how many ``runs`` answer word for word as ``answers`` do, the largest logit gap until they part)."""
+    same, gap = 0, 0.0
+    for (tokens, logits), (ref_tokens, ref_logits) in zip(runs, answers):
+        same += tokenizer.decode(tokens) == tokenizer.decode(ref_tokens)
+        agree = next((i for i, (a, b) in enumerate(zip(tokens, ref_tokens)) if a != b), len(tokens))
+        gap = max(gap, float(np.abs(logits[:agree + 1] - ref_logits[:agree + 1]).max()))
+    return same, gap
+
+
+def llama_cpp_runs(gguf: Path, chats: list[list[int]], steps: int, prompt: list[int], decode_tokens: int,
+                   threads: int) -> tuple[list[tuple[list[int], np.ndarray]], float, float]:
+    """llama.cpp on the file: each chat's greedy answer and logits (as :func:`greedy`), and
+    (prefill tokens/s, decode tokens/s) as :func:`speed` measures them."""
+    import llama_cpp
+
+    llm = llama_cpp.Llama(str(gguf), n_threads=threads, n_threads_batch=threads, verbose=False,
+                          n_ctx=max(len(prompt) + decode_tokens, max(map(len, chats)) + steps) + 16,
+                          n_batch=max(512, len(prompt)))
+
+    def logits() -> np.ndarray:
+        return np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(llm._ctx.ctx, -1), shape=(llm.n_vocab(),)).copy()
+
+    runs = []
+    for ids in chats:
+        llm.reset()
+        llm.eval(ids)
+        tokens, rows = [], [logits()]
+        for _ in range(steps):
+            tokens.append(int(rows[-1].argmax()))
+            llm.eval(tokens[-1:])
+            rows.append(logits())
+        runs.append((tokens, np.stack(rows)))
+    best_prefill = best_decode = 0.0
+    for _ in range(2):
+        llm.reset()
+        started = time.perf_counter()
+        llm.eval(prompt)
+        best_prefill = max(best_prefill, len(prompt) / (time.perf_counter() - started))
+        started = time.perf_counter()
+        for _ in range(decode_tokens):
+            llm.eval([int(logits().argmax())])
+        best_decode = max(best_decode, decode_tokens / (time.perf_counter() - started))
+    return runs, best_prefill, best_decode
 
 
 def speed(runners, prompt: list[int], decode_tokens: int) -> tuple[float, float]:
@@ -97,15 +149,16 @@ def main() -> None:
             fragment.INT8_MIN_WEIGHTS = min_weights
             runners = open_chain(store.model_dir(names["q4"]), cuts, threads=args.threads, cache_dir=Path(cache),
                                  activation_bits=bits)
-            same, gap = 0, 0.0
-            for ids, (ref_tokens, ref_logits) in zip(chats, answers):
-                tokens, logits = greedy(runners, ids, args.answer_tokens)
-                same += tokenizer.decode(tokens) == tokenizer.decode(ref_tokens)
-                agree = next((i for i, (a, b) in enumerate(zip(tokens, ref_tokens)) if a != b), len(tokens))
-                gap = max(gap, float(np.abs(logits[:agree + 1] - ref_logits[:agree + 1]).max()))
-            rows.append((f"q4: {label}", same, gap, *speed(runners, prompt, args.decode_tokens)))
+            runs = [greedy(runners, ids, args.answer_tokens) for ids in chats]
+            rows.append((f"q4: {label}", *agreement(tokenizer, answers, runs),
+                         *speed(runners, prompt, args.decode_tokens)))
             for r in runners:
                 r.close()
+    if importlib.util.find_spec("llama_cpp") is not None:
+        gguf = default_tokenizer_gguf(cache_dir())  # the packaged file both stores were imported from
+        runs, prefill, decode = llama_cpp_runs(gguf, chats, args.answer_tokens, prompt, args.decode_tokens,
+                                               args.threads)
+        rows.append(("llama.cpp on the Q4_1 file", *agreement(tokenizer, answers, runs), prefill, decode))
     default = next(row for row in rows if "(default)" in row[0])
     print(f"{'store and activations':44} {'same answers':>12} {'max logit gap':>14} "
           f"{'prefill tok/s':>14} {'decode tok/s':>13}")

@@ -75,7 +75,7 @@ class AgentConfig:
     providers: tuple[str, ...] = ()
     threads: int = 0
     spin: str = "auto"  # compute threads spin between runs: auto (only when alone on the host), on, off
-    activation_bits: int = DEFAULT_ACTIVATION_BITS  # int8 activations taken twice (16, about 16 bits) or once (8)
+    activation_bits: int = DEFAULT_ACTIVATION_BITS  # int8 activations taken once (8, as llama.cpp) or twice (16)
     health_interval_s: float = 1.0
     failure_threshold: int = 3
     peer_timeout_s: float = 2.0

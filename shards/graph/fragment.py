@@ -54,30 +54,29 @@ from shards.store.model_store import MANIFEST_FILE
 from shards.store.verify import verify_weight_files
 
 log = logging.getLogger(__name__)
-BUILDER_VERSION = 16
+BUILDER_VERSION = 17
 FRAGMENTS_DIR = "fragments"  # the default cache, inside the model's directory
 BLOB_POOL = ".blobs"
 TMP_PREFIX = ".tmp-frag-"
 # accuracy_level of MatMulNBits on CPU: 0 = float activations, 4 = int8 ones (per block of 32).
-# On int8 ones each product is taken on x and on what rounding x to int8 left of it, the two as
-# rows of one call: about 16-bit activations (int8 alone flipped the packaged model's answers, in
-# reading the prompt as much as in decoding) with the weights read once per decode step. 8-bit
-# weights have no fast float kernel. 4-bit ones take int8 activations from INT8_MIN_WEIGHTS
+# 8-bit weights have no fast float kernel. 4-bit ones take int8 activations from INT8_MIN_WEIGHTS
 # weights per product, float ones below: measured on a Zen 4 core (2 threads), the 1B shape's
 # products (4.2M-33.5M weights) decode 1.7x faster on int8 and read prompts 0.67x as fast, while
 # SmolLM2's (0.3M-1.8M) decode 1.04x faster on float, where the int8 path's dozen small ops per
 # product cost more than its kernel saves. See fragment_graph._Builder._linear_nbits.
-# activation_bits=8 (an agent's `activation_bits`) takes x once instead: 8-bit activations, as
-# llama.cpp's against its 4- and 8-bit blocks, for half the arithmetic where the rows cost more
-# than the weights' reading (a prompt, a batch of decode steps). On an AVX2 core, where the int8
-# kernel runs 128 rows no faster than the float one (bench/q4_kernels.py), the 1B shape then reads
-# prompts and decodes 8 streams about 2x as fast; the packaged model's q4 store kept 4 answers in 8
-# of the float store's word for word (2 in 8 with its 4-bit layers put on int8 too), against 8 in 8
-# taken twice (bench/q4_precision.py).
+# activation_bits (an agent's setting): 8 (the default) takes each int8 product on x once, as
+# llama.cpp does against its 4- and 8-bit blocks; 16 takes it on x and on what rounding x to int8
+# left of it, the two as rows of one call (about 16 bits, the weights still read once per decode
+# step), for twice the arithmetic where the rows cost more than the weights' reading (a prompt, a
+# batch of decode steps). On an AVX2 core, where the int8 kernel runs 128 rows no faster than the
+# float one (bench/q4_kernels.py), 8 reads the 1B shape's prompts and decodes its 8 streams about
+# 2x as fast as 16. In answers (bench/q4_precision.py, the packaged model's q4 store against its
+# float store, 8 questions, 32 greedy tokens word for word): 8 keeps 4 answers in 8 (2 with the
+# 4-bit layers put on int8 too), 16 keeps 8 in 8, llama.cpp on the same file keeps 2.
 Q4_ACCURACY_LEVEL = 4
 Q8_ACCURACY_LEVEL = 4
 INT8_MIN_WEIGHTS = 1 << 22
-ACTIVATION_BITS = (16, 8)  # the choices of activation_bits: int8 taken twice (the default), once
+ACTIVATION_BITS = (8, 16)  # the choices of activation_bits: int8 taken once (the default), twice
 DEFAULT_ACTIVATION_BITS = ACTIVATION_BITS[0]
 
 
@@ -91,11 +90,11 @@ def load_manifest(model_dir: Path) -> Manifest:
 
 def fragment_key(m: Manifest, spec: FragmentSpec, activation_bits: int = DEFAULT_ACTIVATION_BITS) -> str:
     """Cache key: changes when the builder, the weights, the range, flavour, shapes or
-    activations change (the default keeps the key it had before the choice existed)."""
+    activations change."""
     doc = {
         "builder": BUILDER_VERSION, "ir": IR_VERSION, "q4_level": Q4_ACCURACY_LEVEL, "q8_level": Q8_ACCURACY_LEVEL,
         "int8_min_weights": INT8_MIN_WEIGHTS,
-        **({"activation_bits": activation_bits} if activation_bits != DEFAULT_ACTIVATION_BITS else {}),
+        "activation_bits": activation_bits,
         "model": m.to_dict() | {"files": None},
         "files": {k: m.files[k].sha256 for k in m.fragment_files(spec.first_layer, spec.last_layer)},
         "spec": [spec.first_layer, spec.last_layer, spec.flavour, spec.max_context, spec.prefill_chunk],
@@ -109,8 +108,8 @@ def build_fragment(model_dir: Path, first_layer: int, last_layer: int, *, flavou
     """Build (or reuse from cache) the ONNX fragment for layers [first, last]; returns its path.
 
     The cache lives under ``cache_dir`` or ``<model_dir>/fragments/`` and is keyed by the
-    model's weights, the range, the flavour, the shapes and ``activation_bits`` (16: block
-    products on int8 activations take x twice; 8: once); writes are atomic. A fragment is
+    model's weights, the range, the flavour, the shapes and ``activation_bits`` (8: block
+    products on int8 activations take x once; 16: twice); writes are atomic. A fragment is
     built only from weight files that match the manifest's sha256 (CorruptWeightsError if not).
     """
     if activation_bits not in ACTIVATION_BITS:
@@ -126,8 +125,7 @@ def build_fragment(model_dir: Path, first_layer: int, last_layer: int, *, flavou
     spec.validate(m)
     key = fragment_key(m, spec, activation_bits)
     root = Path(cache_dir) if cache_dir is not None else model_dir / FRAGMENTS_DIR
-    bits = "" if activation_bits == DEFAULT_ACTIVATION_BITS else f"a{activation_bits}-"  # both kept side by side
-    prefix = f"{m.name}-{spec.first_layer:03d}-{spec.last_layer:03d}-{flavour}-c{mc}-p{pc}-{bits}"
+    prefix = f"{m.name}-{spec.first_layer:03d}-{spec.last_layer:03d}-{flavour}-c{mc}-p{pc}-a{activation_bits}-"
     final = root / (prefix + key[:20])
     if (final / ONNX_FILE).is_file():
         return final / ONNX_FILE
@@ -139,7 +137,7 @@ def build_fragment(model_dir: Path, first_layer: int, last_layer: int, *, flavou
 
         weight_bytes = write_fragment(model_dir, m, spec, tmp, root / BLOB_POOL, q4_level=Q4_ACCURACY_LEVEL,
                                       q8_level=Q8_ACCURACY_LEVEL, int8_min_weights=INT8_MIN_WEIGHTS,
-                                      int8_twice=activation_bits == DEFAULT_ACTIVATION_BITS)
+                                      int8_twice=activation_bits == 16)  # x and what rounding it left
         (tmp / "fragment.json").write_text(json.dumps({"key": key, "builder": BUILDER_VERSION,
                                                        "weight_bytes": weight_bytes, "spec": spec.__dict__,
                                                        "activation_bits": activation_bits}),
@@ -154,8 +152,8 @@ def build_fragment(model_dir: Path, first_layer: int, last_layer: int, *, flavou
         shutil.rmtree(tmp, ignore_errors=True)
         prune_blobs(root)
         raise
-    stale = [p for p in root.glob(prefix + "*")  # from older weights or builder; a name of another
-             if p != final and len(p.name) == len(final.name)]  # length is the other activation bits'
+    # from older weights or builder; the other activation bits' builds have a prefix of their own
+    stale = [p for p in root.glob(prefix + "*") if p != final]
     for path in stale:
         shutil.rmtree(path, ignore_errors=True)
     if stale:

@@ -30,7 +30,7 @@ def test_file_then_environment_then_flags(tmp_path):
         ("peers = ['ftp://x']\n", "peers: a peer URL starts with http:// or https://, got 'ftp://x'"),
         ("cluster_key = 'short'\n", "cluster_key: the cluster key must have 16-256 characters"),
         ("failure_threshold = 0\n", "failure_threshold must be >= 1"),
-        ("activation_bits = 4\n", "activation_bits must be 16 or 8, got 4"),
+        ("activation_bits = 4\n", "activation_bits must be 8 or 16, got 4"),
         ("advertise_peer_port = 70000\n", "port, peer_port and advertise_peer_port must be in 0-65535"),
         ("port = [\n", "not valid TOML"),
     ],

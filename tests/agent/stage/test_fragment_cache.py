@@ -38,6 +38,7 @@ from agent.local.config import AgentConfig
 from agent.stage.fragment_cache import MAX_REPAIRS_KEPT, FragmentCache, RunnerKey
 from agent.stage.weights import Source
 from shards.errors import CorruptWeightsError, RunnerError
+from shards.graph.fragment import DEFAULT_ACTIVATION_BITS
 from shards.importers.importer import import_model
 from shards.providers.backends import backend_chain, detect_platform
 from shards.store.model_store import ModelStore
@@ -65,7 +66,7 @@ def order_from(sources: list[Source]) -> RoutingOrder:
 
 @contextlib.asynccontextmanager
 async def fragment_cache(tmp: Path, *, threads: int = 1, agents_on_host: int = 1, stored: bool = True,
-                         activation_bits: int = 16) -> AsyncIterator[tuple[FragmentCache, RoutingOrder]]:
+                         activation_bits: int = DEFAULT_ACTIVATION_BITS) -> AsyncIterator[tuple[FragmentCache, RoutingOrder]]:
     """A cache over the store ``tmp/node`` (holding the tiny model when ``stored``), with the
     order whose weight source is an in-process agent holding it too."""
     async with peers(tmp) as (sources, client):
@@ -136,10 +137,10 @@ def test_a_runner_is_opened_once_per_key_computes_its_layers_and_is_reported_in_
 
 def test_the_agents_activation_bits_reach_the_fragments_it_builds(tmp_path):
     async def scenario() -> None:
-        async with fragment_cache(tmp_path, activation_bits=8) as (cache, order):
+        async with fragment_cache(tmp_path, activation_bits=16) as (cache, order):
             await asyncio.wait_for(cache.open(order, key(0, 1)), timeout=60)
             built = json.loads((cache.runners[key(0, 1)].path.parent / "fragment.json").read_text())
-            assert built["activation_bits"] == 8
+            assert built["activation_bits"] == 16
 
     asyncio.run(scenario())
 

@@ -100,13 +100,15 @@ def test_fragments_are_cached_and_keyed_by_shape(model_dir, tmp_path) -> None:
     assert build_fragment(model_dir, 3, 4, cache_dir=tmp_path) == a and a.stat().st_mtime_ns == mtime
     b = build_fragment(model_dir, 3, 4, cache_dir=tmp_path, max_context=128)
     c = build_fragment(model_dir, 3, 4, cache_dir=tmp_path, flavour="static", max_context=128, prefill_chunk=16)
-    d = build_fragment(model_dir, 3, 4, cache_dir=tmp_path, activation_bits=8)
+    d = build_fragment(model_dir, 3, 4, cache_dir=tmp_path, activation_bits=16)
     assert len({a, b, c, d}) == 4
-    assert json.loads((d.parent / "fragment.json").read_text())["activation_bits"] == 8
+    assert json.loads((a.parent / "fragment.json").read_text())["activation_bits"] == 8  # the default
+    assert json.loads((d.parent / "fragment.json").read_text())["activation_bits"] == 16
     stale = a.parent.with_name(a.parent.name[:-20] + "0" * 20)  # as left by an older builder
     stale.mkdir()
     shutil.rmtree(a.parent)  # force a rebuild
     assert build_fragment(model_dir, 3, 4, cache_dir=tmp_path) == a and not stale.exists()
+    assert d.is_file()  # the other activation bits' build is no stale one
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".") and p.name != BLOB_POOL]  # no temp dirs
 
 

@@ -74,8 +74,8 @@ def test_phi3_long_rope_and_4_bit_fused_matrices_from_gguf(tmp_path, shape) -> N
     ids = np.random.default_rng(4).integers(3, 96, size=50).astype(np.int64)
     with torch.no_grad():
         ref = model(torch.from_numpy(ids[None, :])).logits[0].numpy()
-    ours = chain_forward(open_chain(store.model_dir("phi"), [(0, 2)], threads=1), "s", ids)[0]
-    # MatMulNBits' kernels differ by instruction set: on an AVX2-only CPU the logits (up to 6)
+    ours = chain_forward(open_chain(store.model_dir("phi"), [(0, 2)], threads=1, activation_bits=16), "s", ids)[0]
+    # about 16-bit activations (the importer's function, not int8's error); MatMulNBits' kernels differ by instruction set: on an AVX2-only CPU the logits (up to 6)
     # were off by up to 6e-4 (phi-3.5) and 1.2e-3 (phi-4-mini), within 1e-3 on AVX-512
     np.testing.assert_allclose(ours, ref, atol=3e-3, rtol=0)
 
@@ -94,9 +94,9 @@ def test_q4_fragments_compute_the_dequantised_model(tmp_path, monkeypatch, arch)
     ids = np.arange(3, 50, dtype=np.int64)
     with torch.no_grad():
         ref = model(torch.from_numpy(ids[None, :])).logits[0].numpy()
-    fast = chain_forward(open_chain(d, [(0, 2)], threads=1), "s", ids)[0]
-    # int8 activations taken twice (x, then what rounding left of it): the dequantised weights'
-    # function to about 16-bit activations
+    fast = chain_forward(open_chain(d, [(0, 2)], threads=1, activation_bits=16), "s", ids)[0]
+    # int8 activations taken twice (x, then what rounding left of it; the default takes x once):
+    # the dequantised weights' function to about 16-bit activations
     np.testing.assert_allclose(fast, ref, atol=1e-3, rtol=0)
     monkeypatch.setattr("shards.graph.fragment.Q4_ACCURACY_LEVEL", 0)  # float activations everywhere: exact
     monkeypatch.setattr("shards.graph.fragment.Q8_ACCURACY_LEVEL", 0)
@@ -138,7 +138,8 @@ def test_a_mixed_store_keeps_each_tensor_in_the_blocks_of_its_precision(tmp_path
     ids = np.arange(3, 60, dtype=np.int64)
     with torch.no_grad():
         ref = model(torch.from_numpy(ids[None, :])).logits[0].numpy()
-    ours = chain_forward(open_chain(store.model_dir("mixed"), [(0, 1), (2, 2)], threads=1), "s", ids)[0]
+    ours = chain_forward(open_chain(store.model_dir("mixed"), [(0, 1), (2, 2)], threads=1, activation_bits=16),
+                         "s", ids)[0]
     np.testing.assert_allclose(ours, ref, atol=1e-3, rtol=0)  # 8-bit products on int8 activations, twice
 
 

@@ -217,7 +217,7 @@ def test_experts_are_picked_per_token_and_run_from_4_bit_blocks(checkpoints, tmp
     store = ModelStore(tmp_path / "home")
     m = import_model(tmp_path / "src", name="moe-q4", weights="q4", store=store, progress=False)
     load_dequantised(source, store.model_dir(m.name), m)
-    runners = open_chain(store.model_dir(m.name), [(0, 1), (2, 2)], threads=1)
+    runners = open_chain(store.model_dir(m.name), [(0, 1), (2, 2)], threads=1, activation_bits=16)
     ours = np.concatenate([chain_forward(runners, "s", ids[:30])] +
                           [chain_forward(runners, "s", ids[i:i + 1]) for i in range(30, 40)], axis=1)[0]
     np.testing.assert_allclose(ours, torch_logits(source, ids), atol=1e-3, rtol=0)  # the lm_head's int8 x2
