@@ -28,6 +28,13 @@ the streams' total, more than the gap it saves them). (Each slice is a call of i
 that reads the fragment's weights again: on a CPU, where that is most of a decode step, a
 share of 1 reads the prompt 3x slower than alone, 2 about 2x, 4 hardly slower, for gaps of
 about 2, 3 and 4-5 decode batches.)
+
+Prompts into empty caches that are read whole (nothing decodes beside them, or together they
+are as short as two slices) are read as one call when several are queued for a fragment,
+padded to the longest (at most :data:`PROMPT_SPREAD_TOKENS` apart): one weight read for all,
+as llama.cpp's server reads the prompts that arrive together. A prompt read in slices is read
+alone, so the streams beside it keep their gaps (a batch of prompts cannot be sliced: the
+fused attention reads several positions of several rows only into empty caches).
 """
 
 from __future__ import annotations
@@ -53,6 +60,8 @@ INLINE_DECODE_S = 0.05  # a lone stream's decode step runs on the event loop whe
 DECODE_RECENT_S = 0.25  # a decode batch ran this recently: prompts are read in slices between decode batches
 MIN_SLICE_TOKENS = 8  # a slice of a prompt reads at least this many positions
 FIRST_SLICE_TOKENS = 32  # ... and this many before the fragment's time per position is known
+PROMPT_BATCH_TOKENS = 1024  # prompts read together: at most this many positions, padding included
+PROMPT_SPREAD_TOKENS = 32  # ... each at most this much shorter or longer than the first
 
 
 @dataclass
@@ -72,6 +81,12 @@ class _Pending:
     @property
     def decode(self) -> bool:
         return self.x.shape[1] == 1 and not self.hidden
+
+    @property
+    def fresh_prompt(self) -> bool:
+        """A prompt's step into an empty cache, not begun: one that can be read with others."""
+        return (not self.decode and not self.hidden and self.rows == 1 and self.start == 0 and self.reuse is None
+                and self.done == 0)
 
     @property
     def left(self) -> int:
@@ -126,8 +141,9 @@ def _prepare(runner: FragmentRunner, sid: str, start: int, reuse: str | None = N
 def run_batch(runner: FragmentRunner, steps: list[tuple[str, int, np.ndarray, str | None, bool, int]]
               ) -> list[np.ndarray | BaseException]:
     """Run ``steps`` ((session, start, input, reused session, final hidden states wanted, rows
-    of logits wanted) each) on ``runner``: one batched call for the rows that are ready, each
-    row alone if that call fails. Per step its output or its error."""
+    of logits wanted) each: decode steps, or prompts into empty caches) on ``runner``: one
+    batched call for the rows that are ready, each row alone if that call fails (or when the
+    runner cannot read those prompts together). Per step its output or its error."""
     results: list[np.ndarray | BaseException | None] = [None] * len(steps)
     ready = []
     for index, (sid, start, _, reuse, _, _) in enumerate(steps):
@@ -136,7 +152,21 @@ def run_batch(runner: FragmentRunner, steps: list[tuple[str, int, np.ndarray, st
             ready.append(index)
         except (StageError, ShardsError) as error:
             results[index] = error
-    if len(ready) > 1:
+    if len(ready) > 1 and steps[ready[0]][2].shape[1] > 1:  # prompts: together when the runner can
+        sids = [steps[i][0] for i in ready]
+        if runner.reads_prompts_together(sids):
+            lengths = [steps[i][2].shape[1] for i in ready]
+            x = np.zeros((len(ready), max(lengths), *steps[ready[0]][2].shape[2:]), steps[ready[0]][2].dtype)
+            for row, index in enumerate(ready):
+                x[row, :lengths[row]] = steps[index][2][0]
+            try:
+                out = runner.forward_prompts(sids, x, lengths)
+                for row, index in enumerate(ready):
+                    results[index] = out[row:row + 1] if runner.is_tail else out[row:row + 1, :lengths[row]]
+                ready = []
+            except ShardsError as error:
+                log.warning("%d prompts read together failed, reading them one by one: %s", len(ready), error)
+    elif len(ready) > 1:
         try:
             out = runner.forward_batch([steps[i][0] for i in ready], np.concatenate([steps[i][2] for i in ready]))
             for row, index in enumerate(ready):
@@ -196,21 +226,34 @@ class StepBatcher:
         self._timer = None
         self._next()
 
-    def _take(self) -> list[_Pending]:
+    def _take(self, now_s: float) -> list[_Pending]:
         """The oldest step, and when it is a decode step every queued decode step of another
-        session on the same fragment (up to :data:`MAX_BATCH_ROWS`)."""
+        session on the same fragment (up to :data:`MAX_BATCH_ROWS`); when it is a prompt into
+        an empty cache that is read whole, the other such prompts queued for the fragment whose
+        lengths are close to its own, as many as are read whole together (padding included;
+        beside decode steps, as long as two slices; else up to :data:`PROMPT_BATCH_TOKENS`)."""
         first = self._queue.popleft()
         batch = [first]
-        if not first.decode:
+        slice_size = self._slice_size(first.runner, now_s) if first.fresh_prompt else None
+        budget = PROMPT_BATCH_TOKENS if slice_size is None else min(PROMPT_BATCH_TOKENS, 2 * slice_size)
+        if not first.decode and not (first.fresh_prompt and first.left <= budget):
             return batch
-        sids = {first.sid}
+        sids, longest = {first.sid}, first.left
         for pending in list(self._queue):
             if len(batch) >= MAX_BATCH_ROWS:
                 break
-            if pending.runner is first.runner and pending.decode and pending.sid not in sids:
-                batch.append(pending)
-                sids.add(pending.sid)
-                self._queue.remove(pending)
+            if pending.runner is not first.runner or pending.sid in sids:
+                continue
+            if first.decode:
+                if not pending.decode:
+                    continue
+            elif (not pending.fresh_prompt or abs(pending.left - first.left) > PROMPT_SPREAD_TOKENS
+                  or (len(batch) + 1) * max(longest, pending.left) > budget):
+                continue
+            longest = max(longest, pending.left)
+            batch.append(pending)
+            sids.add(pending.sid)
+            self._queue.remove(pending)
         return batch
 
     def _next(self) -> None:
@@ -228,7 +271,7 @@ class StepBatcher:
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
-        batch = [p for p in self._take() if not p.future.done()]
+        batch = [p for p in self._take(loop.time()) if not p.future.done()]
         if not batch:
             self._next()
             return
@@ -239,7 +282,10 @@ class StepBatcher:
             self.batches += 1
             self.batched_steps += len(batch)
         started_s = loop.time()
-        tokens = self._slice_tokens(batch[0], loop.time()) if len(batch) == 1 else 1  # decode steps: one each
+        if len(batch) == 1:
+            tokens = self._slice_tokens(batch[0], loop.time())
+        else:  # decode steps: one each; prompts read together: whole
+            tokens = max(p.left for p in batch)
         steps = [p.step(tokens) for p in batch]
         if self._inline(batch):
             try:
@@ -251,18 +297,23 @@ class StepBatcher:
         work = loop.run_in_executor(self.executor, run_batch, batch[0].runner, steps)
         work.add_done_callback(lambda done: self._finish(batch, self._outcome(done, len(batch)), started_s, tokens))
 
+    def _slice_size(self, runner: FragmentRunner, now_s: float) -> int | None:
+        """Positions a slice of a prompt reads on ``runner`` now, or None when prompts run whole
+        (no decode step runs beside them, or slicing is off)."""
+        contended = now_s - self._decoded_at_s < DECODE_RECENT_S or any(p.decode for p in self._queue)
+        if not contended or not self.slice_share:
+            return None
+        position_s = self._position_s.get(runner)
+        return FIRST_SLICE_TOKENS if position_s is None else max(
+            MIN_SLICE_TOKENS, int(self.slice_share * self._decode_s / max(position_s, 1e-9)))
+
     def _slice_tokens(self, pending: _Pending, now_s: float) -> int:
         """How many positions of ``pending`` run now: all of them, or a slice when decode steps
         run beside it (see the module's docstring)."""
         left = pending.left
-        contended = now_s - self._decoded_at_s < DECODE_RECENT_S or any(p.decode for p in self._queue)
-        if pending.decode or not pending.sliceable or not contended or not self.slice_share:
-            return left
-        position_s = self._position_s.get(pending.runner)
-        tokens = FIRST_SLICE_TOKENS if position_s is None else max(
-            MIN_SLICE_TOKENS, int(self.slice_share * self._decode_s / max(position_s, 1e-9)))
-        if pending.done == 0 and left <= 2 * tokens:  # two slices: a weight read more for a gap of 2 decode batches
-            return left
+        tokens = None if pending.decode or not pending.sliceable else self._slice_size(pending.runner, now_s)
+        if tokens is None or (pending.done == 0 and left <= 2 * tokens):  # two slices: a weight read more for a
+            return left  # gap of 2 decode batches
         return -(-left // -(-left // tokens))  # slices of one size: no small last one that costs a weight read
 
     def _inline(self, batch: list[_Pending]) -> bool:
@@ -293,8 +344,8 @@ class StepBatcher:
         if first.decode:
             self._last_compute_s[first.runner] = self._decode_s = now_s - started_s
             self._decoded_at_s = now_s
-        elif min(tokens, first.left) >= MIN_SLICE_TOKENS:  # a slice's weights read and all
-            measured_s = (now_s - started_s) / min(tokens, first.left)
+        elif min(tokens, first.left) >= MIN_SLICE_TOKENS:  # a slice's (or the prompts') weights read and all
+            measured_s = (now_s - started_s) / sum(min(tokens, p.left) for p in batch)
             known_s = self._position_s.get(first.runner, measured_s)
             self._position_s[first.runner] = (known_s + measured_s) / 2
         for pending, result in zip(batch, results):

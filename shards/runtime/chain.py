@@ -111,6 +111,13 @@ class RunnerChain(FragmentRunner):
     def forward_batch(self, session_ids: Sequence[str], x: np.ndarray) -> np.ndarray:
         return self._through(session_ids, lambda part, h: part.forward_batch(session_ids, x if h is None else h))
 
+    def reads_prompts_together(self, session_ids: Sequence[str]) -> bool:
+        return all(part.reads_prompts_together(session_ids) for part in self.parts)
+
+    def forward_prompts(self, session_ids: Sequence[str], x: np.ndarray, lengths: Sequence[int]) -> np.ndarray:
+        return self._through(session_ids, lambda part, h: part.forward_prompts(session_ids, x if h is None else h,
+                                                                                lengths))
+
     def _forget(self, session_id: str) -> None:
         for part in self.parts:
             if session_id in part.sessions():

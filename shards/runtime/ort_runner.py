@@ -290,6 +290,42 @@ class OrtFragmentRunner(FragmentRunner):
                     raise RunnerError(f"context overflow: session {sid!r} holds max_context {self.max_context}")
             return self._forward_rows(session_ids, x)
 
+    def reads_prompts_together(self, session_ids: Sequence[str]) -> bool:
+        """A fused flavour reads the prompts of empty sessions as one call when no other
+        session's row lies between theirs: GroupQueryAttention reads several rows of several
+        positions only when none holds any."""
+        with self._lock:
+            return self._prompts_fit(session_ids)
+
+    def _prompts_fit(self, session_ids: Sequence[str]) -> bool:
+        if self._pool is None or len(session_ids) < 2 or len(set(session_ids)) != len(session_ids):
+            return False
+        if any(sid not in self._sessions or self._sessions[sid].length for sid in session_ids):
+            return False
+        return set(self._pool.sessions_in(*self._pool.span(session_ids)).values()) <= set(session_ids)
+
+    def forward_prompts(self, session_ids: Sequence[str], x: np.ndarray, lengths: Sequence[int]) -> np.ndarray:
+        if self._pool is None:
+            return super().forward_prompts(session_ids, x, lengths)
+        with self._lock:
+            if self._sess is None:
+                raise RunnerError("runner is closed")
+            if not self._prompts_fit(session_ids):
+                raise RunnerError(f"prompts of sessions {list(session_ids)} cannot be read together: each must be "
+                                  "open and empty, and no other session's row between theirs")
+            x = self._check(x, len(session_ids))
+            t, counts = x.shape[1], np.asarray(lengths, np.int64)
+            if counts.shape != (len(session_ids),) or not 1 <= counts.min() <= counts.max() == t:
+                raise RunnerError(f"prompt lengths {list(lengths)} do not fit rows of {t} positions")
+            if t > self.max_context:
+                raise RunnerError(f"context overflow: {t} positions > max_context {self.max_context}")
+            # right-padded: each row's positions past its length are written over by its next step
+            logits_from = int(counts.min()) - 1 if self.is_tail else 0
+            out = self._forward_rows(session_ids, x, logits_from)
+            for sid, count in zip(session_ids, counts):
+                self._sessions[sid].length = int(count)
+            return out[np.arange(len(counts)), counts - 1 - logits_from][:, None] if self.is_tail else out
+
     def _forward_rows(self, session_ids: Sequence[str], x: np.ndarray, logits_from: int = 0,
                       output: str | None = None) -> np.ndarray:
         """Run row i of ``x`` for ``session_ids[i]`` over the consecutive pool rows that hold

@@ -59,6 +59,28 @@ class FragmentRunner(abc.ABC):
                                   f"of max_context {self.max_context}")
         return np.concatenate([self.forward(sid, x[i:i + 1]) for i, sid in enumerate(session_ids)])
 
+    def reads_prompts_together(self, session_ids: Sequence[str]) -> bool:
+        """Whether :meth:`forward_prompts` reads the prompts of these sessions in one call
+        (runners that cannot read them one by one)."""
+        return False
+
+    def forward_prompts(self, session_ids: Sequence[str], x: np.ndarray, lengths: Sequence[int]) -> np.ndarray:
+        """The prompts of several empty sessions: row i of ``x`` ([B, T] token ids or [B, T,
+        hidden] hidden states) belongs to ``session_ids[i]``, its first ``lengths[i]`` positions
+        (the rest pads it to T). A tail returns each row's last position's logits [B, 1, vocab],
+        other fragments the hidden states [B, T, hidden] (past a row's length: padding)."""
+        if len(session_ids) != len(x) or len(lengths) != len(x) or not 1 <= min(lengths) <= max(lengths) == x.shape[1]:
+            raise RunnerError(f"prompts need one row and one length (1..{x.shape[1]}, the longest {x.shape[1]}) "
+                              f"per session, got {len(x)} rows, lengths {list(lengths)} for {len(session_ids)}")
+        outs = [self.forward(sid, x[i:i + 1, :n], last_only=True)
+                for i, (sid, n) in enumerate(zip(session_ids, lengths))]
+        if self.is_tail:
+            return np.concatenate(outs)
+        padded = np.zeros((len(outs), x.shape[1], outs[0].shape[2]), outs[0].dtype)
+        for i, out in enumerate(outs):
+            padded[i, :out.shape[1]] = out[0]
+        return padded
+
     @abc.abstractmethod
     def session_length(self, session_id: str) -> int:
         """Positions cached for ``session_id``."""

@@ -1,6 +1,7 @@
 """The worker's compute queue on a real fragment of the tiny model: decode steps that wait for
 the compute thread run as one batch with each session's own output; a step out of step gets
-its own error and the others still run; a prefill runs alone. Then on in-process agents:
+its own error and the others still run; a prompt beside decoding streams is read in slices,
+prompts queued together into empty caches as one call. Then on in-process agents:
 concurrent greedy requests are batched at every stage and each gets the text it gets alone."""
 
 from __future__ import annotations
@@ -190,6 +191,11 @@ class Calls(OrtFragmentRunner):
         time.sleep(self.compute_s)
         return super().forward_batch(session_ids, x)
 
+    def forward_prompts(self, session_ids, x, lengths):
+        self.calls.append(("prompts", tuple(lengths)))
+        time.sleep(self.compute_s)
+        return super().forward_prompts(session_ids, x, lengths)
+
 
 async def decoding_streams(batcher: StepBatcher, runner: Calls, positions: range) -> list[asyncio.Task]:
     """Streams "a" and "b" decoding ``positions`` on ``runner``, once they run as one batch."""
@@ -338,3 +344,34 @@ def test_a_prompt_two_slices_would_read_is_read_whole_beside_decoding_streams(mo
 
     asyncio.run(scenario())
     assert [call for call in runner.calls if call[0] == "p"] == [("p", 40)]
+
+
+def test_prompts_queued_together_while_nothing_decodes_are_read_in_one_call(model_dir, tmp_path) -> None:
+    """Prompts into empty caches that queue while the compute thread reads another are read
+    as one call, each getting what it gets read alone; one whose length is far from theirs,
+    and one that takes a kept session's cache over, are read alone."""
+    runner = Calls(model_dir, 0, 1, threads=1, cache_dir=tmp_path)
+    alone = OrtFragmentRunner(model_dir, 0, 1, threads=1, cache_dir=tmp_path)
+    runner.calls = []
+    ids = np.random.default_rng(8).integers(3, 90, size=(1, 100))
+    lengths = {"p": 30, "q": 25, "r": 40, "s": 90}
+    runner.open_session("kept")
+    runner.forward("kept", ids[:, :30])
+    runner.calls.clear()
+
+    async def scenario() -> list[np.ndarray]:
+        with ThreadPoolExecutor(max_workers=1) as executor:
+            batcher = StepBatcher(executor)
+            first = batcher.compute(runner, "w", 0, ids[:, :20])  # runs at once: the others queue behind it
+            prompts = [batcher.compute(runner, sid, 0, ids[:, :n]) for sid, n in lengths.items()]
+            reused = batcher.compute(runner, "t", 20, ids[:, 20:50], "kept")
+            return await asyncio.gather(first, *prompts, reused)
+
+    outputs = asyncio.run(scenario())
+    assert runner.calls == [("w", 20), ("prompts", (30, 25, 40)), ("s", 90), ("t", 30)], runner.calls
+    for (sid, n), out in zip(lengths.items(), outputs[1:]):
+        alone.open_session(sid)
+        np.testing.assert_allclose(out, alone.forward(sid, ids[:, :n], last_only=True), atol=1e-4, rtol=0)
+        assert runner.session_length(sid) == n
+    alone.open_session("t")
+    np.testing.assert_allclose(outputs[-1], alone.forward("t", ids[:, :50], last_only=True), atol=1e-4, rtol=0)

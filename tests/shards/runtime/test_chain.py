@@ -100,3 +100,41 @@ def test_a_step_that_fails_past_the_first_part_closes_its_session_in_every_part(
     assert "s" not in chain.parts[0].sessions()  # its cache is not left one position ahead
     with pytest.raises(RunnerError):
         chain.forward("s", np.array([[8]]))
+
+
+def test_prompts_of_empty_sessions_read_together_give_what_each_gives_alone(tmp_path: Path) -> None:
+    """One call for prompts of different lengths (padded to the longest), in one runner and in
+    a chain of parts; each session then holds its own prompt and steps on from its end. A
+    session that holds positions between their rows keeps them apart (one by one instead)."""
+    model_dir = tiny_store(tmp_path).model_dir("tiny")
+    whole = open_range(model_dir, 0, 4, 1, threads=1)
+    chain = open_range(model_dir, 0, 4, 2, threads=1)
+    alone = open_range(model_dir, 0, 4, 1, threads=1)
+    rng = np.random.default_rng(3)
+    prompts = [rng.integers(3, 90, size=(1, n)) for n in (9, 4, 12)]
+    lengths = [p.shape[1] for p in prompts]
+    x = np.zeros((3, 12), np.int64)
+    for i, prompt in enumerate(prompts):
+        x[i, :lengths[i]] = prompt[0]
+    sids = ["a", "b", "c"]
+    expected, following = [], []
+    for sid, prompt in zip(sids, prompts):
+        alone.open_session(sid)
+        expected.append(alone.forward(sid, prompt, last_only=True))
+        following.append(alone.forward(sid, np.array([[7]]), last_only=True))
+    for runner in (whole, chain):
+        for sid in sids:
+            runner.open_session(sid)
+        assert runner.reads_prompts_together(sids)
+        out = runner.forward_prompts(sids, x, lengths)
+        np.testing.assert_allclose(out, np.concatenate(expected), atol=1e-5, rtol=0)
+        assert [runner.session_length(sid) for sid in sids] == lengths
+        np.testing.assert_allclose(runner.forward_batch(sids, np.full((3, 1), 7)), np.concatenate(following),
+                                   atol=1e-5, rtol=0)
+    for sid in ("d", "busy", "e"):
+        whole.open_session(sid)
+    whole.forward("busy", prompts[0])
+    assert not whole.reads_prompts_together(["d", "e"]) and not whole.reads_prompts_together(["a", "d"])
+    with pytest.raises(RunnerError, match="cannot be read together"):
+        whole.forward_prompts(["d", "e"], x[:2, :9], [9, 4])
+    assert whole.session_length("d") == whole.session_length("e") == 0

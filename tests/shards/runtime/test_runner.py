@@ -276,3 +276,28 @@ def test_close_lets_go_of_every_session(runner: FragmentRunner) -> None:
         runner.forward(sid, np.array([[2, 3]]))
     runner.close()
     assert runner.sessions() == []
+
+
+def test_a_runner_that_writes_no_more_reads_prompts_one_by_one_each_to_its_own_length() -> None:
+    batched, alone = NumpyRunner(), NumpyRunner()
+    prompts = [[1, 2, 3], [4, 5], [6, 7, 8, 9]]
+    x = np.zeros((3, 4), np.int64)
+    for i, prompt in enumerate(prompts):
+        x[i, :len(prompt)] = prompt
+        for runner in (batched, alone):
+            runner.open_session(f"s{i}")
+    assert not batched.reads_prompts_together(["s0", "s1", "s2"])
+    out = batched.forward_prompts(["s0", "s1", "s2"], x, [3, 2, 4])
+    for i, prompt in enumerate(prompts):
+        np.testing.assert_array_equal(out[i:i + 1], alone.forward(f"s{i}", np.array([prompt]), last_only=True))
+        assert batched.session_length(f"s{i}") == len(prompt)
+
+
+@pytest.mark.parametrize("lengths", [[3, 4], [4, 4, 4, 4], [0, 4, 2], [3, 2, 5], [3, 2, 3]])
+def test_prompts_need_one_length_per_row_the_longest_filling_it(lengths: list[int]) -> None:
+    runner = NumpyRunner()
+    for sid in ("a", "b", "c"):
+        runner.open_session(sid)
+    with pytest.raises(RunnerError, match="one row and one length"):
+        runner.forward_prompts(["a", "b", "c"], np.ones((3, 4), np.int64), lengths)
+    assert runner.session_length("a") == runner.session_length("b") == runner.session_length("c") == 0
