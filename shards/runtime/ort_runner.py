@@ -19,7 +19,7 @@ from shards.graph.spec import FINAL_HIDDEN, FUSED_FLAVOURS
 from shards.providers.backends import Backend, backend_chain, detect_platform
 from shards.providers.rknn import RKNN, RknnSession
 from shards.runtime.kv_pool import KvPool
-from shards.runtime.runner import FragmentRunner
+from shards.runtime.runner import FragmentRunner, check_prompt_lengths
 
 log = logging.getLogger(__name__)
 
@@ -313,15 +313,17 @@ class OrtFragmentRunner(FragmentRunner):
             if not self._prompts_fit(session_ids):
                 raise RunnerError(f"prompts of sessions {list(session_ids)} cannot be read together: each must be "
                                   "open and empty, and no other session's row between theirs")
+            check_prompt_lengths(session_ids, x, lengths)
             x = self._check(x, len(session_ids))
             t, counts = x.shape[1], np.asarray(lengths, np.int64)
-            if counts.shape != (len(session_ids),) or not 1 <= counts.min() <= counts.max() == t:
-                raise RunnerError(f"prompt lengths {list(lengths)} do not fit rows of {t} positions")
             if t > self.max_context:
                 raise RunnerError(f"context overflow: {t} positions > max_context {self.max_context}")
             # right-padded: each row's positions past its length are written over by its next step
             logits_from = int(counts.min()) - 1 if self.is_tail else 0
-            out = self._forward_rows(session_ids, x, logits_from)
+            try:
+                out = self._forward_rows(session_ids, x, logits_from)
+            except Exception as error:  # onnxruntime's own types: a provider that refuses the batch
+                raise RunnerError(f"the provider could not read {len(counts)} prompts together: {error}") from error
             for sid, count in zip(session_ids, counts):
                 self._sessions[sid].length = int(count)
             return out[np.arange(len(counts)), counts - 1 - logits_from][:, None] if self.is_tail else out

@@ -18,6 +18,17 @@ import numpy as np
 from shards.errors import RunnerError
 
 
+def check_prompt_lengths(session_ids: Sequence[str], x: np.ndarray, lengths: Sequence[int]) -> None:
+    """RunnerError unless ``x`` has a row and ``lengths`` a length (1..T, the longest T: the
+    rest of a row pads it) for each of ``session_ids``, all distinct."""
+    x = np.asarray(x)
+    if (x.ndim < 2 or len(set(session_ids)) != len(session_ids) or not len(session_ids) == len(x) == len(lengths)
+            or not 1 <= min(lengths, default=0) <= max(lengths) == x.shape[1]):
+        raise RunnerError(f"prompts need one row and one length (1..T, the longest T) per distinct session, "
+                          f"got {x.shape[0] if x.ndim else 0} rows of shape {x.shape}, lengths {list(lengths)} "
+                          f"for {len(session_ids)} sessions")
+
+
 class FragmentRunner(abc.ABC):
     """Runs one fragment and keeps a KV cache per session.
 
@@ -69,9 +80,7 @@ class FragmentRunner(abc.ABC):
         hidden] hidden states) belongs to ``session_ids[i]``, its first ``lengths[i]`` positions
         (the rest pads it to T). A tail returns each row's last position's logits [B, 1, vocab],
         other fragments the hidden states [B, T, hidden] (past a row's length: padding)."""
-        if len(session_ids) != len(x) or len(lengths) != len(x) or not 1 <= min(lengths) <= max(lengths) == x.shape[1]:
-            raise RunnerError(f"prompts need one row and one length (1..{x.shape[1]}, the longest {x.shape[1]}) "
-                              f"per session, got {len(x)} rows, lengths {list(lengths)} for {len(session_ids)}")
+        check_prompt_lengths(session_ids, x, lengths)
         outs = [self.forward(sid, x[i:i + 1, :n], last_only=True)
                 for i, (sid, n) in enumerate(zip(session_ids, lengths))]
         if self.is_tail:

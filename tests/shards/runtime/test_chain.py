@@ -138,3 +138,9 @@ def test_prompts_of_empty_sessions_read_together_give_what_each_gives_alone(tmp_
     with pytest.raises(RunnerError, match="cannot be read together"):
         whole.forward_prompts(["d", "e"], x[:2, :9], [9, 4])
     assert whole.session_length("d") == whole.session_length("e") == 0
+    for sid in ("f", "g"):
+        whole.open_session(sid)
+    assert whole.reads_prompts_together(["f", "g"])
+    with pytest.raises(RunnerError, match="one row and one length"):
+        whole.forward_prompts(["f", "g"], x[:2, :9], [9, 10])
+    assert whole.session_length("f") == whole.session_length("g") == 0
