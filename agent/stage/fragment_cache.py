@@ -31,6 +31,10 @@ from shards.store.verify import discard
 
 log = logging.getLogger(__name__)
 MAX_REPAIRS_KEPT = 8  # corrupt files found here, shown in the status
+# A draft model's 4-bit products all take int8 activations, however small: the model checks
+# every draft, so only speed counts, and on an AVX2 CPU SmolLM2's q4 store drafts 1.55-1.8x as
+# fast so (bench/cluster.py --delays 5 --speculative: 2.75-3.29x plain decoding, from 1.48-1.55x).
+DRAFT_INT8_MIN_WEIGHTS = 0
 
 
 class RunnerKey(NamedTuple):
@@ -134,12 +138,13 @@ class FragmentCache:
     def _open_runner(self, model_dir: Path, key: RunnerKey, every_core: bool = False) -> FragmentRunner:
         plan = thread_plan(configured_threads=self.config.threads, spin=self.config.spin,
                            agents_on_host=self.agents_on_host(), cores=os.cpu_count() or 1)
-        if every_core:  # a draft model: one session on the configured threads, else every core
+        if every_core:  # a draft model: one session on the configured threads, else every core, all int8
             return open_range(model_dir, key.first_layer, key.last_layer, 1,
                               providers=list(self.config.providers) or None,
                               threads=self.config.threads or os.cpu_count() or 1, spinning=plan.spinning,
                               spin_after_run=plan.spin_after_run, max_context=key.max_context,
-                              prefill_chunk=key.prefill_chunk, activation_bits=self.config.activation_bits)
+                              prefill_chunk=key.prefill_chunk, activation_bits=self.config.activation_bits,
+                              int8_min_weights=DRAFT_INT8_MIN_WEIGHTS)
         if plan != self.thread_plan:
             log.info("fragments run on %s thread(s), %s, %s (%s)", plan.threads or "all",
                      "not spinning" if not plan.spinning else

@@ -88,12 +88,13 @@ def load_manifest(model_dir: Path) -> Manifest:
     return Manifest.from_json(p.read_text(encoding="utf-8"))
 
 
-def fragment_key(m: Manifest, spec: FragmentSpec, activation_bits: int = DEFAULT_ACTIVATION_BITS) -> str:
+def fragment_key(m: Manifest, spec: FragmentSpec, activation_bits: int = DEFAULT_ACTIVATION_BITS,
+                 int8_min_weights: int | None = None) -> str:
     """Cache key: changes when the builder, the weights, the range, flavour, shapes or
     activations change."""
     doc = {
         "builder": BUILDER_VERSION, "ir": IR_VERSION, "q4_level": Q4_ACCURACY_LEVEL, "q8_level": Q8_ACCURACY_LEVEL,
-        "int8_min_weights": INT8_MIN_WEIGHTS,
+        "int8_min_weights": INT8_MIN_WEIGHTS if int8_min_weights is None else int8_min_weights,
         "activation_bits": activation_bits,
         "model": m.to_dict() | {"files": None},
         "files": {k: m.files[k].sha256 for k in m.fragment_files(spec.first_layer, spec.last_layer)},
@@ -104,16 +105,22 @@ def fragment_key(m: Manifest, spec: FragmentSpec, activation_bits: int = DEFAULT
 
 def build_fragment(model_dir: Path, first_layer: int, last_layer: int, *, flavour: str = "cpu",
                    max_context: int | None = None, prefill_chunk: int | None = None,
-                   cache_dir: Path | None = None, activation_bits: int = DEFAULT_ACTIVATION_BITS) -> Path:
+                   cache_dir: Path | None = None, activation_bits: int = DEFAULT_ACTIVATION_BITS,
+                   int8_min_weights: int | None = None) -> Path:
     """Build (or reuse from cache) the ONNX fragment for layers [first, last]; returns its path.
 
     The cache lives under ``cache_dir`` or ``<model_dir>/fragments/`` and is keyed by the
-    model's weights, the range, the flavour, the shapes and ``activation_bits`` (8: block
-    products on int8 activations take x once; 16: twice); writes are atomic. A fragment is
-    built only from weight files that match the manifest's sha256 (CorruptWeightsError if not).
+    model's weights, the range, the flavour, the shapes, ``activation_bits`` (8: block
+    products on int8 activations take x once; 16: twice) and ``int8_min_weights`` (the least
+    weights of a 4-bit product on int8 activations, :data:`INT8_MIN_WEIGHTS` when None; a
+    draft model's fragments take 0); writes are atomic. A fragment is built only from weight
+    files that match the manifest's sha256 (CorruptWeightsError if not).
     """
     if activation_bits not in ACTIVATION_BITS:
         raise FragmentError(f"activation_bits must be one of {ACTIVATION_BITS}, got {activation_bits!r}")
+    min_weights = INT8_MIN_WEIGHTS if int8_min_weights is None else int8_min_weights
+    if not isinstance(min_weights, int) or isinstance(min_weights, bool) or min_weights < 0:
+        raise FragmentError(f"int8_min_weights must be a whole number >= 0, got {int8_min_weights!r}")
     model_dir = Path(model_dir)
     m = load_manifest(model_dir)
     mc = int(max_context) if max_context is not None else m.context_length
@@ -123,9 +130,10 @@ def build_fragment(model_dir: Path, first_layer: int, last_layer: int, *, flavou
         pc = 0
     spec = FragmentSpec(int(first_layer), int(last_layer), flavour, mc, pc)
     spec.validate(m)
-    key = fragment_key(m, spec, activation_bits)
+    key = fragment_key(m, spec, activation_bits, min_weights)
     root = Path(cache_dir) if cache_dir is not None else model_dir / FRAGMENTS_DIR
-    prefix = f"{m.name}-{spec.first_layer:03d}-{spec.last_layer:03d}-{flavour}-c{mc}-p{pc}-a{activation_bits}-"
+    prefix = (f"{m.name}-{spec.first_layer:03d}-{spec.last_layer:03d}-{flavour}-c{mc}-p{pc}-a{activation_bits}-"
+              f"i{min_weights}-")
     final = root / (prefix + key[:20])
     if (final / ONNX_FILE).is_file():
         return final / ONNX_FILE
@@ -136,11 +144,12 @@ def build_fragment(model_dir: Path, first_layer: int, last_layer: int, *, flavou
         from shards.graph.fragment_graph import write_fragment  # onnx: imported only to build
 
         weight_bytes = write_fragment(model_dir, m, spec, tmp, root / BLOB_POOL, q4_level=Q4_ACCURACY_LEVEL,
-                                      q8_level=Q8_ACCURACY_LEVEL, int8_min_weights=INT8_MIN_WEIGHTS,
+                                      q8_level=Q8_ACCURACY_LEVEL, int8_min_weights=min_weights,
                                       int8_twice=activation_bits == 16)  # x and what rounding it left
         (tmp / "fragment.json").write_text(json.dumps({"key": key, "builder": BUILDER_VERSION,
                                                        "weight_bytes": weight_bytes, "spec": spec.__dict__,
-                                                       "activation_bits": activation_bits}),
+                                                       "activation_bits": activation_bits,
+                                                       "int8_min_weights": min_weights}),
                                            encoding="utf-8")
         try:
             os.replace(tmp, final)
@@ -152,7 +161,7 @@ def build_fragment(model_dir: Path, first_layer: int, last_layer: int, *, flavou
         shutil.rmtree(tmp, ignore_errors=True)
         prune_blobs(root)
         raise
-    # from older weights or builder; the other activation bits' builds have a prefix of their own
+    # from older weights or builder; the other activations' builds have a prefix of their own
     stale = [p for p in root.glob(prefix + "*") if p != final]
     for path in stale:
         shutil.rmtree(path, ignore_errors=True)

@@ -63,8 +63,8 @@ class OrtFragmentRunner(FragmentRunner):
     (:meth:`forward_batch`). On GPU providers the KV cache stays on the device, bound with
     IOBinding (``io_binding`` forces that on or off). ``spinning`` lets onnxruntime's threads
     spin (None: its default); ``spin_after_run=False`` stops them when a run returns, for
-    runners that run one after another in one process. ``activation_bits``: see
-    :func:`~shards.graph.fragment.build_fragment`.
+    runners that run one after another in one process. ``activation_bits``,
+    ``int8_min_weights``: see :func:`~shards.graph.fragment.build_fragment`.
     """
 
     def __init__(self, model_dir: Path, first_layer: int, last_layer: int, *,
@@ -72,7 +72,8 @@ class OrtFragmentRunner(FragmentRunner):
                  threads: int | None = None, flavour: str | None = None, max_context: int | None = None,
                  prefill_chunk: int | None = None, cache_dir: Path | None = None,
                  io_binding: bool | None = None, spinning: bool | None = None,
-                 spin_after_run: bool = True, activation_bits: int = DEFAULT_ACTIVATION_BITS) -> None:
+                 spin_after_run: bool = True, activation_bits: int = DEFAULT_ACTIVATION_BITS,
+                 int8_min_weights: int | None = None) -> None:
         import onnxruntime as ort
 
         self.model_dir = Path(model_dir)
@@ -94,7 +95,7 @@ class OrtFragmentRunner(FragmentRunner):
         failures: list[str] = []
         for backend in backends:
             try:
-                self._load(ort, so, backend, flavour, prefill_chunk, cache_dir, activation_bits)
+                self._load(ort, so, backend, flavour, prefill_chunk, cache_dir, activation_bits, int8_min_weights)
                 break
             except RunnerError as error:
                 failures.append(f"{backend.name}: {error}")
@@ -123,13 +124,14 @@ class OrtFragmentRunner(FragmentRunner):
                  self.provider, self.flavour)
 
     def _load(self, ort: Any, so: Any, backend: Backend, flavour: str | None, prefill_chunk: int | None,
-              cache_dir: Path | None, activation_bits: int) -> None:
+              cache_dir: Path | None, activation_bits: int, int8_min_weights: int | None) -> None:
         """Build the fragment in ``backend``'s flavour and open it there (RunnerError if not)."""
         self.backend, self.flavour = backend, flavour or backend.flavour
         self.prefill_chunk = int(prefill_chunk or min(64, self.max_context)) if self.flavour == "static" else 0
         self.path = build_fragment(self.model_dir, self.first_layer, self.last_layer, flavour=self.flavour,
                                    max_context=self.max_context, prefill_chunk=self.prefill_chunk or None,
-                                   cache_dir=cache_dir, activation_bits=activation_bits)
+                                   cache_dir=cache_dir, activation_bits=activation_bits,
+                                   int8_min_weights=int8_min_weights)
         info = json.loads((self.path.parent / "fragment.json").read_text(encoding="utf-8"))
         self._weight_bytes = int(info["weight_bytes"])
         if backend.provider == RKNN:  # Rockchip's NPU: the static fragment converted (shards.providers.rknn)

@@ -35,10 +35,10 @@ from agent.core.orders import RoutingOrder
 from agent.core.plan import LayerRange
 from agent.core.routing import Hop, Route
 from agent.local.config import AgentConfig
-from agent.stage.fragment_cache import MAX_REPAIRS_KEPT, FragmentCache, RunnerKey
+from agent.stage.fragment_cache import DRAFT_INT8_MIN_WEIGHTS, MAX_REPAIRS_KEPT, FragmentCache, RunnerKey
 from agent.stage.weights import Source
 from shards.errors import CorruptWeightsError, RunnerError
-from shards.graph.fragment import DEFAULT_ACTIVATION_BITS
+from shards.graph.fragment import DEFAULT_ACTIVATION_BITS, INT8_MIN_WEIGHTS
 from shards.importers.importer import import_model
 from shards.providers.backends import backend_chain, detect_platform
 from shards.store.model_store import ModelStore
@@ -136,11 +136,19 @@ def test_a_runner_is_opened_once_per_key_computes_its_layers_and_is_reported_in_
 
 
 def test_the_agents_activation_bits_reach_the_fragments_it_builds(tmp_path):
+    """... a draft model's too, whose 4-bit products all take int8 activations (its drafts are
+    checked: only their speed counts)."""
     async def scenario() -> None:
         async with fragment_cache(tmp_path, activation_bits=16) as (cache, order):
             await asyncio.wait_for(cache.open(order, key(0, 1)), timeout=60)
             built = json.loads((cache.runners[key(0, 1)].path.parent / "fragment.json").read_text())
-            assert built["activation_bits"] == 16
+            assert (built["activation_bits"], built["int8_min_weights"]) == (16, INT8_MIN_WEIGHTS)
+            draft = await asyncio.wait_for(cache.open_whole(TINY, CONTEXT, 16, []), timeout=60)
+            try:
+                built = json.loads((draft.path.parent / "fragment.json").read_text())
+                assert (built["activation_bits"], built["int8_min_weights"]) == (16, DRAFT_INT8_MIN_WEIGHTS)
+            finally:
+                draft.close()
 
     asyncio.run(scenario())
 

@@ -12,7 +12,7 @@ import onnx
 import pytest
 
 from shards.errors import FragmentError
-from shards.graph.fragment import BLOB_POOL, TMP_PREFIX, build_fragment, prune_blobs, sweep_fragments
+from shards.graph.fragment import BLOB_POOL, INT8_MIN_WEIGHTS, TMP_PREFIX, build_fragment, prune_blobs, sweep_fragments
 from shards.runtime.chain import chain_forward
 from tests.shards.fragment_helpers import PROMPT_IDS, SMOLLM2, chain, greedy
 
@@ -101,14 +101,16 @@ def test_fragments_are_cached_and_keyed_by_shape(model_dir, tmp_path) -> None:
     b = build_fragment(model_dir, 3, 4, cache_dir=tmp_path, max_context=128)
     c = build_fragment(model_dir, 3, 4, cache_dir=tmp_path, flavour="static", max_context=128, prefill_chunk=16)
     d = build_fragment(model_dir, 3, 4, cache_dir=tmp_path, activation_bits=16)
-    assert len({a, b, c, d}) == 4
-    assert json.loads((a.parent / "fragment.json").read_text())["activation_bits"] == 8  # the default
-    assert json.loads((d.parent / "fragment.json").read_text())["activation_bits"] == 16
+    e = build_fragment(model_dir, 3, 4, cache_dir=tmp_path, int8_min_weights=0)  # a draft model's
+    assert len({a, b, c, d, e}) == 5
+    built = {path: json.loads((path.parent / "fragment.json").read_text()) for path in (a, d, e)}
+    assert [(built[p]["activation_bits"], built[p]["int8_min_weights"]) for p in (a, d, e)] == [
+        (8, INT8_MIN_WEIGHTS), (16, INT8_MIN_WEIGHTS), (8, 0)]  # the defaults first
     stale = a.parent.with_name(a.parent.name[:-20] + "0" * 20)  # as left by an older builder
     stale.mkdir()
     shutil.rmtree(a.parent)  # force a rebuild
     assert build_fragment(model_dir, 3, 4, cache_dir=tmp_path) == a and not stale.exists()
-    assert d.is_file()  # the other activation bits' build is no stale one
+    assert d.is_file() and e.is_file()  # the other activations' builds are no stale ones
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".") and p.name != BLOB_POOL]  # no temp dirs
 
 
@@ -166,7 +168,7 @@ def test_sweep_removes_other_builders_and_abandoned_temporary_builds(model_dir, 
 @pytest.mark.parametrize("args,kw", [
     ((5, 4), {}), ((0, 30), {}), ((-1, 3), {}), ((0, 1), {"flavour": "tpu"}),
     ((0, 1), {"max_context": 100_000}), ((0, 1), {"flavour": "static", "max_context": 8, "prefill_chunk": 16}),
-    ((0, 1), {"activation_bits": 12}),
+    ((0, 1), {"activation_bits": 12}), ((0, 1), {"int8_min_weights": -1}),
 ])
 def test_bad_fragment_requests(model_dir, tmp_path, args, kw) -> None:
     with pytest.raises(FragmentError):
