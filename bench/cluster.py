@@ -39,7 +39,7 @@ text was the same both ways. ``--shape llama-1b`` serves the random-weight 1B-sh
 (bench/model_shapes.py; imported once into the bench cache) instead of the default one. With
 ``--llama-server BINARY``: the same streams, afterwards, against llama.cpp's server with as many
 slots as streams, on the GGUF the model came from (the shape's Q4_0, or the default model's
-Q4_1), with ``--threads`` threads; prints the ncm / llama-server ratios (aim >= 1.2). Where no
+Q4_1: ``--weights q4`` serves that file's weights, the default f32 store its float ones), with ``--threads`` threads; prints the ncm / llama-server ratios (aim >= 1.2). Where no
 llama-server is installed, llama-cpp-python's source package carries llama.cpp's:
 ``pip download llama-cpp-python --no-binary :all: --no-deps``, unpack it, then in its
 ``vendor/llama.cpp``: ``cmake -B build -DLLAMA_CURL=OFF && cmake --build build --target llama-server``.
@@ -535,6 +535,9 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3, help="streams per cluster size, taking turns; the best is kept")
     parser.add_argument("--streams", type=int, default=0, help="measure this many concurrent streams instead")
     parser.add_argument("--shape", help="with --streams: serve the random-weight model of this shape")
+    parser.add_argument("--weights", choices=("f32", "q4"), default="f32",
+                        help="with --streams and no --shape: the default model's store served (q4: the packaged "
+                             "Q4_1 file's weights, the file llama-server reads)")
     parser.add_argument("--nodes", default="1,3", help="with --streams: the cluster sizes (comma separated)")
     parser.add_argument("--long-prompt", type=int, default=0,
                         help="with --streams: a prompt of about this many tokens arrives while the streams decode")
@@ -594,7 +597,10 @@ def main() -> None:
     if args.streams:
         model, home = bench_home(args.shape) if args.shape else ("smollm2-135m", None)
         if home is None:
+            from shards.importers.pull import pull_model
+
             _ensure_model(model)
+            model = pull_model(model, weights=args.weights, progress=False).name
         rows = []
         for index, nodes in enumerate(int(n) for n in args.nodes.split(",")):
             if args.long_prompt:

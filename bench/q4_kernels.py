@@ -7,8 +7,9 @@ as the fragments take it (2 rows: x and what rounding it to int8 left), and a pr
 
 Each product is one onnxruntime session of one MatMulNBits node (4-bit blocks of 32, no zero
 points: a GGUF Q4_0 tensor's form) on random weights; best of ``--repeats`` runs of a batch of
-calls. It shows why the fragment builder's choice (``shards/graph/fragment.py``: float
-activations below ``INT8_MIN_WEIGHTS`` weights, int8 ones taken twice above) is what it is on
+calls. It shows why the fragment builder's choice (``shards/graph/fragment.py``: every 4-bit
+product on int8 activations taken once with ``activation_bits`` 8, the default; with 16, float
+activations below ``INT8_MIN_WEIGHTS[16]`` weights, int8 ones taken twice above) is what it is on
 this CPU: the float kernel is slow for few rows on CPUs without AVX-512, and taking int8 rows
 twice doubles a prompt's arithmetic.
 """

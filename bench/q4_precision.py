@@ -6,14 +6,15 @@
 MatMulNBits takes its activations as float (accuracy_level 0) or rounds each block of 32 to
 int8 (level 4); at level 4 the fragments take each product on x alone (an agent's
 ``activation_bits = 8``, the default), or on x and on what the rounding left of it, as the rows
-of one call (16, about 16 bits). For each choice of the 4-bit layers' and the lm_head's level and
-of the activation bits, on the q4 store of the packaged model: how many reference questions are
-answered word for word as the float store answers them (greedy), the largest logit gap from
-the float store over those answers, and prefill and decode speed relative to the default. The
-packaged model's 4-bit products are below ``INT8_MIN_WEIGHTS`` (float activations as built);
-the rows that say "layers int8" put them on int8, as a model of about 1B and up has them. Both
-stores hold the packaged Q4_1 file's weights exactly, so only the activations differ. The last
-row is llama.cpp (llama-cpp-python, when installed) on that file itself, with its own 8-bit
+of one call (16, about 16 bits). For each choice of the 4-bit layers' and the lm_head's level, of
+the least weights of a 4-bit product on int8 (``int8_min_weights``) and of the activation bits, on
+the q4 store of the packaged model: how many reference questions are answered word for word as
+the float store answers them (greedy), the largest logit gap from the float store over those
+answers, and prefill and decode speed relative to the default. As built, every 4-bit product takes
+int8 with 8 bits, and with 16 only those of at least 4M weights (none of the packaged model's:
+float activations, as the rows "small products float" put them with 8 bits). Both stores hold
+the packaged Q4_1 file's weights exactly, so only the activations differ. The last row is
+llama.cpp (llama-cpp-python, when installed) on that file itself, with its own 8-bit
 activations: the yardstick.
 """
 
@@ -42,11 +43,11 @@ from shards.text.tokenizer import Tokenizer  # noqa: E402
 QUESTIONS = ["What is the capital of France?", "What is 2+2?", "Write a haiku about the sea.",
              "Name three primary colors.", "Who wrote Romeo and Juliet?", "What is the boiling point of water?",
              "Translate 'good morning' to Spanish.", "What is the largest planet in our solar system?"]
-# (label, 4-bit layers' accuracy_level, 8-bit lm_head's, INT8_MIN_WEIGHTS, activation_bits)
-AS_BUILT = (fragment.Q4_ACCURACY_LEVEL, fragment.Q8_ACCURACY_LEVEL, fragment.INT8_MIN_WEIGHTS)
-CHOICES = [("as built (default)", *AS_BUILT, 8), ("as built, activation_bits 16", *AS_BUILT, 16),
-           ("layers int8, activation_bits 8", 4, 4, 0, 8), ("layers int8, activation_bits 16", 4, 4, 0, 16),
-           ("layers float, lm_head float", 0, 0, 0, 8)]
+# (label, 4-bit layers' accuracy_level, 8-bit lm_head's, int8_min_weights (None: as built), activation_bits)
+AS_BUILT = (fragment.Q4_ACCURACY_LEVEL, fragment.Q8_ACCURACY_LEVEL)
+CHOICES = [("as built (default)", *AS_BUILT, None, 8), ("as built, activation_bits 16", *AS_BUILT, None, 16),
+           ("small products float, activation_bits 8", *AS_BUILT, fragment.INT8_MIN_WEIGHTS[16], 8),
+           ("layers int8, activation_bits 16", *AS_BUILT, 0, 16), ("layers float, lm_head float", 0, 0, None, 8)]
 
 
 def greedy(runners, ids: list[int], steps: int) -> tuple[list[int], np.ndarray]:
@@ -146,9 +147,8 @@ def main() -> None:
             r.close()
         for label, q4_level, q8_level, min_weights, bits in CHOICES:
             fragment.Q4_ACCURACY_LEVEL, fragment.Q8_ACCURACY_LEVEL = q4_level, q8_level
-            fragment.INT8_MIN_WEIGHTS = min_weights
             runners = open_chain(store.model_dir(names["q4"]), cuts, threads=args.threads, cache_dir=Path(cache),
-                                 activation_bits=bits)
+                                 activation_bits=bits, int8_min_weights=min_weights)
             runs = [greedy(runners, ids, args.answer_tokens) for ids in chats]
             rows.append((f"q4: {label}", *agreement(tokenizer, answers, runs),
                          *speed(runners, prompt, args.decode_tokens)))

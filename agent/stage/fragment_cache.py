@@ -31,9 +31,10 @@ from shards.store.verify import discard
 
 log = logging.getLogger(__name__)
 MAX_REPAIRS_KEPT = 8  # corrupt files found here, shown in the status
-# A draft model's 4-bit products all take int8 activations, however small: the model checks
-# every draft, so only speed counts, and on an AVX2 CPU SmolLM2's q4 store drafts 1.55-1.8x as
-# fast so (bench/cluster.py --delays 5 --speculative: 3.24-3.70x plain decoding, from 1.48-1.55x).
+# A draft model's 4-bit products all take int8 activations, however small, whatever the agent's
+# activation_bits (with 8, as every model's do): the model checks every draft, so only speed
+# counts, and on an AVX2 CPU SmolLM2's q4 store drafts 1.55-1.8x as fast so (bench/cluster.py
+# --delays 5 --speculative: 3.24-3.70x plain decoding, from 1.48-1.55x).
 DRAFT_INT8_MIN_WEIGHTS = 0
 
 

@@ -59,25 +59,29 @@ FRAGMENTS_DIR = "fragments"  # the default cache, inside the model's directory
 BLOB_POOL = ".blobs"
 TMP_PREFIX = ".tmp-frag-"
 # accuracy_level of MatMulNBits on CPU: 0 = float activations, 4 = int8 ones (per block of 32).
-# 8-bit weights have no fast float kernel. 4-bit ones take int8 activations from INT8_MIN_WEIGHTS
-# weights per product, float ones below: measured on a Zen 4 core (2 threads), the 1B shape's
-# products (4.2M-33.5M weights) decode 1.7x faster on int8 and read prompts 0.67x as fast, while
-# SmolLM2's (0.3M-1.8M) decode 1.04x faster on float, where the int8 path's dozen small ops per
-# product cost more than its kernel saves. See fragment_graph._Builder._linear_nbits.
+# 8-bit weights have no fast float kernel; 4-bit ones take int8 activations from
+# INT8_MIN_WEIGHTS[activation_bits] weights per product, float ones below.
 # activation_bits (an agent's setting): 8 (the default) takes each int8 product on x once, as
 # llama.cpp does against its 4- and 8-bit blocks; 16 takes it on x and on what rounding x to int8
 # left of it, the two as rows of one call (about 16 bits, the weights still read once per decode
 # step), for twice the arithmetic where the rows cost more than the weights' reading (a prompt, a
 # batch of decode steps). On an AVX2 core, where the int8 kernel runs 128 rows no faster than the
 # float one (bench/q4_kernels.py), 8 reads the 1B shape's prompts and decodes its 8 streams about
-# 2x as fast as 16. In answers (bench/q4_precision.py, the packaged model's q4 store against its
-# float store, 8 questions, 32 greedy tokens word for word): 8 keeps 4 answers in 8 (2 with the
-# 4-bit layers put on int8 too), 16 keeps 8 in 8, llama.cpp on the same file keeps 2.
+# 2x as fast as 16.
+# The threshold: with 16, the two takes add a dozen small ops per product, which cost more than
+# the int8 kernel saves below 4M weights (a Zen 4 core, 2 threads: the 1B shape's products, 4.2M-
+# 33.5M weights, decode 1.7x faster on int8 and read prompts 0.67x as fast, SmolLM2's, 0.3M-1.8M,
+# decode 1.04x faster on float). With 8, an int8 product is the float one's call at another
+# level, nothing added, so every 4-bit product takes it: on an AVX2 core SmolLM2's q4 store
+# decodes 1.7x as fast so and reads prompts 0.8x as fast (still 1.6x llama.cpp's).
+# In answers (bench/q4_precision.py, the packaged model's q4 store against its float store, 8
+# questions, 32 greedy tokens word for word): 8 keeps 2 answers in 8 (4 with its small products
+# on float), 16 keeps 8 in 8, llama.cpp on the same file keeps 2. See fragment_graph._Builder._linear_nbits.
 Q4_ACCURACY_LEVEL = 4
 Q8_ACCURACY_LEVEL = 4
-INT8_MIN_WEIGHTS = 1 << 22
 ACTIVATION_BITS = (8, 16)  # the choices of activation_bits: int8 taken once (the default), twice
 DEFAULT_ACTIVATION_BITS = ACTIVATION_BITS[0]
+INT8_MIN_WEIGHTS = {8: 0, 16: 1 << 22}  # by activation_bits
 
 
 def load_manifest(model_dir: Path) -> Manifest:
@@ -88,13 +92,12 @@ def load_manifest(model_dir: Path) -> Manifest:
     return Manifest.from_json(p.read_text(encoding="utf-8"))
 
 
-def fragment_key(m: Manifest, spec: FragmentSpec, activation_bits: int = DEFAULT_ACTIVATION_BITS,
-                 int8_min_weights: int | None = None) -> str:
+def fragment_key(m: Manifest, spec: FragmentSpec, activation_bits: int, int8_min_weights: int) -> str:
     """Cache key: changes when the builder, the weights, the range, flavour, shapes or
     activations change."""
     doc = {
         "builder": BUILDER_VERSION, "ir": IR_VERSION, "q4_level": Q4_ACCURACY_LEVEL, "q8_level": Q8_ACCURACY_LEVEL,
-        "int8_min_weights": INT8_MIN_WEIGHTS if int8_min_weights is None else int8_min_weights,
+        "int8_min_weights": int8_min_weights,
         "activation_bits": activation_bits,
         "model": m.to_dict() | {"files": None},
         "files": {k: m.files[k].sha256 for k in m.fragment_files(spec.first_layer, spec.last_layer)},
@@ -112,13 +115,13 @@ def build_fragment(model_dir: Path, first_layer: int, last_layer: int, *, flavou
     The cache lives under ``cache_dir`` or ``<model_dir>/fragments/`` and is keyed by the
     model's weights, the range, the flavour, the shapes, ``activation_bits`` (8: block
     products on int8 activations take x once; 16: twice) and ``int8_min_weights`` (the least
-    weights of a 4-bit product on int8 activations, :data:`INT8_MIN_WEIGHTS` when None; a
-    draft model's fragments take 0); writes are atomic. A fragment is built only from weight
+    weights of a 4-bit product on int8 activations, :data:`INT8_MIN_WEIGHTS` of the bits when
+    None; a draft model's fragments take 0); writes are atomic. A fragment is built only from weight
     files that match the manifest's sha256 (CorruptWeightsError if not).
     """
     if activation_bits not in ACTIVATION_BITS:
         raise FragmentError(f"activation_bits must be one of {ACTIVATION_BITS}, got {activation_bits!r}")
-    min_weights = INT8_MIN_WEIGHTS if int8_min_weights is None else int8_min_weights
+    min_weights = INT8_MIN_WEIGHTS[activation_bits] if int8_min_weights is None else int8_min_weights
     if not isinstance(min_weights, int) or isinstance(min_weights, bool) or min_weights < 0:
         raise FragmentError(f"int8_min_weights must be a whole number >= 0, got {int8_min_weights!r}")
     model_dir = Path(model_dir)
@@ -145,7 +148,7 @@ def build_fragment(model_dir: Path, first_layer: int, last_layer: int, *, flavou
 
         weight_bytes = write_fragment(model_dir, m, spec, tmp, root / BLOB_POOL, q4_level=Q4_ACCURACY_LEVEL,
                                       q8_level=Q8_ACCURACY_LEVEL, int8_min_weights=min_weights,
-                                      int8_twice=activation_bits == 16)  # x and what rounding it left
+                                      int8_twice=activation_bits == ACTIVATION_BITS[1])  # x, then what rounding left
         (tmp / "fragment.json").write_text(json.dumps({"key": key, "builder": BUILDER_VERSION,
                                                        "weight_bytes": weight_bytes, "spec": spec.__dict__,
                                                        "activation_bits": activation_bits,

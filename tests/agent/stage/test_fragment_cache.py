@@ -142,7 +142,7 @@ def test_the_agents_activation_bits_reach_the_fragments_it_builds(tmp_path):
         async with fragment_cache(tmp_path, activation_bits=16) as (cache, order):
             await asyncio.wait_for(cache.open(order, key(0, 1)), timeout=60)
             built = json.loads((cache.runners[key(0, 1)].path.parent / "fragment.json").read_text())
-            assert (built["activation_bits"], built["int8_min_weights"]) == (16, INT8_MIN_WEIGHTS)
+            assert (built["activation_bits"], built["int8_min_weights"]) == (16, INT8_MIN_WEIGHTS[16])
             draft = await asyncio.wait_for(cache.open_whole(TINY, CONTEXT, 16, []), timeout=60)
             try:
                 built = json.loads((draft.path.parent / "fragment.json").read_text())

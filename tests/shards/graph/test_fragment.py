@@ -101,11 +101,12 @@ def test_fragments_are_cached_and_keyed_by_shape(model_dir, tmp_path) -> None:
     b = build_fragment(model_dir, 3, 4, cache_dir=tmp_path, max_context=128)
     c = build_fragment(model_dir, 3, 4, cache_dir=tmp_path, flavour="static", max_context=128, prefill_chunk=16)
     d = build_fragment(model_dir, 3, 4, cache_dir=tmp_path, activation_bits=16)
-    e = build_fragment(model_dir, 3, 4, cache_dir=tmp_path, int8_min_weights=0)  # a draft model's
+    e = build_fragment(model_dir, 3, 4, cache_dir=tmp_path, activation_bits=16, int8_min_weights=0)  # a draft's
     assert len({a, b, c, d, e}) == 5
     built = {path: json.loads((path.parent / "fragment.json").read_text()) for path in (a, d, e)}
     assert [(built[p]["activation_bits"], built[p]["int8_min_weights"]) for p in (a, d, e)] == [
-        (8, INT8_MIN_WEIGHTS), (16, INT8_MIN_WEIGHTS), (8, 0)]  # the defaults first
+        (8, INT8_MIN_WEIGHTS[8]), (16, INT8_MIN_WEIGHTS[16]), (16, 0)]  # the defaults first
+    assert build_fragment(model_dir, 3, 4, cache_dir=tmp_path, int8_min_weights=0) == a  # 8's default
     stale = a.parent.with_name(a.parent.name[:-20] + "0" * 20)  # as left by an older builder
     stale.mkdir()
     shutil.rmtree(a.parent)  # force a rebuild
