@@ -39,8 +39,9 @@ text was the same both ways. ``--shape llama-1b`` serves the random-weight 1B-sh
 (bench/model_shapes.py; imported once into the bench cache) instead of the default one. With
 ``--llama-server BINARY``: the same streams, afterwards, against llama.cpp's server with as many
 slots as streams, on the GGUF the model came from (the shape's Q4_0, or the default model's
-Q4_1: ``--weights q4`` serves that file's weights, the default f32 store its float ones), with ``--threads`` threads; prints the ncm / llama-server ratios (aim >= 1.2). Where no
-llama-server is installed, llama-cpp-python's source package carries llama.cpp's:
+Q4_1: ``--weights q4`` serves that file's weights, the default f32 store its float ones), with
+``--threads`` threads; prints the ncm / llama-server ratios (aim >= 1.2). Where no llama-server is
+installed, llama-cpp-python's source package carries llama.cpp's:
 ``pip download llama-cpp-python --no-binary :all: --no-deps``, unpack it, then in its
 ``vendor/llama.cpp``: ``cmake -B build -DLLAMA_CURL=OFF && cmake --build build --target llama-server``.
 
