@@ -120,13 +120,17 @@ def gguf_decode_bytes(gguf_path: Path) -> int:
     return sum(tensors.values()) - (tensors.get("token_embd.weight", 0) if untied else 0)
 
 
-def _next_token(llm) -> int:
-    """Greedy: the argmax of the last evaluated token's logits, read from llama.cpp's context
-    (``llm.scores`` holds them only with ``logits_all=True``; without it, it is not filled)."""
+def llama_cpp_logits(llm) -> np.ndarray:
+    """The last evaluated token's logits, a view of llama.cpp's context (``llm.scores`` holds
+    them only with ``logits_all=True``; without it, it is not filled): the next eval rewrites it."""
     import llama_cpp
 
-    logits = np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(llm._ctx.ctx, -1), shape=(llm.n_vocab(),))
-    return int(np.argmax(logits))
+    return np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(llm._ctx.ctx, -1), shape=(llm.n_vocab(),))
+
+
+def _next_token(llm) -> int:
+    """Greedy: the argmax of the last evaluated token's logits."""
+    return int(np.argmax(llama_cpp_logits(llm)))
 
 
 def run_llama_cpp(gguf_path: Path, ids: list[int], decode_tokens: int, threads: int, repeats: int) -> dict:

@@ -78,12 +78,14 @@ def llama_cpp_runs(gguf: Path, chats: list[list[int]], steps: int, prompt: list[
     (prefill tokens/s, decode tokens/s) as :func:`speed` measures them."""
     import llama_cpp
 
+    from bench.generate import llama_cpp_logits
+
     llm = llama_cpp.Llama(str(gguf), n_threads=threads, n_threads_batch=threads, verbose=False,
                           n_ctx=max(len(prompt) + decode_tokens, max(map(len, chats)) + steps) + 16,
                           n_batch=max(512, len(prompt)))
 
     def logits() -> np.ndarray:
-        return np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(llm._ctx.ctx, -1), shape=(llm.n_vocab(),)).copy()
+        return llama_cpp_logits(llm).copy()
 
     runs = []
     for ids in chats:
