@@ -72,7 +72,8 @@ def prompt_ids(gguf_path: Path, n_tokens: int) -> list[int]:
 
 def run_ncm(model_dir: Path, ids: list[int], decode_tokens: int, threads: int, repeats: int) -> dict:
     """Prefill ``ids`` then decode greedily ``decode_tokens`` tokens through one fragment
-    (best of ``repeats``)."""
+    (best of ``repeats``). The prompt goes in ``prefill``'s default chunks, as ``ncm generate``
+    and an agent read it (256 tokens; llama.cpp reads in micro-batches of 512)."""
     from shards.runtime.chain import open_chain
     from shards.runtime.generate import decode_step, prefill
     from shards.store.manifest import Manifest
@@ -84,7 +85,7 @@ def run_ncm(model_dir: Path, ids: list[int], decode_tokens: int, threads: int, r
     bytes_per_token = sum(r.memory_bytes() for r in runners) - embed_bytes  # no session open yet: weights
     prompt = np.asarray(ids, dtype=np.int64)
     # warm-up: a short prefill and a few decode steps
-    logits = prefill(runners, "warm", prompt[:16], chunk_tokens=len(prompt))
+    logits = prefill(runners, "warm", prompt[:16])
     for _ in range(4):
         logits = decode_step(runners, "warm", int(np.argmax(logits)))
     for r in runners:
@@ -94,7 +95,7 @@ def run_ncm(model_dir: Path, ids: list[int], decode_tokens: int, threads: int, r
     for repeat in range(repeats):
         session = f"bench-{repeat}"
         started = time.perf_counter()
-        logits = prefill(runners, session, prompt, chunk_tokens=len(prompt))
+        logits = prefill(runners, session, prompt)
         prefill_seconds.append(time.perf_counter() - started)
         started = time.perf_counter()
         for _ in range(decode_tokens):

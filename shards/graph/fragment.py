@@ -73,7 +73,7 @@ TMP_PREFIX = ".tmp-frag-"
 # 33.5M weights, decode 1.7x faster on int8 and read prompts 0.67x as fast, SmolLM2's, 0.3M-1.8M,
 # decode 1.04x faster on float). With 8, an int8 product is the float one's call at another
 # level, nothing added, so every 4-bit product takes it: on an AVX2 core SmolLM2's q4 store
-# decodes 1.7x as fast so and reads prompts 0.8x as fast (still 1.6x llama.cpp's).
+# decodes 1.7-1.8x as fast so and reads prompts 0.8-0.9x as fast (still 1.6x llama.cpp's).
 # In answers (bench/q4_precision.py, the packaged model's q4 store against its float store, 8
 # questions, 32 greedy tokens word for word): 8 keeps 2 answers in 8 (4 with its small products
 # on float), 16 keeps 8 in 8, llama.cpp on the same file keeps 2. See fragment_graph._Builder._linear_nbits.
