@@ -554,6 +554,8 @@ def main() -> None:
                         help="with --delays: speculative decoding with a draft model and by prompt lookup "
                              "against plain steps")
     args = parser.parse_args()
+    if args.weights != "f32" and (args.shape or not args.streams):
+        parser.error("--weights serves the default model's store with --streams, not with --shape")
     if args.delays and args.speculative:
         from shards.importers.pull import pull_model
 
