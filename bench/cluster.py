@@ -1,6 +1,7 @@
 """Decode speed of the default model on 1 agent and on 3 agents on loopback, from one run.
 
     python bench/cluster.py [--tokens 96] [--threads 1] [--spin auto|on|off] [--rounds 3]
+    python bench/cluster.py --shape llama-1b --llama-server BINARY --llama-rpc RPC_SERVER
     python bench/cluster.py --streams 8 [--shape llama-1b] [--nodes 1,3] [--llama-server BINARY]
     python bench/cluster.py --streams 4 --long-prompt 2000
     python bench/cluster.py --delays 0,1,2,5
@@ -12,6 +13,10 @@ a busy moment of a shared machine does not land on one of them alone. Prints dec
 for each cluster size, their ratio (aim >= 0.9), the per-hop overhead
 derived from the two (extra time per token / extra network hops per token), and the raw
 round trip of one data-plane hop (a decode-size hidden state over a WebSocket on loopback).
+``--shape llama-1b`` serves the random-weight 1B-shaped model instead. With ``--llama-rpc
+RPC_SERVER``: one stream on llama.cpp split the same way, its server (``--llama-server``, built
+with ``-DGGML_RPC=ON``, whose ``--target ggml-rpc-server`` is RPC_SERVER) offloading every layer
+to 3 rpc-servers on loopback, ``--threads`` threads each; prints the 3 agents over it.
 
 With ``--delays``: 3 agents behind a simulated LAN, a userland proxy in front of each agent's
 peer port (the port its peers reach it on: ``advertise_peer_port``) that holds every chunk for
@@ -188,11 +193,11 @@ def cpu_confined(pids: list[int], percent: int, groups: list[Path]) -> None:
         (group / "cgroup.procs").write_text(str(pid))
 
 
-def measure_llama_server(binary: str, gguf_path: Path, port: int, streams: int, tokens: int, threads: int) -> dict:
-    """The same streams against llama.cpp's server on ``gguf_path``: ``streams`` slots of
-    continuous batching, ``threads`` threads, its prompt cache as it comes."""
-    command = [binary, "-m", str(gguf_path), "--host", "127.0.0.1", "--port", str(port), "-np", str(streams),
-               "-c", str(1024 * streams), "-t", str(threads), "-tb", str(threads), "--no-webui"]
+@contextlib.contextmanager
+def llama_server(command: list[str]):
+    """llama.cpp's server started with ``command`` (a port of its own in it); yields its URL
+    once it answers /health and has streamed a warm-up completion, as the agents get."""
+    port = command[command.index("--port") + 1]
     with tempfile.TemporaryFile() as log:
         server = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
         try:
@@ -209,11 +214,65 @@ def measure_llama_server(binary: str, gguf_path: Path, port: int, streams: int, 
                     if time.monotonic() > deadline:
                         raise
                 time.sleep(0.2)
-            stream_completion(url, "llama.cpp", PROMPT, 8)  # warm-up, as the agents get
-            return run_streams(url, "llama.cpp", streams, tokens)
+            stream_completion(url, "llama.cpp", PROMPT, 8)
+            yield url
         finally:
             server.terminate()
             server.wait(timeout=60)
+
+
+def measure_llama_server(binary: str, gguf_path: Path, port: int, streams: int, tokens: int, threads: int) -> dict:
+    """The same streams against llama.cpp's server on ``gguf_path``: ``streams`` slots of
+    continuous batching, ``threads`` threads, its prompt cache as it comes."""
+    with llama_server([binary, "-m", str(gguf_path), "--host", "127.0.0.1", "--port", str(port),
+                       "-np", str(streams), "-c", str(1024 * streams), "-t", str(threads), "-tb", str(threads),
+                       "--no-webui"]) as url:
+        return run_streams(url, "llama.cpp", streams, tokens)
+
+
+@contextlib.contextmanager
+def rpc_servers(binary: str, count: int, threads: int):
+    """``count`` llama.cpp rpc-servers on loopback, ``threads`` threads each; yields their
+    ``host:port`` once each accepts a connection."""
+    ports = [free_port() for _ in range(count)]
+    servers = [subprocess.Popen([binary, "-H", "127.0.0.1", "-p", str(p), "-t", str(threads)],
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) for p in ports]
+    try:
+        deadline = time.monotonic() + 60
+        for server, p in zip(servers, ports):
+            while True:
+                if server.poll() is not None:
+                    raise RuntimeError(f"rpc-server on port {p} exited with {server.returncode}")
+                try:
+                    socket.create_connection(("127.0.0.1", p), timeout=1).close()
+                    break
+                except OSError:
+                    if time.monotonic() > deadline:
+                        raise
+                    time.sleep(0.1)
+        yield [f"127.0.0.1:{p}" for p in ports]
+    finally:
+        for server in servers:
+            server.terminate()
+        for server in servers:
+            server.wait(timeout=60)
+
+
+def measure_llama_rpc(server_binary: str, rpc_binary: str, gguf_path: Path, tokens: int, threads: int,
+                      rounds: int) -> dict:
+    """One stream's decode on llama.cpp split over 3 rpc-servers (every layer offloaded to them,
+    as its guide runs a model over several hosts), the best of ``rounds``."""
+    with rpc_servers(rpc_binary, 3, threads) as endpoints, \
+            llama_server([server_binary, "-m", str(gguf_path), "--host", "127.0.0.1", "--port", str(free_port()),
+                          "--rpc", ",".join(endpoints), "-ngl", "99", "-c", "2048", "-t", str(threads),
+                          "--no-webui"]) as url:
+        best = None
+        for _ in range(rounds):
+            count, seconds, _ = stream_timings(url, tokens)
+            row = {"tokens": count, "tok_per_s": (count - 1) / seconds, "ms_per_token": 1000 * seconds / (count - 1)}
+            best = faster(best, row)
+    assert best is not None, "no rounds"
+    return best
 
 
 LONG_PROMPT_STREAM_TOKENS = 1500  # the most a stream beside the long prompt asks for (the context is 2048)
@@ -284,6 +343,13 @@ ARTICLE = ("The lighthouse on Gull Rock was built in 1871 to guard the narrow ch
            "to the schooner Mary Ellen, which had struck the reef, and brought back four sailors. The "
            "lighthouse was automated in 1962, and Ada Morrow's logbooks are kept in the town museum.")
 SUMMARY_PROMPT = f"Summarise this text in a few sentences, keeping its names and dates:\n\n{ARTICLE}"
+
+
+def llama_gguf(shape: str | None) -> Path:
+    """The GGUF llama.cpp reads for the model the agents serve: the ``shape``'s, or the default model's."""
+    from bench.model_shapes import cache_dir, default_tokenizer_gguf, shape_gguf
+
+    return shape_gguf(shape) if shape else default_tokenizer_gguf(cache_dir())
 
 
 def stream_timings(url: str, tokens: int, prompt: str = PROMPT, **fields) -> tuple[int, float, str]:
@@ -535,7 +601,8 @@ def main() -> None:
     parser.add_argument("--port", type=int, default=18600)
     parser.add_argument("--rounds", type=int, default=3, help="streams per cluster size, taking turns; the best is kept")
     parser.add_argument("--streams", type=int, default=0, help="measure this many concurrent streams instead")
-    parser.add_argument("--shape", help="with --streams: serve the random-weight model of this shape")
+    parser.add_argument("--shape", help="serve the random-weight model of this shape (with --streams, or 1 and 3 "
+                        "agents)")
     parser.add_argument("--weights", choices=("f32", "q4"), default="f32",
                         help="with --streams and no --shape: the default model's store served (q4: the packaged "
                              "Q4_1 file's weights, the file llama-server reads)")
@@ -543,7 +610,11 @@ def main() -> None:
     parser.add_argument("--long-prompt", type=int, default=0,
                         help="with --streams: a prompt of about this many tokens arrives while the streams decode")
     parser.add_argument("--llama-server", metavar="BINARY",
-                        help="with --streams: the same streams against llama.cpp's server (this binary) on the same GGUF")
+                        help="with --streams: the same streams against llama.cpp's server (this binary) on the same "
+                             "GGUF; with --llama-rpc: the server that drives the rpc-servers")
+    parser.add_argument("--llama-rpc", metavar="RPC_SERVER",
+                        help="with neither --streams nor --delays, and --llama-server built with GGML_RPC: one stream "
+                             "on llama.cpp over 3 of these rpc-servers, against the 3 agents")
     parser.add_argument("--placement", choices=("split", "replicas", "auto"),
                         help="with --streams or --delays: how the model is placed (its preset's placement; "
                              "default: split)")
@@ -556,6 +627,11 @@ def main() -> None:
     args = parser.parse_args()
     if args.weights != "f32" and (args.shape or not args.streams):
         parser.error("--weights serves the default model's store with --streams, not with --shape")
+    if args.llama_rpc and (args.streams or args.delays or not args.llama_server):
+        parser.error("--llama-rpc measures one stream on 1 and 3 agents (no --streams, no --delays) against "
+                     "--llama-server")
+    if args.shape and args.delays:
+        parser.error("--delays serves the default model, not --shape")
     if args.delays and args.speculative:
         from shards.importers.pull import pull_model
 
@@ -630,9 +706,7 @@ def main() -> None:
                       + (" (aim >= 2.5 with whole copies, each agent a third of the machine)"
                          if args.placement in ("replicas", "auto") else ""))
         if args.llama_server and rows:  # (--long-prompt has no streams row to hold against it)
-            from bench.model_shapes import cache_dir, default_tokenizer_gguf, shape_gguf
-
-            gguf_path = shape_gguf(args.shape) if args.shape else default_tokenizer_gguf(cache_dir())
+            gguf_path = llama_gguf(args.shape)
             llama = measure_llama_server(args.llama_server, gguf_path, free_port(), args.streams, args.tokens,
                                          args.threads)
             print_streams(f"llama-server -np {args.streams}, {gguf_path.name}", llama)
@@ -642,23 +716,33 @@ def main() -> None:
                       f"{row['single_tok_per_s'] / llama['single_tok_per_s']:.2f}x; last first token: "
                       f"{row['first_token_s'][-1]:.2f} s against {llama['first_token_s'][-1]:.2f} s")
         return
-    _ensure_model("smollm2-135m")
+    if args.shape:
+        model, home = bench_home(args.shape)
+    else:
+        model, home = "smollm2-135m", None
+        _ensure_model(model)
     # Both clusters at once (an idle agent costs nothing), measured in turns, the best of each
     # kept: a busy moment of this shared machine then hits both rather than one.
     one = three = None
-    with serving(1, args.port, args.threads, args.spin) as status_one, \
-            serving(3, args.port + 10, args.threads, args.spin) as status_three:
+    with serving(1, args.port, args.threads, args.spin, model=model, home=home) as status_one, \
+            serving(3, args.port + 10, args.threads, args.spin, model=model, home=home) as status_three:
         for _ in range(args.rounds):
             one = faster(one, measure(status_one, args.port, args.tokens))
             three = faster(three, measure(status_three, args.port + 10, args.tokens))
     assert one is not None and three is not None
     for row in (one, three):
-        print(f"{row['nodes']} agent(s): {row['tok_per_s']:6.1f} tok/s  ({row['ms_per_token']:.2f} ms/token, "
+        print(f"{row['nodes']} agent(s), {model}: {row['tok_per_s']:6.1f} tok/s  ({row['ms_per_token']:.2f} ms/token, "
               f"{row['tokens']} tokens, {row['hops']} network hop(s) per token)")
     print(f"ratio 3 agents / 1 agent: {three['tok_per_s'] / one['tok_per_s']:.3f}  (aim >= 0.9)")
     extra_hops = three["hops"] - one["hops"]
     if extra_hops > 0:
         print(f"per-hop overhead, end to end: {(three['ms_per_token'] - one['ms_per_token']) / extra_hops:.3f} ms  (aim <= 0.3 ms)")
+    if args.llama_rpc:
+        gguf_path = llama_gguf(args.shape)
+        llama = measure_llama_rpc(args.llama_server, args.llama_rpc, gguf_path, args.tokens, args.threads, args.rounds)
+        print(f"llama.cpp over 3 rpc-servers, {gguf_path.name}: {llama['tok_per_s']:6.1f} tok/s "
+              f"({llama['ms_per_token']:.2f} ms/token, {llama['tokens']} tokens); 3 agents / llama.cpp: "
+              f"{three['tok_per_s'] / llama['tok_per_s']:.2f}x")
     plain, tls = asyncio.run(hop_round_trip_ms(tls=False)), asyncio.run(hop_round_trip_ms(tls=True))
     print(f"one data-plane hop round trip (576 floats out, a token back): {plain:.3f} ms plain, {tls:.3f} ms over "
           f"TLS (+{tls - plain:.3f} ms per hop; aim <= 0.3 ms)")
