@@ -268,9 +268,7 @@ def measure_llama_rpc(server_binary: str, rpc_binary: str, gguf_path: Path, toke
                           "--no-webui"]) as url:
         best = None
         for _ in range(rounds):
-            count, seconds, _ = stream_timings(url, tokens)
-            row = {"tokens": count, "tok_per_s": (count - 1) / seconds, "ms_per_token": 1000 * seconds / (count - 1)}
-            best = faster(best, row)
+            best = faster(best, decode_rate(*stream_timings(url, tokens)[:2]))
     assert best is not None, "no rounds"
     return best
 
@@ -527,8 +525,13 @@ def measure(status: dict, port: int, tokens: int) -> dict:
         copies = len(json.loads(response.read())["models"][status["model"]]["copies"])
     hops = len(status["route"]) - 1 + (status["orchestrator"] != status["route"][0]["node"])
     back = int(status["orchestrator"] != status["route"][-1]["node"])  # the tail's result to the orchestrator
-    return {"nodes": len(status["nodes_alive"]), "tokens": count, "tok_per_s": (count - 1) / seconds,
-            "ms_per_token": 1000 * seconds / (count - 1), "hops": hops, "back": back, "copies": copies}
+    return {"nodes": len(status["nodes_alive"]), **decode_rate(count, seconds), "hops": hops, "back": back,
+            "copies": copies}
+
+
+def decode_rate(tokens: int, seconds: float) -> dict:
+    """A stream's decode figures from its tokens and the seconds between its first and last."""
+    return {"tokens": tokens, "tok_per_s": (tokens - 1) / seconds, "ms_per_token": 1000 * seconds / (tokens - 1)}
 
 
 def faster(old: dict | None, new: dict) -> dict:
